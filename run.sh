@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Set up ringpipe in ./.venv (first time only) and run the main job or the test suite.
+#   ./run.sh train [ringpipe train options]   # the default job: MLP on the embedded digits, 2 processes
+#   ./run.sh test  [pytest options]           # the whole test suite
+set -euo pipefail
+cd "$(dirname "$0")"
+VENV=.venv
+PY=python3
+command -v "$PY" >/dev/null || PY=python
+
+as_root() { if [ "$(id -u)" = 0 ]; then "$@"; elif command -v sudo >/dev/null; then sudo "$@"; else return 1; fi; }
+
+setup() {
+  if [ ! -x "$VENV/bin/python" ]; then
+    # --system-site-packages: reuse a torch that is already installed instead of downloading it again.
+    if ! "$PY" -m venv --system-site-packages "$VENV" 2>/dev/null; then
+      echo "run.sh: python venv missing; installing python3-venv" >&2
+      as_root apt-get update -qq && as_root apt-get install -y -qq python3-venv
+      "$PY" -m venv --system-site-packages "$VENV"
+    fi
+  fi
+  local vpy="$VENV/bin/python"
+  # torch is pinned to the CPU build 2.13.0 when missing; an unpinned torch would pull CUDA wheels.
+  if ! "$vpy" -c "import torch" 2>/dev/null; then
+    "$vpy" -m pip install -q "torch==2.13.0"
+  fi
+  if ! "$vpy" -c "import ringpipe, pydantic, tqdm, matplotlib, sklearn, yaml" 2>/dev/null; then
+    "$vpy" -m pip install -q -e .
+  fi
+}
+
+setup_tests() {
+  # Open MPI from Debian's packages so the MPI tests run rather than skip.
+  if ! command -v mpirun >/dev/null; then
+    if command -v apt-get >/dev/null; then
+      echo "run.sh: installing Open MPI (openmpi-bin libopenmpi-dev)" >&2
+      as_root apt-get update -qq && as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openmpi-bin libopenmpi-dev >/dev/null \
+        || echo "run.sh: could not install Open MPI; MPI tests will be skipped" >&2
+    fi
+  fi
+  # iproute2 provides `ip netns` for the two-host tests.
+  if ! command -v ip >/dev/null && command -v apt-get >/dev/null; then
+    as_root apt-get install -y -qq iproute2 >/dev/null || true
+  fi
+  local vpy="$VENV/bin/python"
+  if ! "$vpy" -c "import pytest, pytest_timeout, hypothesis" 2>/dev/null; then
+    "$vpy" -m pip install -q -e ".[dev]"
+  fi
+  if command -v mpirun >/dev/null && ! "$vpy" -c "import mpi4py" 2>/dev/null; then
+    "$vpy" -m pip install -q -e ".[mpi]"
+  fi
+}
+
+cmd="${1:-train}"
+shift || true
+case "$cmd" in
+  train) setup; exec "$VENV/bin/ringpipe" train "$@" ;;
+  test) setup; setup_tests; exec "$VENV/bin/python" -m pytest "$@" ;;
+  setup) setup; setup_tests ;;
+  *) echo "usage: ./run.sh train|test|setup [args]" >&2; exit 2 ;;
+esac

@@ -1,0 +1,54 @@
+"""`ringpipe train | launch | bench | doctor | trace`: argument parsing only."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Sequence
+
+__all__ = ["main", "build_parser"]
+
+# Subcommands live next to what they drive; each module offers add_parser(subparsers).
+_SUBCOMMANDS = (
+    "ringpipe.train.cli",
+    "ringpipe.launch",
+    "ringpipe.observe.bench",
+    "ringpipe.observe.cli",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ringpipe",
+        description="Distributed training on PyTorch: data parallel, pipelines, collectives, and where the time goes.",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in _SUBCOMMANDS:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name and exc.name.startswith("ringpipe"):
+                continue  # that part of ringpipe is not in this build
+            raise
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

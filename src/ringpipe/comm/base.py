@@ -1,0 +1,390 @@
+"""The Communicator protocol, its operations, and the one instrumented choke point.
+
+Every public operation of a communicator goes through :meth:`Communicator._traced`, which
+records an event (op, bytes, peer, start, end, tag) in the process event log, checks the
+arguments (device, dtype, ranks) and then calls the backend's ``_op`` method. Backends
+(c10d for gloo/NCCL, mpi4py for MPI) implement only the underscored methods.
+"""
+
+from __future__ import annotations
+
+import enum
+import pickle
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from ringpipe.comm.events import EventLog, default_log
+from ringpipe.env import Topology
+
+__all__ = ["ReduceOp", "Work", "Communicator", "CommError", "nbytes_of"]
+
+
+class CommError(RuntimeError):
+    """A communication call was made with arguments the backend cannot serve."""
+
+
+class ReduceOp(enum.Enum):
+    """Reduction operators (Horovod's names are aliases at the top level)."""
+
+    SUM = "sum"
+    AVERAGE = "average"
+    MIN = "min"
+    MAX = "max"
+    PRODUCT = "product"
+
+    @classmethod
+    def parse(cls, op: ReduceOp | str) -> ReduceOp:
+        if isinstance(op, ReduceOp):
+            return op
+        try:
+            return cls(str(op).lower())
+        except ValueError:
+            valid = ", ".join(o.value for o in cls)
+            raise ValueError(f"unknown reduce op {op!r}; valid ops: {valid}") from None
+
+
+def nbytes_of(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+class Work:
+    """Handle of an operation in flight: ``wait()`` blocks until it completes and returns its result."""
+
+    __slots__ = ("_wait", "_test", "_event", "_result", "_done", "_post")
+
+    def __init__(
+        self,
+        wait: Callable[[], Any] | None,
+        test: Callable[[], bool] | None,
+        event: list[Any] | None = None,
+        result: Any = None,
+        post: Callable[[], Any] | None = None,
+    ) -> None:
+        self._wait = wait
+        self._test = test
+        self._event = event
+        self._result = result
+        self._post = post
+        self._done = wait is None
+
+        if self._done:
+            self._finish()
+
+    def _finish(self) -> None:
+        if self._post is not None:
+            post, self._post = self._post, None
+            out = post()
+            if out is not None:
+                self._result = out
+        if self._event is not None:
+            EventLog.end(self._event)
+        self._done = True
+
+    def wait(self) -> Any:
+        if not self._done:
+            assert self._wait is not None
+            self._wait()
+            self._finish()
+        return self._result
+
+    def is_completed(self) -> bool:
+        if not self._done and self._test is not None and self._test():
+            self._finish()
+        return self._done
+
+    @classmethod
+    def done(cls, result: Any = None) -> Work:
+        return cls(None, None, None, result)
+
+
+class Communicator(ABC):
+    """A group of ranks that can exchange tensors. Ranks are numbered inside the group.
+
+    Sub-communicators are created by :meth:`split`; ``global_ranks[i]`` is the world rank of
+    member ``i``. Tensors must live where the backend expects them (CPU for gloo and MPI,
+    the pinned CUDA device for NCCL) and be contiguous.
+    """
+
+    backend: str = "?"
+
+    def __init__(
+        self,
+        rank: int,
+        size: int,
+        topology: Topology,
+        global_ranks: Sequence[int],
+        name: str = "world",
+        log: EventLog | None = None,
+    ) -> None:
+        self.rank = rank
+        self.size = size
+        self.topology = topology
+        self.global_ranks = list(global_ranks)
+        self.name = name
+        self.log = log or default_log()
+        self._node: Communicator | None = None
+        self._leaders: Communicator | None | bool = False
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name} backend={self.backend} rank={self.rank}/{self.size}>"
+
+    # ------------------------------------------------------------------ checks
+
+    def _check_tensor(self, tensor: torch.Tensor, what: str) -> None:
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{what}: expected a torch.Tensor, got {type(tensor).__name__}")
+        if not tensor.is_contiguous():
+            raise CommError(f"{what}: tensor must be contiguous (call .contiguous() first)")
+        self._check_device(tensor, what)
+
+    def _check_device(self, tensor: torch.Tensor, what: str) -> None:
+        """Backends override this to refuse tensors on a device they cannot serve."""
+
+    def _check_peer(self, peer: int, what: str) -> None:
+        if not isinstance(peer, int) or not 0 <= peer < self.size:
+            raise CommError(f"{what}: peer rank {peer!r} is not in [0, {self.size}) of {self.name}")
+        if peer == self.rank:
+            raise CommError(f"{what}: rank {self.rank} cannot send to or receive from itself")
+
+    # ------------------------------------------------------------------ choke point
+
+    def _traced(self, op: str, nbytes: int, peer: int, tag: int, fn: Callable[[], Any]) -> Any:
+        ev = self.log.begin(op, nbytes, peer, tag, self.name)
+        try:
+            return fn()
+        finally:
+            EventLog.end(ev)
+
+    def _traced_async(self, op: str, nbytes: int, peer: int, tag: int, fn: Callable[[], Work]) -> Work:
+        ev = self.log.begin(op, nbytes, peer, tag, self.name)
+        work = fn()
+        work._event = ev
+        if work._done:
+            EventLog.end(ev)
+        return work
+
+    # ------------------------------------------------------------------ point to point
+
+    def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
+        self._check_tensor(tensor, "send")
+        self._check_peer(dst, "send")
+        self._traced("send", nbytes_of(tensor), dst, tag, lambda: self._send(tensor, dst, tag))
+
+    def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> torch.Tensor:
+        self._check_tensor(tensor, "recv")
+        self._check_peer(src, "recv")
+        self._traced("recv", nbytes_of(tensor), src, tag, lambda: self._recv(tensor, src, tag))
+        return tensor
+
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Work:
+        self._check_tensor(tensor, "isend")
+        self._check_peer(dst, "isend")
+        return self._traced_async("isend", nbytes_of(tensor), dst, tag, lambda: self._isend(tensor, dst, tag))
+
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Work:
+        self._check_tensor(tensor, "irecv")
+        self._check_peer(src, "irecv")
+        return self._traced_async("irecv", nbytes_of(tensor), src, tag, lambda: self._irecv(tensor, src, tag))
+
+    # ------------------------------------------------------------------ collectives
+
+    def allreduce(self, tensor: torch.Tensor, op: ReduceOp | str = ReduceOp.SUM) -> torch.Tensor:
+        """Reduce ``tensor`` in place across ranks; returns it."""
+        self._check_tensor(tensor, "allreduce")
+        rop = ReduceOp.parse(op)
+        self._traced("allreduce", nbytes_of(tensor), -1, 0, lambda: self._allreduce(tensor, rop))
+        return tensor
+
+    def iallreduce(self, tensor: torch.Tensor, op: ReduceOp | str = ReduceOp.SUM) -> Work:
+        """Asynchronous in-place allreduce; ``wait()`` returns the tensor."""
+        self._check_tensor(tensor, "iallreduce")
+        rop = ReduceOp.parse(op)
+        return self._traced_async("allreduce", nbytes_of(tensor), -1, 0, lambda: self._iallreduce(tensor, rop))
+
+    def allgather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Gather every rank's tensor; first dimensions may differ between ranks."""
+        self._check_tensor(tensor, "allgather")
+
+        def run() -> list[torch.Tensor]:
+            if tensor.dim() == 0:
+                return self._allgather_equal(tensor)
+            sizes = torch.tensor([tensor.shape[0]], dtype=torch.int64, device=tensor.device)
+            all_sizes = [int(s) for s in torch.cat(self._allgather_equal(sizes))]
+            if len(set(all_sizes)) == 1:
+                return self._allgather_equal(tensor)
+            longest = max(all_sizes)
+            padded = tensor.new_zeros((longest, *tensor.shape[1:]))
+            padded[: tensor.shape[0]] = tensor
+            parts = self._allgather_equal(padded)
+            return [p[:n] for p, n in zip(parts, all_sizes, strict=True)]
+
+        return self._traced("allgather", nbytes_of(tensor), -1, 0, run)
+
+    def broadcast(self, tensor: torch.Tensor, root: int = 0) -> torch.Tensor:
+        self._check_tensor(tensor, "broadcast")
+        self._check_root(root, "broadcast")
+        self._traced("broadcast", nbytes_of(tensor), root, 0, lambda: self._broadcast(tensor, root))
+        return tensor
+
+    def reduce(self, tensor: torch.Tensor, root: int = 0, op: ReduceOp | str = ReduceOp.SUM) -> torch.Tensor:
+        """Reduce into ``tensor`` on ``root`` (other ranks' tensors are left unspecified)."""
+        self._check_tensor(tensor, "reduce")
+        self._check_root(root, "reduce")
+        rop = ReduceOp.parse(op)
+        self._traced("reduce", nbytes_of(tensor), root, 0, lambda: self._reduce(tensor, root, rop))
+        return tensor
+
+    def reduce_scatter(self, tensor: torch.Tensor, op: ReduceOp | str = ReduceOp.SUM) -> torch.Tensor:
+        """Reduce ``tensor`` across ranks and return this rank's block of dim 0.
+
+        ``tensor.shape[0]`` must be divisible by the communicator size.
+        """
+        self._check_tensor(tensor, "reduce_scatter")
+        rop = ReduceOp.parse(op)
+        if tensor.dim() == 0 or tensor.shape[0] % self.size:
+            raise CommError(
+                f"reduce_scatter: first dimension {tuple(tensor.shape)[:1]} must be divisible by size {self.size}"
+            )
+        return self._traced("reduce_scatter", nbytes_of(tensor), -1, 0, lambda: self._reduce_scatter(tensor, rop))
+
+    def alltoall(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Send ``tensors[j]`` to rank ``j``; return the list received (``out[j]`` from rank ``j``).
+
+        Received tensors have the shape and dtype of the sent ones (same shapes on every rank).
+        """
+        if len(tensors) != self.size:
+            raise CommError(f"alltoall: expected {self.size} tensors (one per rank), got {len(tensors)}")
+        for t in tensors:
+            self._check_tensor(t, "alltoall")
+        total = sum(nbytes_of(t) for t in tensors)
+        return self._traced("alltoall", total, -1, 0, lambda: self._alltoall(list(tensors)))
+
+    def barrier(self) -> None:
+        self._traced("barrier", 0, -1, 0, self._barrier)
+
+    def broadcast_object(self, obj: Any, root: int = 0) -> Any:
+        self._check_root(root, "broadcast_object")
+        return self._traced("broadcast_object", 0, root, 0, lambda: self._broadcast_object(obj, root))
+
+    def allgather_object(self, obj: Any) -> list[Any]:
+        return self._traced("allgather_object", 0, -1, 0, lambda: self._allgather_object(obj))
+
+    def _check_root(self, root: int, what: str) -> None:
+        if not isinstance(root, int) or not 0 <= root < self.size:
+            raise CommError(f"{what}: root {root!r} is not a rank of {self.name} (size {self.size})")
+
+    # ------------------------------------------------------------------ groups
+
+    def split(self, ranks: Sequence[int], name: str | None = None) -> Communicator | None:
+        """A communicator over ``ranks`` (ranks of this communicator; members keep their order).
+
+        Collective: every rank of this communicator calls it with the same list; members get
+        the new communicator and the others get ``None``.
+        """
+        ranks = sorted(int(r) for r in ranks)
+        if not ranks or len(set(ranks)) != len(ranks) or any(not 0 <= r < self.size for r in ranks):
+            raise CommError(f"split: ranks {ranks} must be distinct ranks of {self.name} (size {self.size})")
+        return self._split(ranks, name or f"{self.name}/{'-'.join(map(str, ranks))}")
+
+    def node_comm(self) -> Communicator:
+        """The ranks of this communicator on this node (collective the first time)."""
+        if self._node is None:
+            hosts = self.allgather_object(self.topology.hostnames[self.global_ranks[self.rank]]
+                                          if self.topology.hostnames else _hostname())
+            groups: dict[str, list[int]] = {}
+            for r, h in enumerate(hosts):
+                groups.setdefault(h, []).append(r)
+            mine: Communicator | None = None
+            for idx, members in enumerate(groups.values()):
+                sub = self.split(members, name=f"{self.name}/node{idx}")
+                if sub is not None:
+                    mine = sub
+            assert mine is not None
+            self._node = mine
+        return self._node
+
+    def leaders_comm(self) -> Communicator | None:
+        """The lowest rank of every node; ``None`` on ranks that are not node leaders."""
+        if self._leaders is False:
+            hosts = self.allgather_object(self.topology.hostnames[self.global_ranks[self.rank]]
+                                          if self.topology.hostnames else _hostname())
+            first: dict[str, int] = {}
+            for r, h in enumerate(hosts):
+                first.setdefault(h, r)
+            self._leaders = self.split(list(first.values()), name=f"{self.name}/leaders")
+        assert self._leaders is not False
+        return self._leaders  # type: ignore[return-value]
+
+    # ------------------------------------------------------------------ backend hooks
+
+    @abstractmethod
+    def _send(self, tensor: torch.Tensor, dst: int, tag: int) -> None: ...
+
+    @abstractmethod
+    def _recv(self, tensor: torch.Tensor, src: int, tag: int) -> None: ...
+
+    @abstractmethod
+    def _isend(self, tensor: torch.Tensor, dst: int, tag: int) -> Work: ...
+
+    @abstractmethod
+    def _irecv(self, tensor: torch.Tensor, src: int, tag: int) -> Work: ...
+
+    @abstractmethod
+    def _allreduce(self, tensor: torch.Tensor, op: ReduceOp) -> None: ...
+
+    @abstractmethod
+    def _iallreduce(self, tensor: torch.Tensor, op: ReduceOp) -> Work: ...
+
+    @abstractmethod
+    def _allgather_equal(self, tensor: torch.Tensor) -> list[torch.Tensor]: ...
+
+    @abstractmethod
+    def _broadcast(self, tensor: torch.Tensor, root: int) -> None: ...
+
+    @abstractmethod
+    def _reduce(self, tensor: torch.Tensor, root: int, op: ReduceOp) -> None: ...
+
+    @abstractmethod
+    def _reduce_scatter(self, tensor: torch.Tensor, op: ReduceOp) -> torch.Tensor: ...
+
+    @abstractmethod
+    def _alltoall(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]: ...
+
+    @abstractmethod
+    def _barrier(self) -> None: ...
+
+    @abstractmethod
+    def _split(self, ranks: list[int], name: str) -> Communicator | None: ...
+
+    def _broadcast_object(self, obj: Any, root: int) -> Any:
+        payload = pickle.dumps(obj) if self.rank == root else b""
+        n = torch.tensor([len(payload)], dtype=torch.int64, device=self._object_device())
+        self._broadcast(n, root)
+        buf = torch.empty(int(n.item()), dtype=torch.uint8, device=self._object_device())
+        if self.rank == root:
+            buf.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+        if buf.numel():
+            self._broadcast(buf, root)
+        return obj if self.rank == root else pickle.loads(buf.cpu().numpy().tobytes())
+
+    def _allgather_object(self, obj: Any) -> list[Any]:
+        payload = pickle.dumps(obj)
+        dev = self._object_device()
+        n = torch.tensor([len(payload)], dtype=torch.int64, device=dev)
+        sizes = [int(s) for s in torch.cat(self._allgather_equal(n))]
+        buf = torch.zeros(max(sizes), dtype=torch.uint8, device=dev)
+        buf[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        parts = self._allgather_equal(buf)
+        return [pickle.loads(p[:s].cpu().numpy().tobytes()) for p, s in zip(parts, sizes, strict=True)]
+
+    def _object_device(self) -> torch.device:
+        return torch.device("cpu")
+
+
+def _hostname() -> str:
+    import socket
+
+    return socket.gethostname()

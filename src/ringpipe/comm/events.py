@@ -1,0 +1,113 @@
+"""The per-process event buffer that every communication operation writes to.
+
+Recording is always on, so it must be cheap: an event is a small list appended to a bounded
+deque, with times from ``time.perf_counter_ns``. The timeline, the communication table and the
+doctor read these events; nothing patches the code paths it observes.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["Event", "EventLog", "default_log", "comm_stats"]
+
+# Field positions inside the raw event list (kept as a list so that ``end`` can be filled in
+# when an asynchronous operation completes without allocating a second object).
+OP, NBYTES, PEER, START, END, TAG, COMM, DETAIL = range(8)
+
+
+@dataclass(frozen=True)
+class Event:
+    """One communication operation as seen by this process."""
+
+    op: str
+    nbytes: int
+    peer: int
+    start_ns: int
+    end_ns: int
+    tag: int
+    comm: str
+    detail: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def duration_s(self) -> float:
+        return max(0, self.end_ns - self.start_ns) / 1e9
+
+
+class EventLog:
+    """A bounded, thread-safe buffer of raw events (oldest dropped first)."""
+
+    def __init__(self, capacity: int = 1_000_000) -> None:
+        self._events: collections.deque[list[Any]] = collections.deque(maxlen=capacity)
+        self._lock = threading.Lock()
+        self.origin_ns = time.perf_counter_ns()
+
+    def begin(self, op: str, nbytes: int, peer: int, tag: int, comm: str) -> list[Any]:
+        """Start an event; the caller fills in ``end`` with :meth:`end`."""
+        ev = [op, nbytes, peer, time.perf_counter_ns(), 0, tag, comm, None]
+        self._events.append(ev)  # deque.append is atomic under the GIL
+        return ev
+
+    @staticmethod
+    def end(ev: list[Any]) -> None:
+        if ev[END] == 0:
+            ev[END] = time.perf_counter_ns()
+
+    def record(
+        self,
+        op: str,
+        nbytes: int,
+        peer: int,
+        start_ns: int,
+        end_ns: int,
+        tag: int = 0,
+        comm: str = "",
+        **detail: Any,
+    ) -> None:
+        """Record an event whose times are already known (e.g. one step of a collective)."""
+        self._events.append([op, nbytes, peer, start_ns, end_ns, tag, comm, detail or None])
+
+    def events(self) -> list[Event]:
+        with self._lock:
+            raw = list(self._events)
+        return [
+            Event(e[OP], e[NBYTES], e[PEER], e[START], e[END] or e[START], e[TAG], e[COMM], e[DETAIL] or {})
+            for e in raw
+        ]
+
+    def clear(self) -> None:
+        self._events.clear()
+
+    def __len__(self) -> int:
+        return len(self._events)
+
+
+def summarize(events: Iterable[Event]) -> dict[str, dict[str, float]]:
+    """Count, bytes and total/mean time per operation name."""
+    table: dict[str, dict[str, float]] = {}
+    for ev in events:
+        row = table.setdefault(ev.op, {"calls": 0, "bytes": 0, "time_s": 0.0})
+        row["calls"] += 1
+        row["bytes"] += ev.nbytes
+        row["time_s"] += ev.duration_s
+    for row in table.values():
+        row["mean_us"] = 1e6 * row["time_s"] / row["calls"] if row["calls"] else 0.0
+    return table
+
+
+_DEFAULT = EventLog()
+
+
+def default_log() -> EventLog:
+    """The process-wide event buffer that communicators record into unless given another."""
+    return _DEFAULT
+
+
+def comm_stats(log: EventLog | None = None) -> dict[str, dict[str, float]]:
+    """Per-operation summary (calls, bytes, time) of everything recorded so far."""
+    return summarize((log or _DEFAULT).events())

@@ -1,0 +1,145 @@
+"""Create the world communicator from the launch environment (and tear it down)."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import socket
+
+import torch
+import torch.distributed as dist
+
+from ringpipe.comm.base import CommError, Communicator
+from ringpipe.env import EnvironmentError_, Topology, detect
+
+__all__ = ["BACKENDS", "init_world", "shutdown_world", "pin_device", "free_port", "default_backend"]
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("gloo", "nccl", "mpi")
+
+
+def free_port(host: str = "") -> int:
+    """A TCP port that is free right now on this host."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def pin_device(topology: Topology) -> torch.device:
+    """Pin this process to the GPU of its local rank (Horovod step 2); the CPU without GPUs."""
+    if torch.cuda.is_available():
+        count = torch.cuda.device_count()
+        if topology.local_rank >= count:
+            raise EnvironmentError_(
+                f"local rank {topology.local_rank} has no GPU: this node has {count}; start at most "
+                f"{count} processes per node"
+            )
+        torch.cuda.set_device(topology.local_rank)
+        return torch.device("cuda", topology.local_rank)
+    return torch.device("cpu")
+
+
+def _mpi_rendezvous(topology: Topology) -> tuple[str, int]:
+    """Share rank 0's address and a free port through MPI (mpirun without MASTER_ADDR)."""
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        raise EnvironmentError_(
+            f"started by {topology.launcher} without MASTER_ADDR/MASTER_PORT: install mpi4py "
+            "(pip install 'ringpipe[mpi]') so rank 0 can share its address, or export MASTER_ADDR "
+            "and MASTER_PORT to every rank (mpirun -x MASTER_ADDR=host0 -x MASTER_PORT=29500)"
+        ) from None
+    payload = None
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        addr = topology.master_addr or _my_address()
+        payload = (addr, topology.master_port or free_port())
+    addr, port = MPI.COMM_WORLD.bcast(payload, root=0)
+    return str(addr), int(port)
+
+
+def _my_address() -> str:
+    host = socket.gethostname()
+    try:
+        return socket.gethostbyname(host)
+    except OSError:
+        return "127.0.0.1"
+
+
+def init_world(
+    backend: str | None = None,
+    topology: Topology | None = None,
+    timeout_s: float = 300.0,
+) -> Communicator:
+    """Initialise the job's world communicator from the launch environment.
+
+    ``backend`` is ``gloo`` (CPU), ``nccl`` (CUDA) or ``mpi`` (mpi4py); by default NCCL where
+    CUDA is available and gloo otherwise. For gloo/NCCL the torch default process group is
+    initialised too, so plain ``torch.distributed`` and DDP code works alongside.
+    """
+    backend = (backend or default_backend()).lower()
+    if backend not in BACKENDS:
+        raise CommError(f"unknown backend {backend!r}; valid backends: {', '.join(BACKENDS)}")
+    topo = topology or detect()
+
+    if backend == "mpi":
+        from ringpipe.comm.mpi_backend import MPICommunicator, mpi_available
+
+        if not mpi_available():
+            raise CommError("the mpi backend needs mpi4py: pip install 'ringpipe[mpi]' (or pip install mpi4py)")
+        from mpi4py import MPI
+
+        world = MPI.COMM_WORLD
+        if world.Get_size() != topo.size:
+            raise EnvironmentError_(
+                f"MPI world has {world.Get_size()} ranks but the environment says size={topo.size}: "
+                "start the script with mpirun/mpiexec/srun --mpi (not torchrun) for the mpi backend"
+            )
+        comm: Communicator = MPICommunicator(world, topo)
+    else:
+        if backend == "nccl" and not torch.cuda.is_available():
+            raise CommError(
+                "the nccl backend needs CUDA GPUs and a CUDA build of torch; use backend='gloo' on CPU"
+            )
+        from ringpipe.comm.torch_backend import TorchCommunicator
+
+        device = pin_device(topo) if backend == "nccl" else torch.device("cpu")
+        if not dist.is_initialized():
+            timeout = datetime.timedelta(seconds=timeout_s)
+            if topo.size == 1:
+                dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+            else:
+                addr, port = topo.master_addr, topo.master_port
+                if (addr is None or port is None) and topo.launcher in ("openmpi", "mpich"):
+                    addr, port = _mpi_rendezvous(topo)
+                if addr is None or port is None:
+                    raise EnvironmentError_(
+                        f"{topo.launcher} launch with {topo.size} ranks but MASTER_ADDR/MASTER_PORT are not "
+                        "set: export both (the address and a free port of rank 0's host)"
+                    )
+                dist.init_process_group(
+                    backend,
+                    init_method=f"tcp://{addr}:{port}",
+                    rank=topo.rank,
+                    world_size=topo.size,
+                    timeout=timeout,
+                )
+        comm = TorchCommunicator(backend, topo, device=device)
+
+    if topo.size > 1:
+        hosts = comm.allgather_object(socket.gethostname())
+        topo = topo.with_hostnames(hosts)
+    else:
+        topo = topo.with_hostnames([socket.gethostname()])
+    comm.topology = topo
+    return comm
+
+
+def shutdown_world() -> None:
+    """Destroy the torch default process group if one exists (MPI finalises at exit)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,346 @@
+"""Who am I: rank, size, local rank and node from torchrun, Open MPI, MPICH/Intel MPI, Slurm or nothing.
+
+Detection order (first match wins): explicit arguments > torchrun > Open MPI > MPICH / Intel MPI /
+Cray PMI > Slurm > a single process. The result is an explicit :class:`Topology` object that is
+passed around; nothing here is a module global.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import socket
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+__all__ = [
+    "EnvironmentError_",
+    "Topology",
+    "detect",
+    "expand_nodelist",
+    "expand_tasks_per_node",
+    "slurm_port",
+]
+
+
+class EnvironmentError_(RuntimeError):
+    """The launch environment is inconsistent or incomplete."""
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Where this process sits in the job."""
+
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+    local_size: int = 1
+    node_rank: int = 0
+    num_nodes: int = 1
+    launcher: str = "single"
+    master_addr: str | None = None
+    master_port: int | None = None
+    hostnames: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.size >= 1, f"size={self.size} must be >= 1"),
+            (0 <= self.rank < self.size, f"rank={self.rank} must be in [0, size={self.size})"),
+            (self.local_size >= 1, f"local_size={self.local_size} must be >= 1"),
+            (
+                0 <= self.local_rank < self.local_size,
+                f"local_rank={self.local_rank} must be in [0, local_size={self.local_size})",
+            ),
+            (
+                0 <= self.node_rank < self.num_nodes,
+                f"node_rank={self.node_rank} must be in [0, num_nodes={self.num_nodes})",
+            ),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise EnvironmentError_(f"inconsistent launch environment ({self.launcher}): {msg}")
+
+    @property
+    def is_single(self) -> bool:
+        return self.size == 1
+
+    def with_hostnames(self, hostnames: Sequence[str]) -> Topology:
+        """Fill in the hostnames of all ranks and derive node rank / count / local size from them.
+
+        Nodes are numbered in order of their first rank, the convention of torchrun, mpirun and srun.
+        """
+        if len(hostnames) != self.size:
+            raise ValueError(f"got {len(hostnames)} hostnames for {self.size} ranks")
+        order: dict[str, int] = {}
+        for host in hostnames:
+            order.setdefault(host, len(order))
+        me = hostnames[self.rank]
+        same = [r for r, h in enumerate(hostnames) if h == me]
+        return dataclasses.replace(
+            self,
+            hostnames=tuple(hostnames),
+            node_rank=order[me],
+            num_nodes=len(order),
+            local_rank=same.index(self.rank),
+            local_size=len(same),
+        )
+
+    def ranks_on_node(self, node_rank: int | None = None) -> list[int]:
+        """Global ranks on a node (needs hostnames, i.e. an initialised job)."""
+        if not self.hostnames:
+            if self.size == 1:
+                return [0]
+            raise EnvironmentError_("node membership is known only after init (hostnames missing)")
+        order: dict[str, int] = {}
+        for host in self.hostnames:
+            order.setdefault(host, len(order))
+        node = self.node_rank if node_rank is None else node_rank
+        return [r for r, h in enumerate(self.hostnames) if order[h] == node]
+
+    def node_leaders(self) -> list[int]:
+        """The lowest global rank of every node, in node order."""
+        if not self.hostnames:
+            return [0]
+        first: dict[str, int] = {}
+        for r, host in enumerate(self.hostnames):
+            first.setdefault(host, r)
+        return list(first.values())
+
+
+# ---------------------------------------------------------------------------------------------
+# Slurm helpers
+
+_BRACKET = re.compile(r"\[([^\]]*)\]")
+
+
+def _split_top_level(text: str) -> list[str]:
+    """Split on commas that are not inside brackets."""
+    parts, depth, cur = [], 0, []
+    for ch in text:
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+        if ch == "," and depth == 0:
+            parts.append("".join(cur))
+            cur = []
+        else:
+            cur.append(ch)
+    if depth != 0:
+        raise ValueError(f"unbalanced brackets in Slurm node list {text!r}")
+    parts.append("".join(cur))
+    return [p for p in parts if p]
+
+
+def _expand_range(spec: str) -> list[str]:
+    out: list[str] = []
+    for item in spec.split(","):
+        if "-" in item:
+            lo, hi = item.split("-", 1)
+            width = len(lo)
+            if int(hi) < int(lo):
+                raise ValueError(f"descending range {item!r} in Slurm node list")
+            out.extend(str(i).zfill(width) for i in range(int(lo), int(hi) + 1))
+        elif item:
+            out.append(item)
+    return out
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """Expand a Slurm compressed host list, keeping zero padding.
+
+    ``node[01-04,07]`` -> node01..node04, node07; ``rack[1-2]-n[01-02]`` -> rack1-n01, rack1-n02,
+    rack2-n01, rack2-n02; ``a[1-2],b3`` -> a1, a2, b3.
+    """
+    hosts: list[str] = []
+    for part in _split_top_level(nodelist.strip()):
+        pieces: list[list[str]] = []
+        pos = 0
+        for m in _BRACKET.finditer(part):
+            pieces.append([part[pos : m.start()]])
+            pieces.append(_expand_range(m.group(1)))
+            pos = m.end()
+        pieces.append([part[pos:]])
+        combos = [""]
+        for choices in pieces:
+            combos = [c + x for c in combos for x in choices]
+        hosts.extend(combos)
+    return hosts
+
+
+def expand_tasks_per_node(spec: str) -> list[int]:
+    """Expand ``SLURM_TASKS_PER_NODE`` such as ``2(x3),1`` into ``[2, 2, 2, 1]``."""
+    out: list[int] = []
+    for item in spec.split(","):
+        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", item.strip())
+        if not m:
+            raise ValueError(f"cannot parse SLURM_TASKS_PER_NODE item {item!r}")
+        out.extend([int(m.group(1))] * int(m.group(2) or 1))
+    return out
+
+
+def slurm_port(job_id: str | int, base: int = 20000, span: int = 20000) -> int:
+    """A rendezvous port derived from the job id, the same on every node of the job."""
+    digits = re.sub(r"\D", "", str(job_id)) or "0"
+    return base + int(digits) % span
+
+
+# ---------------------------------------------------------------------------------------------
+# Detection
+
+
+def _int(env: Mapping[str, str], name: str, launcher: str) -> int:
+    try:
+        return int(env[name])
+    except KeyError:
+        raise EnvironmentError_(f"{launcher} launch detected but {name} is not set") from None
+    except ValueError:
+        raise EnvironmentError_(f"{name}={env[name]!r} is not an integer ({launcher} launch)") from None
+
+
+def _first_int(env: Mapping[str, str], names: Sequence[str], default: int | None = None) -> int | None:
+    for n in names:
+        if n in env and env[n].strip().lstrip("-").isdigit():
+            return int(env[n])
+    return default
+
+
+def _port(env: Mapping[str, str]) -> int | None:
+    if "MASTER_PORT" not in env:
+        return None
+    try:
+        return int(env["MASTER_PORT"])
+    except ValueError:
+        raise EnvironmentError_(f"MASTER_PORT={env['MASTER_PORT']!r} is not a port number") from None
+
+
+def detect(
+    environ: Mapping[str, str] | None = None,
+    *,
+    rank: int | None = None,
+    size: int | None = None,
+    local_rank: int | None = None,
+    local_size: int | None = None,
+    master_addr: str | None = None,
+    master_port: int | None = None,
+) -> Topology:
+    """Read the launch environment into a :class:`Topology` (before any communication)."""
+    env = dict(os.environ if environ is None else environ)
+
+    if rank is not None or size is not None:
+        if rank is None or size is None:
+            raise EnvironmentError_("give both rank and size explicitly, or neither")
+        return Topology(
+            rank=rank,
+            size=size,
+            local_rank=rank if local_rank is None else local_rank,
+            local_size=size if local_size is None else local_size,
+            num_nodes=1,
+            launcher="explicit",
+            master_addr=master_addr or env.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=master_port or _port(env),
+        )
+
+    addr = master_addr or env.get("MASTER_ADDR")
+    port = master_port or _port(env)
+
+    if "TORCHELASTIC_RUN_ID" in env or ("RANK" in env and "WORLD_SIZE" in env and "LOCAL_RANK" in env):
+        n = "torchrun"
+        size_ = _int(env, "WORLD_SIZE", n)
+        lsize = _first_int(env, ["LOCAL_WORLD_SIZE"], None)
+        grp = _first_int(env, ["GROUP_RANK"], 0) or 0
+        lsize = lsize or size_
+        nnodes = max(grp + 1, -(-size_ // lsize))
+        return Topology(
+            rank=_int(env, "RANK", n),
+            size=size_,
+            local_rank=_int(env, "LOCAL_RANK", n),
+            local_size=lsize,
+            node_rank=grp,
+            num_nodes=nnodes,
+            launcher=n,
+            master_addr=addr,
+            master_port=port,
+        )
+
+    if "OMPI_COMM_WORLD_SIZE" in env:
+        n = "openmpi"
+        size_ = _int(env, "OMPI_COMM_WORLD_SIZE", n)
+        lsize = _first_int(env, ["OMPI_COMM_WORLD_LOCAL_SIZE"], size_) or size_
+        rank_ = _int(env, "OMPI_COMM_WORLD_RANK", n)
+        return Topology(
+            rank=rank_,
+            size=size_,
+            local_rank=_first_int(env, ["OMPI_COMM_WORLD_LOCAL_RANK"], 0) or 0,
+            local_size=lsize,
+            node_rank=_guess_node(rank_, size_, lsize),
+            num_nodes=-(-size_ // lsize),
+            launcher=n,
+            master_addr=addr,
+            master_port=port,
+        )
+
+    if "PMI_RANK" in env and "PMI_SIZE" in env:
+        n = "mpich"
+        size_ = _int(env, "PMI_SIZE", n)
+        rank_ = _int(env, "PMI_RANK", n)
+        lsize = _first_int(env, ["MPI_LOCALNRANKS", "PMI_LOCAL_SIZE"], None)
+        lrank = _first_int(env, ["MPI_LOCALRANKID", "PMI_LOCAL_RANK"], None)
+        if lsize is None or lrank is None:
+            # Hydra without Intel/Cray extensions: the real values come from hostnames at init.
+            lsize, lrank = size_, rank_
+        return Topology(
+            rank=rank_,
+            size=size_,
+            local_rank=lrank,
+            local_size=lsize,
+            node_rank=_guess_node(rank_, size_, lsize),
+            num_nodes=-(-size_ // lsize),
+            launcher=n,
+            master_addr=addr,
+            master_port=port,
+        )
+
+    if "SLURM_PROCID" in env and ("SLURM_NTASKS" in env or "SLURM_NPROCS" in env):
+        n = "slurm"
+        size_ = _int(env, "SLURM_NTASKS" if "SLURM_NTASKS" in env else "SLURM_NPROCS", n)
+        rank_ = _int(env, "SLURM_PROCID", n)
+        nodes = expand_nodelist(env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or "")
+        node_id = _first_int(env, ["SLURM_NODEID"], 0) or 0
+        tasks = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
+        per_node = expand_tasks_per_node(tasks) if tasks else [size_]
+        lsize = per_node[node_id] if node_id < len(per_node) else per_node[-1]
+        job = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID")
+        if not addr:
+            if not nodes:
+                raise EnvironmentError_(
+                    "Slurm launch detected but SLURM_JOB_NODELIST is empty: set MASTER_ADDR"
+                )
+            addr = nodes[0]
+        if port is None:
+            if job is None:
+                raise EnvironmentError_("Slurm launch detected but SLURM_JOB_ID is not set: set MASTER_PORT")
+            port = slurm_port(job)
+        return Topology(
+            rank=rank_,
+            size=size_,
+            local_rank=_first_int(env, ["SLURM_LOCALID"], 0) or 0,
+            local_size=lsize,
+            node_rank=node_id,
+            num_nodes=max(len(nodes), len(per_node), node_id + 1),
+            launcher=n,
+            master_addr=addr,
+            master_port=port,
+        )
+
+    return Topology(launcher="single", master_addr=addr or "127.0.0.1", master_port=port)
+
+
+def _guess_node(rank: int, size: int, local_size: int) -> int:
+    """Node index under block placement; replaced by the hostname-derived value at init."""
+    return min(rank // max(local_size, 1), -(-size // max(local_size, 1)) - 1)
+
+
+def hostname() -> str:
+    return socket.gethostname()

@@ -1,0 +1,105 @@
+"""Communicators with real processes: every operation against a local reference, gloo and MPI."""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ringpipe.comm import CommError, comm_stats, default_log, init_world
+from ringpipe.launch import mpirun_command, spawn
+
+from comm_checks import check_all
+
+HERE = Path(__file__).parent
+HAVE_MPI = shutil.which("mpirun") is not None and __import__("importlib").util.find_spec("mpi4py") is not None
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("nprocs", [2, 3])
+def test_gloo_every_operation(nprocs):
+    counts = spawn(check_all, nprocs)
+    assert all(c > 200 for c in counts)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not HAVE_MPI, reason="needs mpirun and mpi4py")
+@pytest.mark.parametrize("nprocs", [2, 3])
+def test_mpi_every_operation(nprocs):
+    cmd = mpirun_command(nprocs, [sys.executable, str(HERE / "comm_checks.py")])
+    env = dict(os.environ, RINGPIPE_BACKEND="mpi", PYTHONPATH=str(HERE))
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=110)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.count("comm-checks ok") == nprocs
+    assert "launcher=openmpi" in out.stdout
+
+
+def _events(comm):
+    default_log().clear()
+    t = torch.ones(256)
+    comm.allreduce(t)
+    other = 1 - comm.rank
+    if comm.rank == 0:
+        comm.send(t, other, tag=9)
+    else:
+        comm.recv(t, other, tag=9)
+    evs = default_log().events()
+    return [(e.op, e.nbytes, e.peer, e.tag, e.end_ns >= e.start_ns) for e in evs], comm_stats()
+
+
+def test_events_recorded_at_the_choke_point():
+    (ev0, stats0), (ev1, _) = spawn(_events, 2)
+    assert ("allreduce", 1024, -1, 0, True) in ev0
+    assert ("send", 1024, 1, 9, True) in ev0
+    assert ("recv", 1024, 0, 9, True) in ev1
+    assert stats0["allreduce"]["calls"] == 1 and stats0["allreduce"]["bytes"] == 1024
+
+
+def test_single_process_world():
+    comm = init_world("gloo")
+    try:
+        t = torch.arange(3.0)
+        assert torch.equal(comm.allreduce(t, "average"), torch.arange(3.0))
+        assert comm.size == 1 and comm.topology.num_nodes == 1
+        assert comm.allgather_object("x") == ["x"]
+    finally:
+        from ringpipe.comm import shutdown_world
+
+        shutdown_world()
+
+
+def test_bad_backends_are_named():
+    with pytest.raises(CommError, match="valid backends: gloo, nccl, mpi"):
+        init_world("tcp")
+    if not torch.cuda.is_available():
+        with pytest.raises(CommError, match="needs CUDA"):
+            init_world("nccl")
+
+
+def _wrong_device(comm):
+    try:
+        comm.allreduce(torch.ones(2, device="meta"))
+    except CommError as exc:
+        return str(exc)
+    return "accepted"
+
+
+def test_wrong_device_is_refused():
+    msgs = spawn(_wrong_device, 2)
+    assert all("cannot send tensors on meta" in m for m in msgs)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_nccl_refuses_cpu_tensors():
+    def fn(comm):
+        try:
+            comm.allreduce(torch.ones(2))
+        except CommError as exc:
+            return str(exc)
+        return "accepted"
+
+    assert all("needs CUDA tensors" in m for m in spawn(fn, 1, backend="nccl"))
