@@ -11,8 +11,7 @@ import torch
 
 from ringpipe.comm import CommError, comm_stats, default_log, init_world
 from ringpipe.launch import mpirun_command, spawn
-
-from comm_checks import check_all
+from scripts.comm_checks import check_all
 
 HERE = Path(__file__).parent
 HAVE_MPI = shutil.which("mpirun") is not None and __import__("importlib").util.find_spec("mpi4py") is not None
@@ -29,7 +28,7 @@ def test_gloo_every_operation(nprocs):
 @pytest.mark.skipif(not HAVE_MPI, reason="needs mpirun and mpi4py")
 @pytest.mark.parametrize("nprocs", [2, 3])
 def test_mpi_every_operation(nprocs):
-    cmd = mpirun_command(nprocs, [sys.executable, str(HERE / "comm_checks.py")])
+    cmd = mpirun_command(nprocs, [sys.executable, str(HERE / "scripts" / "comm_checks.py")])
     env = dict(os.environ, RINGPIPE_BACKEND="mpi", PYTHONPATH=str(HERE))
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=110)
     assert out.returncode == 0, out.stdout + out.stderr

@@ -116,7 +116,9 @@ _BRACKET = re.compile(r"\[([^\]]*)\]")
 
 def _split_top_level(text: str) -> list[str]:
     """Split on commas that are not inside brackets."""
-    parts, depth, cur = [], 0, []
+    parts: list[str] = []
+    cur: list[str] = []
+    depth = 0
     for ch in text:
         if ch == "[":
             depth += 1

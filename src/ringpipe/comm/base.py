@@ -140,7 +140,7 @@ class Communicator(ABC):
             raise CommError(f"{what}: tensor must be contiguous (call .contiguous() first)")
         self._check_device(tensor, what)
 
-    def _check_device(self, tensor: torch.Tensor, what: str) -> None:
+    def _check_device(self, tensor: torch.Tensor, what: str) -> None:  # noqa: B027 - optional hook
         """Backends override this to refuse tensors on a device they cannot serve."""
 
     def _check_peer(self, peer: int, what: str) -> None:

@@ -22,7 +22,7 @@ __all__ = ["MPICommunicator", "mpi_available", "cuda_aware_mpi"]
 try:  # mpi4py is an optional extra (pip install ringpipe[mpi])
     from mpi4py import MPI
 except ImportError:  # pragma: no cover - exercised only where mpi4py is absent
-    MPI = None
+    MPI = None  # type: ignore[assignment]
 
 
 def mpi_available() -> bool:

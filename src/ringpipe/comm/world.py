@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 import socket
 
 import torch
@@ -121,9 +122,12 @@ def init_world(
                         f"{topo.launcher} launch with {topo.size} ranks but MASTER_ADDR/MASTER_PORT are not "
                         "set: export both (the address and a free port of rank 0's host)"
                     )
+                # Under torchrun the agent already serves the store at MASTER_ADDR:MASTER_PORT
+                # (TORCHELASTIC_USE_AGENT_STORE); env:// joins it instead of binding the port again.
+                agent = topo.launcher == "torchrun" and "TORCHELASTIC_USE_AGENT_STORE" in os.environ
                 dist.init_process_group(
                     backend,
-                    init_method=f"tcp://{addr}:{port}",
+                    init_method="env://" if agent else f"tcp://{addr}:{port}",
                     rank=topo.rank,
                     world_size=topo.size,
                     timeout=timeout,

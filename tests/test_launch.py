@@ -1,0 +1,101 @@
+"""The launchers with real processes: ringpipe launch (agent, mp, mpi), torchrun, mpirun; failures."""
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ringpipe.comm.world import free_port
+
+SCRIPTS = Path(__file__).parent / "scripts"
+CHECKS = str(SCRIPTS / "comm_checks.py")
+HAVE_MPI = shutil.which("mpirun") is not None and __import__("importlib").util.find_spec("mpi4py") is not None
+RINGPIPE = [sys.executable, "-m", "ringpipe.cli"]
+
+
+def run(cmd, timeout=90, **env):
+    full_env = dict(os.environ, OMP_NUM_THREADS="1", **env)
+    full_env.pop("RINGPIPE_BACKEND", None)
+    full_env.update(env)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env)
+
+
+def assert_ok(out, n, launcher):
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert out.stdout.count("comm-checks ok") == n, out.stdout
+    assert out.stdout.count(f"launcher={launcher}") == n
+
+
+@pytest.mark.timeout(120)
+def test_ringpipe_launch_agent_prefixes_ranks(tmp_path):
+    out = run([*RINGPIPE, "launch", "-n", "3", CHECKS])
+    assert_ok(out, 3, "torchrun")
+    for r in range(3):
+        assert f"[{r}]:comm-checks ok rank={r} size=3" in out.stdout
+
+
+@pytest.mark.timeout(120)
+def test_ringpipe_launch_mp_mode():
+    out = run([*RINGPIPE, "launch", "-n", "2", "--mode", "mp", CHECKS])
+    assert_ok(out, 2, "torchrun")
+    assert "[1]:comm-checks ok rank=1" in out.stdout
+
+
+@pytest.mark.timeout(120)
+def test_torchrun():
+    out = run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}", CHECKS])
+    assert_ok(out, 2, "torchrun")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not HAVE_MPI, reason="needs mpirun and mpi4py")
+def test_mpirun_with_gloo_rendezvous_through_mpi():
+    from ringpipe.launch import mpirun_command
+
+    # No MASTER_ADDR: rank 0's address and a free port travel through mpi4py.
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    out = subprocess.run(mpirun_command(2, [sys.executable, CHECKS]), capture_output=True, text=True,
+                         timeout=110, env=dict(env, RINGPIPE_BACKEND="gloo"))
+    assert_ok(out, 2, "openmpi")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not HAVE_MPI, reason="needs mpirun and mpi4py")
+def test_ringpipe_launch_mpi_backend():
+    out = run([*RINGPIPE, "launch", "-n", "2", "--backend", "mpi", CHECKS])
+    assert_ok(out, 2, "openmpi")
+
+
+@pytest.mark.timeout(120)
+def test_plain_ddp_script_runs_unchanged():
+    out = run([*RINGPIPE, "launch", "-n", "2", str(SCRIPTS / "plain_ddp.py")])
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("plain-ddp ok") == 2
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode, signal_env, cause", [
+    ("agent", {}, "rank 1 failed with exit code 3"),
+    ("agent", {"DIE_SIGNAL": "1"}, "rank 1 failed with signal SIGKILL"),
+    ("mp", {}, "rank 1 failed: exit code 3"),
+])
+def test_dead_rank_stops_the_job(mode, signal_env, cause):
+    t0 = time.monotonic()
+    out = run([*RINGPIPE, "launch", "-n", "3", "--mode", mode, str(SCRIPTS / "die.py")], **signal_env)
+    assert out.returncode != 0
+    assert cause in out.stderr, out.stderr[-3000:]
+    assert time.monotonic() - t0 < 60  # the survivors block in a barrier: they must be stopped, not awaited
+    left = subprocess.run(["pgrep", "-f", str(SCRIPTS / "die.py")], capture_output=True, text=True)
+    assert left.stdout.strip() == "", "orphan processes left behind"
+
+
+@pytest.mark.timeout(60)
+def test_bad_launch_arguments():
+    out = run([*RINGPIPE, "launch", "--backend", "tcp", CHECKS])
+    assert out.returncode != 0 and "valid: gloo, nccl, mpi" in out.stderr
+    out = run([*RINGPIPE, "launch", "--nnodes", "2", "--node-rank", "2", CHECKS])
+    assert out.returncode != 0 and "--node-rank 2 must be in" in out.stderr
