@@ -190,6 +190,11 @@ def _run_torchrun(args: Any) -> int:
             raise SystemExit("ringpipe launch: --nnodes > 1 needs --rdzv-endpoint HOST:PORT (rank 0's host)")
         host, _, port = args.rdzv_endpoint.rpartition(":")
         cmd += [f"--master-addr={host}", f"--master-port={port}"]
+        # gloo binds to the address its hostname resolves to, which on many clusters is not the
+        # interface that reaches the other nodes: pick the interface of the route to node 0.
+        ifname = _route_interface(host)
+        if ifname and "GLOO_SOCKET_IFNAME" not in os.environ:
+            os.environ["GLOO_SOCKET_IFNAME"] = ifname
     else:
         cmd += ["--master-addr=127.0.0.1", f"--master-port={args.master_port or free_port('127.0.0.1')}"]
     if args.module:
@@ -216,6 +221,22 @@ def _run_torchrun(args: Any) -> int:
                       file=sys.stderr)
             return 1
     return 0
+
+
+def _route_interface(host: str) -> str | None:
+    """The network interface of the route to ``host`` (``ip route get``), or None if unknown."""
+    import socket
+
+    try:
+        addr = socket.gethostbyname(host)
+        out = subprocess.run(["ip", "-o", "route", "get", addr], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    words = out.stdout.split()
+    if "dev" in words:
+        dev = words[words.index("dev") + 1]
+        return None if dev == "lo" else dev
+    return None
 
 
 def _run_mp(args: Any) -> int:

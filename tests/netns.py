@@ -1,0 +1,77 @@
+"""Two "hosts" on one machine: network namespaces joined by a veth pair, each with its own address.
+
+Used by the multi-host tests and benchmarks. Needs root (``ip netns``); the namespaces and links
+are removed on exit. Addresses are taken from 10.213.0.0/24 and exist only inside the namespaces
+created here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+
+@dataclass
+class Host:
+    ns: str
+    addr: str
+    ifname: str
+    hostname: str
+
+    def prefix(self) -> list[str]:
+        """Run a command inside this host: own network namespace and own hostname."""
+        return ["ip", "netns", "exec", self.ns, "unshare", "--uts", "sh", "-c",
+                f'hostname {self.hostname} && exec "$@"', "sh"]
+
+
+def can_create() -> str | None:
+    """None when namespaces can be made here, else the reason why not."""
+    if os.geteuid() != 0:
+        return "needs root to create network namespaces"
+    for tool in ("ip", "unshare"):
+        if shutil.which(tool) is None:
+            return f"needs the {tool} command (iproute2 / util-linux)"
+    probe = f"rp-probe-{os.getpid()}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if made.returncode != 0:
+        return f"cannot create network namespaces here: {made.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+
+
+@contextlib.contextmanager
+def two_hosts(delay_ms: float = 0.0, rate: str | None = None) -> Iterator[tuple[Host, Host]]:
+    """Yield two hosts joined by a veth link, optionally shaped with ``tc netem`` (delay, rate)."""
+    tag = f"{os.getpid() % 100000}"
+    hosts = (
+        Host(f"rp-a-{tag}", "10.213.0.1", f"rpa{tag}", "rp-host-a"),
+        Host(f"rp-b-{tag}", "10.213.0.2", f"rpb{tag}", "rp-host-b"),
+    )
+    try:
+        for h in hosts:
+            _ip("netns", "add", h.ns)
+        _ip("link", "add", hosts[0].ifname, "type", "veth", "peer", "name", hosts[1].ifname)
+        for h in hosts:
+            _ip("link", "set", h.ifname, "netns", h.ns)
+            _ip("-n", h.ns, "addr", "add", f"{h.addr}/24", "dev", h.ifname)
+            _ip("-n", h.ns, "link", "set", h.ifname, "up")
+            _ip("-n", h.ns, "link", "set", "lo", "up")
+            if delay_ms or rate:
+                netem = ["tc", "qdisc", "add", "dev", h.ifname, "root", "netem"]
+                if delay_ms:
+                    netem += ["delay", f"{delay_ms}ms"]
+                if rate:
+                    netem += ["rate", rate]
+                subprocess.run(["ip", "netns", "exec", h.ns, *netem], check=True, capture_output=True)
+        yield hosts
+    finally:
+        for h in hosts:
+            subprocess.run(["ip", "netns", "del", h.ns], capture_output=True)
