@@ -27,7 +27,7 @@ def test_two_hosts_launch():
                    "--node-rank", str(node), "--rdzv-endpoint", f"{a.addr}:29631", SCRIPT]
             procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
         outs = [p.communicate(timeout=120) for p in procs]
-    for p, (out, err) in zip(procs, outs):
+    for p, (out, err) in zip(procs, outs, strict=True):
         assert p.returncode == 0, out[-2000:] + err[-4000:]
     text = outs[0][0] + outs[1][0]
     assert text.count("multinode ok") == 4
