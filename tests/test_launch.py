@@ -39,6 +39,14 @@ def test_ringpipe_launch_agent_prefixes_ranks(tmp_path):
 
 
 @pytest.mark.timeout(120)
+def test_ringpipe_launch_module():
+    out = subprocess.run([*RINGPIPE, "launch", "-n", "2", "-m", "scripts.comm_checks", "--flag-for-script"],
+                         capture_output=True, text=True, timeout=90, cwd=SCRIPTS.parent,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert_ok(out, 2, "torchrun")
+
+
+@pytest.mark.timeout(120)
 def test_ringpipe_launch_mp_mode():
     out = run([*RINGPIPE, "launch", "-n", "2", "--mode", "mp", CHECKS])
     assert_ok(out, 2, "torchrun")

@@ -155,9 +155,14 @@ def _is_open_mpi(mpirun: str) -> bool:
     return "Open MPI" in (out.stdout + out.stderr) or "OpenRTE" in (out.stdout + out.stderr)
 
 
+def _module_args(args: Any) -> list[str]:
+    # With -m, argparse takes the first script argument as the (unused) script positional.
+    return ([args.script] if args.script else []) + list(args.args)
+
+
 def _script_argv(args: Any) -> list[str]:
     if args.module:
-        return ["-m", args.module, *args.args]
+        return ["-m", args.module, *_module_args(args)]
     if not args.script:
         raise SystemExit("ringpipe launch: give a script (or -m module) to run")
     return [args.script, *args.args]
@@ -198,7 +203,7 @@ def _run_torchrun(args: Any) -> int:
     else:
         cmd += ["--master-addr=127.0.0.1", f"--master-port={args.master_port or free_port('127.0.0.1')}"]
     if args.module:
-        cmd += ["-m", args.module, *args.args]
+        cmd += ["-m", args.module, *_module_args(args)]
     else:
         cmd += _script_argv(args)
     os.environ["RINGPIPE_BACKEND"] = args.backend
