@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 import shutil
 import signal
 import subprocess
@@ -67,7 +68,9 @@ def _worker(
     comm = init_world(backend)
     try:
         out = fn(comm, *args)
-        results.put((local_rank, out))
+        # Plain pickle bytes: torch's queue would share tensors through file descriptors that
+        # die with this process.
+        results.put(pickle.dumps((local_rank, out)))
     finally:
         shutdown_world()
 
@@ -92,23 +95,31 @@ def spawn(
     ctx = tmp.get_context(start_method)
     results = ctx.SimpleQueue()
     port = free_port("127.0.0.1")
+    out: list[Any] = [None] * nprocs
+
+    def drain() -> None:
+        while not results.empty():
+            rank, value = pickle.loads(results.get())
+            out[rank] = value
+
     try:
-        tmp.start_processes(
+        ctx_ = tmp.start_processes(
             _worker,
             args=(fn, nprocs, backend, port, tuple(args), results, dict(env or {})),
             nprocs=nprocs,
-            join=True,
+            join=False,
             start_method=start_method,
         )
+        assert ctx_ is not None
+        # Read results while joining: a large result blocks its writer until it is read.
+        while not ctx_.join(timeout=0.05):
+            drain()
     except tmp.ProcessRaisedException as exc:
         raise WorkerFailed(exc.error_index, str(exc).strip().splitlines()[-1]) from exc
     except tmp.ProcessExitedException as exc:
         cause = f"killed by signal {exc.signal_name}" if exc.signal_name else f"exit code {exc.exit_code}"
         raise WorkerFailed(exc.error_index, cause) from exc
-    out: list[Any] = [None] * nprocs
-    while not results.empty():
-        rank, value = results.get()
-        out[rank] = value
+    drain()
     return out
 
 
