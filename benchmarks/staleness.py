@@ -1,0 +1,215 @@
+"""Staleness mitigation benchmark: accuracy and loss of the asynchronous pipeline per mitigation.
+
+Runs the single-process simulator (:mod:`ringpipe.pipeline.simulator`) of an asynchronous
+PipeDream pipeline (no flush, one step per micro-batch, stage ``i`` of ``N`` has staleness
+``N-1-i``) on two tasks, with fixed seeds and epochs, and compares each mitigation with the
+synchronous GPipe-equivalent reference (the same micro-batches, gradient accumulation, no
+staleness):
+
+- ``digits``: scikit-learn's 8x8 handwritten digits, a 4-stage MLP;
+- ``deep``: a synthetic 8-class task labelled by a random teacher network, an 8-stage MLP
+  (staleness up to 7).
+
+Each epoch is one stream of micro-batches (the pipeline drains at the epoch's end); the
+policies (and Gap Aware statistics) persist across epochs. Usage::
+
+    python benchmarks/staleness.py --plot out/staleness.png --json out/staleness.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ringpipe.pipeline.simulator import simulate_async, simulate_sync
+from ringpipe.pipeline.staleness import make_policy
+
+__all__ = ["MODES", "Task", "digits_task", "deep_task", "run_mode", "main"]
+
+log = logging.getLogger("ringpipe.benchmarks.staleness")
+
+MODES: dict[str, tuple[str, bool]] = {
+    "sync": ("", False),
+    "stale": ("stale", False),
+    "ws": ("ws", False),
+    "wp": ("wp", False),
+    "wp+ws": ("wp+ws", False),
+    "ws+ga": ("ws+ga", False),
+    "wp+ws+ga": ("wp+ws+ga", False),
+    "ga_jfl": ("ws+ga_jfl", True),
+}
+"""Row name -> (mitigation names, recompute). ``sync`` is the synchronous reference."""
+
+
+@dataclass
+class Task:
+    """A dataset split and a way to build the stages of the model."""
+
+    name: str
+    x_train: torch.Tensor
+    y_train: torch.Tensor
+    x_test: torch.Tensor
+    y_test: torch.Tensor
+    build: Callable[[], list[nn.Module]]
+    epochs: int
+    lr: float
+    microbatch: int = 32
+
+
+def _mlp_stages(
+    widths: list[int], stages: int, seed: int, act: Callable[[], nn.Module] = nn.ReLU
+) -> list[nn.Module]:
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = []
+    for i, (a, b) in enumerate(zip(widths[:-1], widths[1:], strict=True)):
+        layers.append(nn.Linear(a, b))
+        if i < len(widths) - 2:
+            layers.append(act())
+    per = len(layers) / stages
+    bounds = [round(per * s) for s in range(stages + 1)]
+    return [nn.Sequential(*layers[bounds[s]:bounds[s + 1]]) for s in range(stages)]
+
+
+def digits_task(seed: int, epochs: int, lr: float) -> Task:
+    """8x8 digits (1,797 images), 75/25 split, a 4-stage MLP 64-128-128-64-10."""
+    from sklearn.datasets import load_digits
+
+    data = load_digits()
+    x = torch.tensor(data.data, dtype=torch.float32) / 16.0
+    y = torch.tensor(data.target, dtype=torch.long)
+    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
+    x, y = x[perm], y[perm]
+    cut = int(0.75 * len(x))
+    return Task("digits", x[:cut], y[:cut], x[cut:], y[cut:],
+                lambda: _mlp_stages([64, 128, 128, 64, 10], 4, seed), epochs, lr)
+
+
+def deep_task(seed: int, epochs: int, lr: float) -> Task:
+    """Synthetic: 32-d Gaussian inputs labelled by a random teacher; an 8-stage tanh MLP (9 layers)."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(2560, 32, generator=gen)
+    teacher = [torch.randn(32, 32, generator=gen) / 32**0.5 for _ in range(2)]
+    head = torch.randn(32, 8, generator=gen)
+    h = x
+    for w in teacher:
+        h = torch.tanh(h @ w) * 2
+    y = (h @ head).argmax(dim=1)
+    widths = [32] + [64] * 8 + [8]
+    return Task("deep", x[:2048], y[:2048], x[2048:], y[2048:],
+                lambda: _mlp_stages(widths, 8, seed, nn.Tanh), epochs, lr)
+
+
+def _evaluate(stages: list[nn.Module], x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
+    with torch.no_grad():
+        out = x
+        for s in stages:
+            out = s(out)
+        return float(nn.functional.cross_entropy(out, y)), float((out.argmax(1) == y).float().mean())
+
+
+def run_mode(task: Task, mode: str, seed: int) -> dict[str, Any]:
+    """Train one mode; per-epoch train loss, test loss and test accuracy."""
+    names, recompute = MODES[mode]
+    stages = task.build()
+    opts = [torch.optim.SGD(s.parameters(), lr=task.lr, momentum=0.9) for s in stages]
+    n = len(stages)
+    policies = None
+    if mode != "sync":
+        policies = [make_policy(names, list(s.parameters()), o, stage=i, num_stages=n, recompute=recompute)
+                    for i, (s, o) in enumerate(zip(stages, opts, strict=True))]
+    gen = torch.Generator().manual_seed(seed + 7)
+    curve: dict[str, list[float]] = {"train_loss": [], "test_loss": [], "test_acc": []}
+    start = time.perf_counter()
+    for _ in range(task.epochs):
+        perm = torch.randperm(len(task.x_train), generator=gen)
+        mbs = [(task.x_train[perm[i:i + task.microbatch]], task.y_train[perm[i:i + task.microbatch]])
+               for i in range(0, len(perm), task.microbatch)]
+        if policies is None:
+            res = simulate_sync(stages, opts, nn.functional.cross_entropy, mbs)
+        else:
+            res = simulate_async(stages, opts, nn.functional.cross_entropy, mbs,
+                                 recompute=recompute, policies=policies)
+        curve["train_loss"].append(sum(res.losses) / len(res.losses))
+        loss, acc = _evaluate(stages, task.x_test, task.y_test)
+        curve["test_loss"].append(loss)
+        curve["test_acc"].append(acc)
+    curve["seconds"] = time.perf_counter() - start  # type: ignore[assignment]
+    return curve
+
+
+def _plot(results: dict[str, dict[str, dict[str, Any]]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, len(results), figsize=(6 * len(results), 8), squeeze=False)
+    for col, (task, rows) in enumerate(results.items()):
+        for mode, curve in rows.items():
+            style = "k-" if mode == "sync" else "-"
+            axes[0][col].plot(range(1, len(curve["train_loss"]) + 1), curve["train_loss"], style, label=mode)
+            axes[1][col].plot(range(1, len(curve["test_acc"]) + 1), curve["test_acc"], style, label=mode)
+        axes[0][col].set(title=f"{task}: train loss", xlabel="epoch", yscale="log")
+        axes[1][col].set(title=f"{task}: test accuracy", xlabel="epoch")
+        axes[0][col].legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--digits-epochs", type=int, default=20)
+    parser.add_argument("--digits-lr", type=float, default=0.03)
+    parser.add_argument("--deep-epochs", type=int, default=15)
+    parser.add_argument("--deep-lr", type=float, default=0.03)
+    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {list(MODES)}")
+    parser.add_argument("--plot", type=Path, help="write a PNG of the loss and accuracy curves here")
+    parser.add_argument("--json", type=Path, help="write all curves and the table as JSON here")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        parser.error(f"unknown mode(s) {bad}; valid: {', '.join(MODES)}")
+    tasks = [digits_task(args.seed, args.digits_epochs, args.digits_lr),
+             deep_task(args.seed, args.deep_epochs, args.deep_lr)]
+    results: dict[str, dict[str, dict[str, Any]]] = {}
+    for task in tasks:
+        results[task.name] = {m: run_mode(task, m, args.seed) for m in modes}
+    header = f"{'mode':<10}" + "".join(
+        f"{t.name + ' acc':>12}{t.name + ' loss':>12}{'vs sync':>9}{'s':>6}" for t in tasks)
+    lines = [header, "-" * len(header)]
+    for m in modes:
+        row = f"{m:<10}"
+        for t in tasks:
+            c = results[t.name][m]
+            ref = results[t.name].get("sync", c)["test_acc"][-1]
+            row += f"{c['test_acc'][-1] * 100:>11.2f}%{c['test_loss'][-1]:>12.4f}"
+            row += f"{c['test_acc'][-1] / ref:>9.3f}{c['seconds']:>6.1f}"
+        lines.append(row)
+    table = "\n".join(lines)
+    print(table)  # noqa: T201 -- a benchmark script reports on stdout
+    out = {"config": vars(args) | {"plot": str(args.plot), "json": str(args.json)},
+           "table": table, "results": results}
+    if args.plot:
+        _plot(results, args.plot)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(out, indent=1))
+    return out
+
+
+if __name__ == "__main__":
+    main()

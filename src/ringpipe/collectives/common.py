@@ -1,0 +1,250 @@
+"""Plumbing shared by the algorithms: the per-call context, segments, reductions and chunked exchanges.
+
+Every algorithm runs over ``comm.isend`` / ``comm.irecv`` only. Sends and receives of a step
+are posted together; a large message is cut into chunks (:data:`CHUNK_BYTES`) so that the
+reduction of one chunk overlaps the arrival of the next. Each step is recorded in
+``comm.log`` as an event ``<collective>.step`` with the collective's number, the step, the
+peer, the bytes, when it was posted, when it completed and how long reducing took.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from ringpipe.collectives.header import (
+    EAGER_BYTES,
+    HEADER_BYTES,
+    HEADER_TAG,
+    CallInfo,
+    HeaderState,
+    scratch,
+)
+from ringpipe.comm.base import Communicator, ReduceOp, Work
+
+__all__ = [
+    "CHUNK_BYTES",
+    "Ctx",
+    "segments",
+    "reduce_into",
+    "reduce3",
+    "new_rank",
+    "real_rank",
+    "finish_average",
+    "doubling_steps",
+    "exchange",
+    "exchange_headers",
+]
+
+#: Chunk size of pipelined messages (gloo's own ring uses segments of up to 1 MiB).
+CHUNK_BYTES = 512 * 1024
+MAX_CHUNKS = 64
+DATA_TAG = 7100
+
+
+def segments(n: int, parts: int) -> list[tuple[int, int]]:
+    """baidu-allreduce's split: ``parts`` (offset, length) pairs, the first ``n % parts`` one longer."""
+    base, extra = divmod(n, parts)
+    out, off = [], 0
+    for i in range(parts):
+        ln = base + (1 if i < extra else 0)
+        out.append((off, ln))
+        off += ln
+    return out
+
+
+def reduce_into(op: ReduceOp, acc: torch.Tensor, other: torch.Tensor) -> None:
+    """``acc = acc (op) other`` in place (AVERAGE sums; the division comes at the end)."""
+    if op is ReduceOp.SUM or op is ReduceOp.AVERAGE:
+        torch.add(acc, other, out=acc)
+    elif op is ReduceOp.MAX:
+        torch.maximum(acc, other, out=acc)
+    elif op is ReduceOp.MIN:
+        torch.minimum(acc, other, out=acc)
+    else:
+        torch.mul(acc, other, out=acc)
+
+
+def reduce3(op: ReduceOp, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``out = a (op) b`` without touching ``a`` or ``b``."""
+    if op is ReduceOp.SUM or op is ReduceOp.AVERAGE:
+        torch.add(a, b, out=out)
+    elif op is ReduceOp.MAX:
+        torch.maximum(a, b, out=out)
+    elif op is ReduceOp.MIN:
+        torch.minimum(a, b, out=out)
+    else:
+        torch.mul(a, b, out=out)
+
+
+def finish_average(tensor: torch.Tensor, op: ReduceOp | None, size: int) -> None:
+    """Divide by the number of ranks for AVERAGE (integers floor, as the native path does)."""
+    if op is ReduceOp.AVERAGE and size > 1:
+        if tensor.is_floating_point():
+            tensor.div_(size)
+        else:
+            torch.div(tensor, size, rounding_mode="floor", out=tensor)
+
+
+class Ctx:
+    """One collective call on one rank: who, what, and how to trace its steps."""
+
+    __slots__ = ("comm", "coll", "seq", "op", "algo", "check", "call", "device", "chunk_bytes", "step")
+
+    def __init__(self, comm: Communicator, coll: str, seq: int, op: ReduceOp | None, algo: str,
+                 check: bool, call: CallInfo, device: torch.device) -> None:
+        self.comm = comm
+        self.coll = coll
+        self.seq = seq
+        self.op = op
+        self.algo = algo
+        self.check = check
+        self.call = call
+        self.device = device
+        self.chunk_bytes = CHUNK_BYTES
+        self.step = 0
+
+    def scratch(self, name: str, nbytes: int) -> torch.Tensor:
+        return scratch(self.comm, name, nbytes, self.device)
+
+    def chunks(self, length: int, itemsize: int) -> list[tuple[int, int]]:
+        """Chunk bounds of a message of ``length`` elements (the same rule on both sides)."""
+        if length == 0:
+            return []
+        n = min(MAX_CHUNKS, max(1, math.ceil(length * itemsize / self.chunk_bytes)))
+        return [c for c in segments(length, n) if c[1]]
+
+    @staticmethod
+    def tag(step: int, chunk: int) -> int:
+        return DATA_TAG + (step % 2) * MAX_CHUNKS + chunk
+
+    def record(self, step: int, peer: int, nbytes: int, posted_ns: int, done_ns: int,
+               reduce_ns: int = 0) -> None:
+        self.comm.log.record(
+            f"{self.coll}.step", nbytes, peer, posted_ns, done_ns, 0, self.comm.name,
+            collective=self.coll, cid=self.seq, step=step, algorithm=self.algo, reduce_ns=reduce_ns,
+        )
+
+
+def doubling_steps(rank: int, size: int) -> list[tuple[str, int, int]]:
+    """The recursive doubling pattern for any size, as ``(kind, peer, step)`` triples.
+
+    With ``p2`` the largest power of two <= size and ``rem = size - p2``, the even ranks below
+    ``2 rem`` first hand their data to the next odd rank (``send``, step 0) and get the result
+    back at the end (``recv_result``, step ``lg p2 + 1``); the odd ones reduce it (``recv``) and
+    return the result (``send_result``); the ``p2`` core ranks exchange with partners at
+    distance 1, 2, 4, ... (steps 1 .. lg p2). Both sides of a message agree on its step.
+    """
+    p2 = 1 << (size.bit_length() - 1)
+    rem = size - p2
+    last = p2.bit_length()
+    if rank < 2 * rem and rank % 2 == 0:
+        return [("send", rank + 1, 0), ("recv_result", rank + 1, last)]
+    steps: list[tuple[str, int, int]] = []
+    if rank < 2 * rem:
+        steps.append(("recv", rank - 1, 0))
+    new = new_rank(rank, size)
+    assert new is not None
+    dist, step = 1, 1
+    while dist < p2:
+        steps.append(("exchange", real_rank(new ^ dist, size), step))
+        dist <<= 1
+        step += 1
+    if rank < 2 * rem:
+        steps.append(("send_result", rank - 1, last))
+    return steps
+
+
+def new_rank(rank: int, size: int) -> int | None:
+    """The rank among the ``p2`` core ranks of :func:`doubling_steps` (None for folded ranks)."""
+    p2 = 1 << (size.bit_length() - 1)
+    rem = size - p2
+    if rank < 2 * rem:
+        return rank // 2 if rank % 2 else None
+    return rank - rem
+
+
+def real_rank(new: int, size: int) -> int:
+    p2 = 1 << (size.bit_length() - 1)
+    rem = size - p2
+    return 2 * new + 1 if new < rem else new + rem
+
+
+def exchange_headers(ctx: Ctx) -> None:
+    """Header-only recursive doubling; raises :class:`MismatchError` on every rank if calls differ."""
+    comm = ctx.comm
+    hs = HeaderState(comm.rank, ctx.call)
+    send = ctx.scratch("hdr_send", HEADER_BYTES)[:HEADER_BYTES]
+    recv = ctx.scratch("hdr_recv", EAGER_BYTES)[:EAGER_BYTES]
+    t0 = time.perf_counter_ns()
+    for kind, peer, _ in doubling_steps(comm.rank, comm.size):
+        if kind in ("send", "send_result"):
+            hs.write(send)
+            comm.isend(send, peer, HEADER_TAG).wait()
+        elif kind in ("recv", "recv_result"):
+            comm.irecv(recv, peer, HEADER_TAG).wait()
+            hs.absorb(recv, peer)
+        else:
+            hs.write(send)
+            s = comm.isend(send, peer, HEADER_TAG)
+            comm.irecv(recv, peer, HEADER_TAG).wait()
+            s.wait()
+            hs.absorb(recv, peer)
+    comm.log.record(f"{ctx.coll}.header", HEADER_BYTES, -1, t0, time.perf_counter_ns(), HEADER_TAG,
+                    comm.name, collective=ctx.coll, cid=ctx.seq, algorithm=ctx.algo)
+    hs.raise_if_mismatch()
+
+
+def exchange(
+    ctx: Ctx,
+    send_peer: int | None,
+    send_view: torch.Tensor | None,
+    recv_peer: int | None,
+    recv_view: torch.Tensor | None,
+    target: torch.Tensor | None = None,
+    operand: torch.Tensor | None = None,
+    step: int | None = None,
+) -> None:
+    """One step: send ``send_view`` and receive into ``recv_view`` chunk by chunk, together.
+
+    Each received chunk is reduced as soon as it arrives, while the next chunks are still on
+    the wire: into ``target`` (``target op= received``) or, with ``operand``, into the receive
+    buffer itself (``received op= operand``). Views are 1-D and of equal lengths. ``step``
+    (by default the next of ``ctx``) must be the same on the sending and the receiving rank:
+    it selects the message tags.
+    """
+    comm = ctx.comm
+    if step is None:
+        step = ctx.step
+        ctx.step += 1
+    posted = time.perf_counter_ns()
+    recvs: list[tuple[Work, int, int]] = []
+    if recv_view is not None and recv_peer is not None:
+        for j, (off, ln) in enumerate(ctx.chunks(recv_view.numel(), recv_view.element_size())):
+            recvs.append((comm.irecv(recv_view[off:off + ln], recv_peer, ctx.tag(step, j)), off, ln))
+    sends: list[Work] = []
+    if send_view is not None and send_peer is not None:
+        for j, (off, ln) in enumerate(ctx.chunks(send_view.numel(), send_view.element_size())):
+            sends.append(comm.isend(send_view[off:off + ln], send_peer, ctx.tag(step, j)))
+    reduce_ns = 0
+    for work, off, ln in recvs:
+        work.wait()
+        if target is not None or operand is not None:
+            t = time.perf_counter_ns()
+            assert ctx.op is not None and recv_view is not None
+            if target is not None:
+                reduce_into(ctx.op, target[off:off + ln], recv_view[off:off + ln])
+            else:
+                assert operand is not None
+                reduce_into(ctx.op, recv_view[off:off + ln], operand[off:off + ln])
+            reduce_ns += time.perf_counter_ns() - t
+    done = time.perf_counter_ns()
+    for s in sends:
+        s.wait()
+    if recv_view is not None and recv_peer is not None:
+        ctx.record(step, recv_peer, recv_view.numel() * recv_view.element_size(), posted, done, reduce_ns)
+    if send_view is not None and send_peer is not None:
+        ctx.record(step, send_peer, send_view.numel() * send_view.element_size(), posted,
+                   time.perf_counter_ns())

@@ -1,0 +1,171 @@
+"""The background engine: one thread per communicator that runs queued collectives in submission order.
+
+Why a thread: gradient buckets are handed over from autograd hooks while backward is still
+running; the engine thread performs their collectives while the main thread keeps computing
+(the role of Horovod's background thread and of DDP's reducer). Because every rank submits
+its collectives in the same order and the engine runs them strictly in that order, ranks never
+disagree about which collective comes next. With MPI, only the engine thread calls MPI: every
+data-parallel operation of ringpipe on a communicator goes through its engine.
+
+A task is a callable run on the engine thread. If it returns a :class:`~ringpipe.comm.Work`
+(an operation still in flight on a thread-safe backend such as gloo or NCCL), the engine moves
+on to the next task and the waiter completes the work; on MPI the engine completes it before
+the next task, so MPI is entered from one thread only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from ringpipe.comm.base import Communicator, Work
+
+__all__ = ["Engine", "Handle", "EngineError"]
+
+log = logging.getLogger(__name__)
+
+
+class EngineError(RuntimeError):
+    """A queued collective failed on the engine thread; the message carries the original error."""
+
+
+_UNSET = object()
+
+
+class Handle:
+    """The result of a submitted task: ``wait()`` returns it, ``done()`` polls without blocking."""
+
+    __slots__ = ("_event", "_value", "_error", "_then", "_finished", "_lock", "name")
+
+    def __init__(self, then: Callable[[Any], Any] | None = None, name: str = "") -> None:
+        self._event = threading.Event()
+        self._value: Any = _UNSET
+        self._error: BaseException | None = None
+        self._then = then
+        self._finished = False
+        self._lock = threading.Lock()
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"<Handle {self.name or '?'} done={self.done()}>"
+
+    # called by the engine thread
+    def _set(self, value: Any, error: BaseException | None) -> None:
+        self._value, self._error = value, error
+        self._event.set()
+
+    def _complete(self) -> Any:
+        """Finish the in-flight work and run ``then`` exactly once (thread-safe)."""
+        with self._lock:
+            if not self._finished:
+                if self._error is not None:
+                    raise EngineError(f"collective {self.name!r} failed: {self._error}") from self._error
+                value = self._value
+                if isinstance(value, Work):
+                    value = value.wait()
+                if self._then is not None:
+                    value = self._then(value)
+                self._value, self._finished = value, True
+            return self._value
+
+    def wait(self) -> Any:
+        self._event.wait()
+        return self._complete()
+
+    def done(self) -> bool:
+        if not self._event.is_set():
+            return False
+        if self._error is not None or self._finished:
+            return True
+        value = self._value
+        return not isinstance(value, Work) or value.is_completed()
+
+
+class Engine:
+    """Runs the collectives of one communicator on a background thread, in submission order.
+
+    Use :meth:`Engine.of` to get the engine of a communicator (one per communicator, created
+    on first use); :meth:`submit` queues a task and returns a :class:`Handle`; :meth:`run`
+    runs one synchronously (inline when already on the engine thread).
+    """
+
+    _engines: weakref.WeakKeyDictionary[Communicator, Engine] = weakref.WeakKeyDictionary()
+    _engines_lock = threading.Lock()
+
+    def __init__(self, comm: Communicator) -> None:
+        self.comm = comm
+        # MPI must only be entered from this thread, so its works finish here before the next task.
+        self.complete_in_engine = comm.backend == "mpi"
+        self._queue: queue.SimpleQueue[tuple[Callable[[], Any], Handle] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name=f"ringpipe-engine-{comm.name}", daemon=True)
+        self._closed = False
+        self.optimizers: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._thread.start()
+
+    @classmethod
+    def of(cls, comm: Communicator) -> Engine:
+        """The engine of ``comm`` (created on first use)."""
+        with cls._engines_lock:
+            engine = cls._engines.get(comm)
+            if engine is None or engine._closed:
+                engine = cls(comm)
+                cls._engines[comm] = engine
+            return engine
+
+    @property
+    def on_engine_thread(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    def submit(
+        self, task: Callable[[], Any], then: Callable[[Any], Any] | None = None, name: str = ""
+    ) -> Handle:
+        """Queue ``task``; ``then(result)`` runs once when the result is complete."""
+        if self._closed:
+            raise EngineError(f"the engine of {self.comm.name} was shut down; call ringpipe.init() again")
+        handle = Handle(then, name)
+        if self.on_engine_thread:
+            self._execute(task, handle)
+        else:
+            self._queue.put((task, handle))
+        return handle
+
+    def run(self, task: Callable[[], Any], name: str = "") -> Any:
+        """Run ``task`` on the engine thread after everything queued before it; return its result."""
+        return self.submit(task, name=name).wait()
+
+    def _execute(self, task: Callable[[], Any], handle: Handle) -> None:
+        try:
+            value = task()
+        except BaseException as exc:  # noqa: BLE001 - delivered to the waiter
+            log.debug("engine task %s failed", handle.name, exc_info=True)
+            handle._set(None, exc)
+            return
+        handle._set(value, None)
+        if self.complete_in_engine and (isinstance(value, Work) or handle._then is not None):
+            # A failure is raised again to the waiter through the handle.
+            with contextlib.suppress(BaseException):
+                handle._complete()
+
+    def _loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            self._execute(*item)
+
+    def shutdown(self) -> None:
+        """Finish the queued tasks and stop the thread."""
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(None)
+        if not self.on_engine_thread:
+            self._thread.join(timeout=60)
+        with self._engines_lock:
+            if self._engines.get(self.comm) is self:
+                del self._engines[self.comm]

@@ -1,0 +1,465 @@
+"""DistributedOptimizer: averages gradients across ranks in fused buckets while backward runs.
+
+How it works. At construction the parameters are laid out, in reverse registration order
+(the order in which backward produces their gradients, as DDP does), into flat per-dtype
+bucket buffers of at most ``bucket_bytes`` each. A post-accumulate-grad hook on every
+parameter copies its gradient into its slot of the bucket (or finds it already there) and
+makes ``param.grad`` a view of that slot. When every parameter of a bucket is ready, and all
+earlier buckets have been launched, the bucket is handed to the communicator's background
+:class:`~ringpipe.dp.engine.Engine`. Buckets are therefore launched in the same order on every
+rank whatever order the hooks fire in, and ``step()`` waits only for what is still in flight.
+
+The first bucket carries one extra element, the number of ranks that still have data; ranks
+that called :func:`ringpipe.dp.join.join` contribute zeros and a zero count, and averages are
+taken over the ranks with data.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from ringpipe.comm.base import Communicator, ReduceOp
+from ringpipe.dp.compression import Compression, Compressor
+from ringpipe.dp.engine import Engine, Handle
+
+__all__ = ["DistributedOptimizer", "DEFAULT_BUCKET_BYTES", "DEFAULT_FIRST_BUCKET_BYTES"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
+DEFAULT_FIRST_BUCKET_BYTES = 1024 * 1024
+_CREATED = itertools.count()
+
+
+class _Slot:
+    """One parameter's place in a bucket."""
+
+    __slots__ = ("param", "name", "bucket", "view", "count", "used")
+
+    def __init__(self, param: torch.nn.Parameter, name: str) -> None:
+        self.param = param
+        self.name = name
+        self.bucket: _Bucket | None = None
+        self.view: torch.Tensor | None = None
+        self.count = 0
+        self.used = False
+
+
+class _Bucket:
+    """A flat buffer holding the gradients of several parameters of one dtype and device."""
+
+    __slots__ = ("index", "slots", "buffer", "numel", "pending", "handle", "wire", "flag", "bitmap")
+
+    def __init__(self, index: int, slots: list[_Slot], flag: bool, bitmap: int) -> None:
+        self.index = index
+        self.slots = slots
+        first = slots[0].param
+        self.numel = sum(s.param.numel() for s in slots)
+        self.flag = flag  # last element: number of ranks with data (first bucket)
+        self.bitmap = bitmap  # after the gradients: per parameter, ranks that had a gradient (last bucket)
+        self.buffer = torch.zeros(self.numel + bitmap + int(flag), dtype=first.dtype, device=first.device)
+        offset = 0
+        for s in slots:
+            n = s.param.numel()
+            s.view = self.buffer[offset : offset + n].view(s.param.shape)
+            s.bucket = self
+            offset += n
+        self.pending = len(slots)
+        self.handle: Handle | None = None
+        self.wire: torch.Tensor | None = None
+
+
+def _name_parameters(
+    optimizer: torch.optim.Optimizer,
+    named_parameters: Iterable[tuple[str, torch.Tensor]] | None,
+) -> list[tuple[str, torch.nn.Parameter]]:
+    """The optimizer's parameters with names, in registration order."""
+    in_groups = [p for group in optimizer.param_groups for p in group["params"]]
+    if named_parameters is None:
+        return [(f"param.{i}", p) for i, p in enumerate(in_groups)]
+    named = list(named_parameters)
+    names = [n for n, _ in named]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise ValueError(f"named_parameters has duplicate names {dupes}; give every parameter a unique name")
+    known = {id(p) for _, p in named}
+    unnamed = [i for i, p in enumerate(in_groups) if id(p) not in known]
+    if unnamed:
+        raise ValueError(
+            f"{len(unnamed)} optimizer parameters (positions {unnamed[:5]}) are missing from named_parameters; "
+            "pass model.named_parameters() of the model whose parameters the optimizer holds"
+        )
+    wanted = {id(p) for p in in_groups}
+    return [(n, p) for n, p in named if id(p) in wanted]  # type: ignore[misc]
+
+
+class DistributedOptimizer(torch.optim.Optimizer):
+    """Wraps a ``torch.optim.Optimizer`` so that ``step()`` applies gradients averaged over ranks.
+
+    Args:
+        optimizer: the optimizer to wrap (its ``param_groups`` and ``state`` are shared).
+        named_parameters: ``model.named_parameters()``; names appear in error messages.
+        compression: ``Compression.none`` / ``fp16`` / ``bf16`` (or their names) for the wire.
+        backward_passes_per_step: backward passes whose gradients are summed locally before one
+            reduction (divide the loss by it to average them, as with plain accumulation).
+        op: ``ReduceOp.AVERAGE`` (default) or ``ReduceOp.SUM``.
+        gradient_predivide_factor: with Average, divide by this before the sum and by
+            ``size / factor`` after it (helps fp16 range); must be 1.0 for other ops.
+        bucket_bytes: fusion buffer size in bytes (``bucket_cap_mb`` of DDP, ``HOROVOD_FUSION_THRESHOLD``);
+            a bucket is closed once it reaches this size.
+        first_bucket_bytes: the smaller cap of the first bucket, so reduction starts early in backward.
+        algorithm: ``"native"`` (the backend's allreduce) or a name from ``ringpipe.collectives.ALGORITHMS``.
+        comm: the communicator (default: the one of ``ringpipe.init()``).
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
+        compression: Compressor | str | None = None,
+        backward_passes_per_step: int = 1,
+        op: ReduceOp | str = ReduceOp.AVERAGE,
+        gradient_predivide_factor: float = 1.0,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        algorithm: str = "native",
+        comm: Communicator | None = None,
+        first_bucket_bytes: int = DEFAULT_FIRST_BUCKET_BYTES,
+    ) -> None:
+        if isinstance(optimizer, DistributedOptimizer):
+            raise TypeError("the optimizer is already a DistributedOptimizer; wrap the plain torch optimizer once")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        rop = ReduceOp.parse(op)
+        if rop not in (ReduceOp.AVERAGE, ReduceOp.SUM):
+            raise ValueError(f"DistributedOptimizer supports op Average or Sum for gradients, got {rop.value}")
+        if gradient_predivide_factor != 1.0 and rop is not ReduceOp.AVERAGE:
+            raise ValueError(
+                f"gradient_predivide_factor={gradient_predivide_factor} only applies with op=Average "
+                f"(got op={rop.value}); use op=Average or leave gradient_predivide_factor at 1.0"
+            )
+        if gradient_predivide_factor <= 0:
+            raise ValueError(f"gradient_predivide_factor must be > 0, got {gradient_predivide_factor}")
+        if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
+            raise ValueError(f"backward_passes_per_step must be an integer >= 1, got {backward_passes_per_step!r}")
+        if bucket_bytes <= 0 or first_bucket_bytes <= 0:
+            raise ValueError(f"bucket sizes must be > 0, got bucket_bytes={bucket_bytes}, "
+                             f"first_bucket_bytes={first_bucket_bytes}")
+        if comm is None:
+            from ringpipe.api import _world
+
+            comm = _world().comm
+        self._reduce = _reducer(comm, algorithm)
+
+        # Share the wrapped optimizer's groups and state so schedulers and checkpoints see one object.
+        super().__init__(optimizer.param_groups, optimizer.defaults)
+        self.optimizer = optimizer
+        self.param_groups = optimizer.param_groups
+        self.state = optimizer.state
+
+        self.comm = comm
+        self.engine = Engine.of(comm)
+        self.compression = Compression.parse(compression)
+        self.backward_passes_per_step = backward_passes_per_step
+        self.op = rop
+        self.gradient_predivide_factor = float(gradient_predivide_factor)
+        self.bucket_bytes = int(bucket_bytes)
+        self.first_bucket_bytes = min(int(first_bucket_bytes), self.bucket_bytes)
+        self.algorithm = algorithm
+
+        named = [(n, p) for n, p in _name_parameters(optimizer, named_parameters) if p.requires_grad]
+        self._check_same_parameters(named)
+        self._slots = [_Slot(p, n) for n, p in named]
+        self._buckets = self._make_buckets(self._slots)
+        self._next_launch = 0
+        self._synchronized = False
+        self._should_synchronize = True
+        self._active = float(comm.size)
+        self._unused: list[int] = []
+        self._hooks = [s.param.register_post_accumulate_grad_hook(self._make_hook(s)) for s in self._slots]
+        self._created = next(_CREATED)
+        self.engine.optimizers.add(self)
+        log.debug("DistributedOptimizer: %d parameters in %d buckets", len(self._slots), len(self._buckets))
+
+    # ------------------------------------------------------------------ set-up
+
+    def _check_same_parameters(self, named: Sequence[tuple[str, torch.Tensor]]) -> None:
+        mine = [(n, tuple(p.shape), str(p.dtype)) for n, p in named]
+        every = self.engine.run(lambda: self.comm.allgather_object(mine), name="check-parameters")
+        ref = every[0]
+        for rank, theirs in enumerate(every):
+            if theirs == ref:
+                continue
+            if len(theirs) != len(ref):
+                raise ValueError(
+                    f"rank {rank} has {len(theirs)} parameters to reduce but rank 0 has {len(ref)}: every rank "
+                    "must build the same model and optimizer before DistributedOptimizer"
+                )
+            for a, b in zip(ref, theirs, strict=True):
+                if a != b:
+                    raise ValueError(
+                        f"parameter mismatch across ranks: rank 0 has {a[0]!r} {a[1]} {a[2]} where rank {rank} "
+                        f"has {b[0]!r} {b[1]} {b[2]}; every rank must build the same model in the same order"
+                    )
+
+    def _make_buckets(self, slots: list[_Slot]) -> list[_Bucket]:
+        """Group parameters, last registered first, into buckets closed once they reach their cap.
+
+        The first bucket's cap is small (``first_bucket_bytes``, as DDP's 1 MiB) so that the
+        first reduction starts early in backward and overlaps with the rest of it.
+        """
+        open_: dict[tuple[torch.dtype, torch.device], list[_Slot]] = {}
+        sizes: dict[tuple[torch.dtype, torch.device], int] = {}
+        groups: list[list[_Slot]] = []
+        for s in reversed(slots):  # backward produces the last parameters' gradients first
+            key = (s.param.dtype, s.param.device)
+            current = open_.get(key)
+            if current is None:
+                current = []
+                groups.append(current)
+                open_[key], sizes[key] = current, 0
+            current.append(s)
+            sizes[key] += s.param.numel() * s.param.element_size()
+            cap = self.first_bucket_bytes if len(groups) == 1 else self.bucket_bytes
+            if sizes[key] >= cap:
+                del open_[key]
+        last = len(groups) - 1
+        return [_Bucket(i, g, flag=(i == 0), bitmap=len(slots) if i == last else 0) for i, g in enumerate(groups)]
+
+    def _make_hook(self, slot: _Slot) -> Callable[[torch.Tensor], None]:
+        passes = self.backward_passes_per_step
+
+        def hook(param: torch.Tensor) -> None:
+            slot.count += 1
+            if slot.count < passes:
+                return
+            if slot.count > passes:
+                raise RuntimeError(
+                    f"the gradient of {slot.name!r} was computed {slot.count} times before step() but "
+                    f"backward_passes_per_step={passes}: call optimizer.step() (or synchronize()) after every "
+                    f"{passes} backward passes, or raise backward_passes_per_step to accumulate more"
+                )
+            self._synchronized = False
+            slot.used = True
+            self._take_grad(slot)
+            bucket = slot.bucket
+            assert bucket is not None
+            bucket.pending -= 1
+            if bucket.pending == 0 and bucket.index == self._next_launch:
+                self._launch_ready()
+
+        return hook
+
+    # ------------------------------------------------------------------ buckets
+
+    @staticmethod
+    def _take_grad(slot: _Slot) -> None:
+        """Make ``param.grad`` the bucket view holding the gradient (copy it in if needed)."""
+        param, view = slot.param, slot.view
+        assert view is not None
+        grad = param.grad
+        if grad is None:
+            view.zero_()
+        elif grad.data_ptr() != view.data_ptr() or grad.shape != view.shape:
+            view.copy_(grad)
+        else:
+            return
+        param.grad = view
+
+    def _launch_ready(self) -> None:
+        buckets = self._buckets
+        while self._next_launch < len(buckets) and buckets[self._next_launch].pending == 0:
+            self._launch(buckets[self._next_launch])
+            self._next_launch += 1
+
+    def _launch(self, bucket: _Bucket, flag: float = 1.0) -> None:
+        # Average divides before the sum, on the engine thread while backward continues:
+        # by the predivide factor, and by the world size too when there is no predivide factor.
+        average = self.op is ReduceOp.AVERAGE
+        size = float(self.comm.size)
+        factor = self.gradient_predivide_factor
+        prescale = (1.0 / size if factor == 1.0 else 1.0 / factor) if average else 1.0
+        compressor = self.compression
+        reduce = self._reduce
+        buffer = bucket.buffer
+        used = (
+            torch.tensor([float(s.used) for s in self._slots], dtype=buffer.dtype) if bucket.bitmap else None
+        )
+
+        def task() -> Any:
+            wire = buffer
+            if compressor.applies_to(buffer.dtype):
+                if bucket.wire is None:
+                    bucket.wire = torch.empty_like(buffer, dtype=compressor.wire_dtype)
+                wire = bucket.wire
+                if prescale != 1.0:
+                    torch.mul(buffer, prescale, out=wire)
+                else:
+                    wire.copy_(buffer)
+            elif prescale != 1.0:
+                buffer.mul_(prescale)
+            if used is not None:
+                wire[bucket.numel : bucket.numel + bucket.bitmap] = used
+            if bucket.flag:
+                wire[-1] = flag
+            return reduce(wire)
+
+        def then(wire: torch.Tensor) -> None:
+            if wire is not buffer:
+                buffer.copy_(wire)
+            if bucket.flag:
+                self._active = float(buffer[-1].item())
+            if bucket.bitmap:
+                nobody = buffer[bucket.numel : bucket.numel + bucket.bitmap] == 0
+                self._unused = nobody.nonzero().flatten().tolist() if bool(nobody.any()) else []
+            if average:
+                # Ranks that joined contributed zeros: average over the ranks that had data.
+                scale = (size if factor == 1.0 else factor) / max(self._active, 1.0)
+                if scale != 1.0:
+                    buffer[: bucket.numel].mul_(scale)
+
+        bucket.handle = self.engine.submit(task, then, name=f"bucket{bucket.index}")
+
+    def _launch_all(self, flag: float = 1.0) -> None:
+        """Launch every bucket not launched yet, with zeros for parameters that got no gradient."""
+        passes = self.backward_passes_per_step
+        contribute = flag != 0.0
+        for bucket in self._buckets[self._next_launch :]:
+            if bucket.pending:
+                for slot in bucket.slots:
+                    if slot.count < passes:
+                        slot.used = contribute and (slot.count > 0 or slot.param.grad is not None)
+                        self._take_grad(slot)
+                bucket.pending = 0
+            self._launch(bucket, flag)
+        self._next_launch = len(self._buckets)
+
+    def _wait_all(self) -> None:
+        try:
+            for bucket in self._buckets:
+                if bucket.handle is not None:
+                    bucket.handle.wait()
+        finally:
+            for bucket in self._buckets:
+                bucket.handle = None
+                bucket.pending = len(bucket.slots)
+            for slot in self._slots:
+                slot.count = 0
+                slot.used = False
+            self._next_launch = 0
+        # Parameters that no rank produced a gradient for keep no gradient, as in one process.
+        for i in self._unused:
+            self._slots[i].param.grad = None
+        self._unused = []
+
+    # ------------------------------------------------------------------ public
+
+    def synchronize(self) -> None:
+        """Finish reducing every gradient; afterwards ``param.grad`` holds the averaged gradients."""
+        self._launch_all()
+        self._wait_all()
+        self._synchronized = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """Within this block ``step()`` does not synchronize (call ``synchronize()`` yourself first)."""
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def step(self, closure: Callable[[], float] | None = None) -> Any:
+        if self._should_synchronize:
+            if self._synchronized:
+                log.warning(
+                    "optimizer.step() called after optimizer.synchronize() without "
+                    "optimizer.skip_synchronize(); the gradients are already reduced, not reducing again"
+                )
+            else:
+                self.synchronize()
+        self._synchronized = False
+        return self.optimizer.step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict)
+        self.state = self.optimizer.state
+        self.param_groups = self.optimizer.param_groups
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if getattr(self, "optimizer", None) is None:  # called by torch.optim.Optimizer.__init__
+            super().add_param_group(param_group)
+            return
+        raise RuntimeError(
+            "DistributedOptimizer cannot add parameter groups after construction: add them to the wrapped "
+            "optimizer first, then wrap it"
+        )
+
+    def remove_hooks(self) -> None:
+        """Detach the gradient hooks (the optimizer then behaves like the wrapped one, without reduction)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def __repr__(self) -> str:
+        return f"DistributedOptimizer({self.optimizer!r}, buckets={len(self._buckets)}, op={self.op.value})"
+
+    # ------------------------------------------------------------------ join
+
+    def _join_step(self) -> bool:
+        """One step of a rank that has no data left: contribute zeros; False once every rank joined."""
+        for slot in self._slots:
+            slot.count, slot.used = 0, False
+            assert slot.view is not None
+            slot.param.grad = slot.view
+        for bucket in self._buckets:
+            bucket.buffer.zero_()
+            bucket.pending = 0
+        first = self._buckets[0]
+        self._launch(first, flag=0.0)
+        assert first.handle is not None
+        first.handle.wait()
+        if self._active == 0.0:
+            self._wait_all()
+            return False
+        self._next_launch = 1
+        self._launch_all(flag=0.0)
+        self._wait_all()
+        self.optimizer.step()
+        return True
+
+
+def _reducer(comm: Communicator, algorithm: str) -> Callable[[torch.Tensor], Any]:
+    """The sum-allreduce used for buckets: returns a Work (native) or the reduced tensor."""
+    if algorithm == "native":
+        return lambda t: comm.iallreduce(t, ReduceOp.SUM)
+    try:
+        from ringpipe import collectives
+    except ImportError:
+        raise ValueError(
+            f"algorithm={algorithm!r} needs ringpipe.collectives, which is not available in this installation; "
+            "use algorithm='native'"
+        ) from None
+    valid = tuple(getattr(collectives, "SUPPORTED", {}).get("allreduce", getattr(collectives, "ALGORITHMS", ())))
+    valid = tuple(a for a in valid if a != "native")
+    if algorithm not in valid:
+        raise ValueError(f"unknown allreduce algorithm {algorithm!r}; valid: native, {', '.join(valid)}")
+
+    def reduce(t: torch.Tensor) -> torch.Tensor:
+        out = collectives.allreduce(comm, t, ReduceOp.SUM, algorithm=algorithm)
+        if isinstance(out, torch.Tensor) and out is not t:
+            t.copy_(out)
+        return t
+
+    return reduce

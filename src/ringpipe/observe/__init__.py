@@ -1,0 +1,1 @@
+"""Seeing where the time goes: events, summaries, the doctor and the benchmark."""

@@ -1,0 +1,261 @@
+"""`ringpipe bench`: time ringpipe's collectives and the backend's native ones side by side.
+
+Runs inside every rank of a job started by any launcher (``ringpipe launch``, ``torchrun``,
+``mpirun``, ``srun``). Sizes sweep from ``-b`` to ``-e`` by factor ``-f`` as in nccl-tests;
+for every size and algorithm it reports the time per call (min / avg / max over ranks),
+``algbw = S / t`` and ``busbw = algbw * factor`` (nccl-tests factors: ``2(p-1)/p`` for
+allreduce, ``(p-1)/p`` for allgather and reduce-scatter, 1 for broadcast and p2p, where ``S``
+is the whole buffer: the gathered output for allgather, the input for reduce-scatter) and the
+number of wrong elements in a checked call.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ringpipe import collectives
+from ringpipe.comm.base import Communicator
+
+__all__ = ["add_parser", "bench_main", "run_bench", "parse_size", "bus_factor", "COLLECTIVES"]
+
+log = logging.getLogger(__name__)
+
+COLLECTIVES = ("allreduce", "allgather", "reducescatter", "broadcast", "p2p")
+_API = {"allreduce": "allreduce", "allgather": "allgather", "reducescatter": "reduce_scatter",
+        "broadcast": "broadcast"}
+
+
+def bus_factor(collective: str, p: int) -> float:
+    """nccl-tests' busbw / algbw factor for ``collective`` on ``p`` ranks."""
+    if collective == "allreduce":
+        return 2 * (p - 1) / p
+    if collective in ("allgather", "reducescatter"):
+        return (p - 1) / p
+    return 1.0
+
+
+def parse_size(text: str) -> int:
+    """``4K``, ``1M``, ``64MiB``, ``1G`` or plain bytes -> bytes (powers of 1024)."""
+    m = re.fullmatch(r"\s*(\d+)\s*([KMGkmg]?)(i?[Bb])?\s*", str(text))
+    if not m:
+        raise ValueError(f"size {text!r} is not understood; write bytes like 4096, 4K, 1M or 64MiB")
+    return int(m.group(1)) * 1024 ** " KMG".index((m.group(2) or " ").upper())
+
+
+def _sizes(begin: int, end: int, factor: float) -> list[int]:
+    if factor <= 1:
+        raise ValueError(f"-f must be > 1, got {factor}")
+    out, s = [], begin
+    while s <= end:
+        out.append(s)
+        s = int(s * factor)
+    return out
+
+
+def _runner(comm: Communicator, collective: str, algo: str, nbytes: int, dtype: torch.dtype,
+            check: bool) -> tuple[Callable[[], Any], Callable[[], int], int]:
+    """(one call, a checked call returning the number of wrong elements, element count)."""
+    p, r = comm.size, comm.rank
+    item = torch.empty((), dtype=dtype).element_size()
+    if collective == "p2p":
+        count = max(1, nbytes // item)
+        buf = torch.ones(count, dtype=dtype)
+
+        def pingpong() -> None:
+            if r == 0:
+                comm.send(buf, 1)
+                comm.recv(buf, 1)
+            elif r == 1:
+                comm.recv(buf, 0)
+                comm.send(buf, 0)
+
+        def p2p_check() -> int:
+            buf.fill_(r + 1)
+            pingpong()
+            return int((buf != 1).sum()) if r == 0 else 0
+
+        return pingpong, p2p_check, count
+    name = _API[collective]
+    fn = getattr(collectives, name)
+    per_rank = collective in ("allgather", "reducescatter")
+    count = max(p if per_rank else 1, nbytes // item)
+    if per_rank:
+        count -= count % p
+    local = count // p if collective == "allgather" else count
+    x = torch.ones(local, dtype=dtype)
+    kw: dict[str, Any] = {"algorithm": algo}
+    if algo != "native":
+        kw["check"] = check
+
+    def call() -> Any:
+        return fn(comm, x, **kw)
+
+    def checked() -> int:
+        x.fill_(r + 1)
+        out = fn(comm, x, **kw)
+        total = p * (p + 1) // 2
+        if collective == "allreduce":
+            return int((x != total).sum())
+        if collective == "reducescatter":
+            return int((out != total).sum())
+        if collective == "broadcast":
+            return int((x != 1).sum())
+        return sum(int((blk != j + 1).sum()) for j, blk in enumerate(out))
+
+    return call, checked, count
+
+
+def run_bench(
+    comm: Communicator,
+    collective: str,
+    sizes: list[int],
+    algorithms: list[str] | None = None,
+    iters: int = 20,
+    warmup: int = 5,
+    dtype: torch.dtype = torch.float32,
+    check: bool = True,
+) -> list[dict[str, Any]]:
+    """Time ``collective`` for every size and algorithm; every rank returns the same rows."""
+    if collective not in COLLECTIVES:
+        raise ValueError(f"unknown collective {collective!r}; valid: {', '.join(COLLECTIVES)}")
+    if collective == "p2p":
+        algos = ["p2p"]
+        if comm.size < 2:
+            raise ValueError("p2p needs at least 2 ranks")
+    else:
+        valid = collectives.SUPPORTED[_API[collective]]
+        algos = algorithms or [a for a in valid if a != "auto"] + ["auto"]
+        for a in algos:
+            if a not in valid:
+                raise ValueError(f"{collective} has no algorithm {a!r}; valid: {', '.join(valid)}")
+    rows = []
+    item = torch.empty((), dtype=dtype).element_size()
+    for nbytes in sizes:
+        for algo in algos:
+            call, checked, count = _runner(comm, collective, algo, nbytes, dtype, check)
+            for _ in range(warmup):
+                call()
+            comm.barrier()
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                call()
+            dt = (time.perf_counter() - t0) / max(1, iters)
+            if collective == "p2p":
+                dt /= 2  # one way of a ping-pong
+            wrong = checked()
+            gathered = comm.allgather_object((dt, wrong))
+            times = [g[0] for g in gathered]
+            size_b = count * item
+            avg = sum(times) / len(times)
+            algbw = size_b / max(times) / 1e9 if max(times) > 0 else 0.0
+            rows.append({
+                "collective": collective, "algorithm": algo, "backend": comm.backend,
+                "ranks": comm.size, "bytes": size_b, "count": count,
+                "dtype": str(dtype).removeprefix("torch."),
+                "time_us": round(avg * 1e6, 2), "time_min_us": round(min(times) * 1e6, 2),
+                "time_max_us": round(max(times) * 1e6, 2), "algbw_gbps": round(algbw, 4),
+                "busbw_gbps": round(algbw * bus_factor(collective, comm.size), 4),
+                "wrong": sum(g[1] for g in gathered),
+            })
+    return rows
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    head = (f"{'size(B)':>11} {'count':>10} {'dtype':>8} {'algorithm':>19} {'min(us)':>10} "
+            f"{'avg(us)':>10} {'max(us)':>10} {'algbw':>8} {'busbw':>8} {'wrong':>6}")
+    lines = [head]
+    for r in rows:
+        lines.append(
+            f"{r['bytes']:>11} {r['count']:>10} {r['dtype']:>8} {r['algorithm']:>19} "
+            f"{r['time_min_us']:>10.1f} {r['time_us']:>10.1f} {r['time_max_us']:>10.1f} "
+            f"{r['algbw_gbps']:>8.3f} {r['busbw_gbps']:>8.3f} {r['wrong']:>6}"
+        )
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict[str, Any]], path: str) -> None:
+    """busbw against size, one line per algorithm (PNG, Agg backend)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for algo in dict.fromkeys(r["algorithm"] for r in rows):
+        pts = [(r["bytes"], r["busbw_gbps"]) for r in rows if r["algorithm"] == algo]
+        ax.plot([a for a, _ in pts], [b for _, b in pts], marker="o", label=algo)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("size (bytes)")
+    ax.set_ylabel("bus bandwidth (GB/s)")
+    first = rows[0] if rows else {"collective": "?", "backend": "?", "ranks": "?"}
+    ax.set_title(f"{first['collective']} on {first['ranks']} ranks ({first['backend']})")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def bench_main(args: Any) -> int:
+    from ringpipe.comm import init_world, shutdown_world
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    backend = args.backend or os.environ.get("RINGPIPE_BACKEND") or "gloo"
+    comm = init_world(backend)
+    try:
+        sizes = _sizes(parse_size(args.begin), parse_size(args.end), args.factor)
+        algos = [a for a in args.algorithms.split(",") if a] if args.algorithms else None
+        dtype = getattr(torch, args.dtype, None)
+        if not isinstance(dtype, torch.dtype):
+            raise SystemExit(f"ringpipe bench: unknown dtype {args.dtype!r} (e.g. float32, int32)")
+        rows = run_bench(comm, args.collective, sizes, algos, args.iters, args.warmup, dtype,
+                         check=not args.no_check)
+        if comm.rank == 0:
+            if args.json:
+                for row in rows:
+                    print(json.dumps(row), flush=True)
+            else:
+                print(f"# ringpipe bench {args.collective}: {comm.size} ranks, backend {comm.backend}, "
+                      f"{args.iters} iters, {args.warmup} warm-up; times per call, bandwidths in GB/s",
+                      flush=True)
+                print(format_table(rows), flush=True)
+            if args.plot:
+                plot(rows, args.plot)
+        return 1 if any(r["wrong"] for r in rows) else 0
+    finally:
+        shutdown_world()
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="time collectives (ringpipe's algorithms and the native ones) over a size sweep",
+        description=(
+            "Run under a launcher, e.g. `ringpipe launch -n 4 -m ringpipe.cli bench allreduce` or "
+            "`mpirun -n 4 ringpipe bench allreduce --backend mpi`. Prints one row per size and "
+            "algorithm: time (min/avg/max over ranks), algbw, busbw (nccl-tests factors), wrong results."
+        ),
+    )
+    p.add_argument("collective", choices=COLLECTIVES)
+    p.add_argument("-b", "--begin", default="4K", help="smallest size, bytes (4K, 1M, ...)")
+    p.add_argument("-e", "--end", default="64M", help="largest size, bytes")
+    p.add_argument("-f", "--factor", type=float, default=2.0, help="size multiplication factor")
+    p.add_argument("-n", "--iters", type=int, default=20, help="timed iterations per size")
+    p.add_argument("-w", "--warmup", type=int, default=5, help="warm-up iterations per size")
+    p.add_argument("-d", "--dtype", default="float32", help="element type (float32, float16, int32, ...)")
+    p.add_argument("-a", "--algorithms", default=None,
+                   help="comma-separated algorithms (default: all of the collective, native and auto)")
+    p.add_argument("--backend", default=None, help="gloo, nccl or mpi (default: $RINGPIPE_BACKEND or gloo)")
+    p.add_argument("--no-check", action="store_true", help="skip the consistency header")
+    p.add_argument("--json", action="store_true", help="one JSON object per row")
+    p.add_argument("--plot", default=None, metavar="FILE.png", help="draw busbw against size per algorithm")
+    p.set_defaults(func=bench_main)

@@ -1,0 +1,228 @@
+"""Point-to-point channels between neighbour stages: activations forward, gradients backward.
+
+Activations carry their own description: a small header (dtypes, shapes, and for how many
+micro-batches they hold) goes before the payload of the first micro-batch and again only
+when a new run of shapes starts (a smaller last batch). The number of micro-batches a header
+covers comes from the first stage, which knows how it split its batch; a later stage passes it
+on, so its receiver knows exactly which message is a header without asking. Gradients need no
+header: they have the shapes of the activations the stage sent.
+
+All sends are ``isend`` and complete in the background; receives can be posted ahead
+(``prefetch``) so a transfer overlaps the computation of the previous micro-batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ringpipe.comm.base import Communicator, Work
+
+__all__ = ["Meta", "ActivationSender", "ActivationReceiver", "GradSender", "GradReceiver", "ChannelError"]
+
+HEADER_LEN = 64
+TAG_HEADER = 11
+TAG_ACT = 100
+TAG_GRAD = 300
+_MAGIC = 0x5249  # "RI"
+
+_DTYPES = [
+    torch.float32, torch.float64, torch.float16, torch.bfloat16,
+    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+    torch.complex64, torch.complex128,
+]
+_CODE = {d: i for i, d in enumerate(_DTYPES)}
+
+
+class ChannelError(RuntimeError):
+    """Neighbour stages disagree on what travels between them."""
+
+
+@dataclass(frozen=True)
+class Meta:
+    """Dtypes and shapes of the tensors of one micro-batch's message."""
+
+    dtypes: tuple[torch.dtype, ...]
+    shapes: tuple[tuple[int, ...], ...]
+
+    @classmethod
+    def of(cls, tensors: Sequence[torch.Tensor]) -> Meta:
+        return cls(tuple(t.dtype for t in tensors), tuple(tuple(t.shape) for t in tensors))
+
+    def floating(self) -> Meta:
+        keep = [i for i, d in enumerate(self.dtypes) if d.is_floating_point]
+        return Meta(tuple(self.dtypes[i] for i in keep), tuple(self.shapes[i] for i in keep))
+
+    def empty(self, device: torch.device) -> tuple[torch.Tensor, ...]:
+        return tuple(torch.empty(s, dtype=d, device=device) for d, s in zip(self.dtypes, self.shapes, strict=True))
+
+    def encode(self, run: int, device: torch.device) -> torch.Tensor:
+        vals = [_MAGIC, run, len(self.dtypes)]
+        for d, s in zip(self.dtypes, self.shapes, strict=True):
+            if d not in _CODE:
+                raise ChannelError(f"cannot send tensors of dtype {d} between stages; use one of {_DTYPES}")
+            vals += [_CODE[d], len(s), *s]
+        if len(vals) > HEADER_LEN:
+            raise ChannelError(
+                f"stage output description needs {len(vals)} numbers, more than {HEADER_LEN}: "
+                "send fewer tensors or tensors of fewer dimensions between stages"
+            )
+        out = torch.zeros(HEADER_LEN, dtype=torch.int64, device=device)
+        out[: len(vals)] = torch.tensor(vals, dtype=torch.int64)
+        return out
+
+    @classmethod
+    def decode(cls, header: torch.Tensor) -> tuple[Meta, int]:
+        vals = [int(v) for v in header.cpu()]
+        if vals[0] != _MAGIC:
+            raise ChannelError(f"expected a shape header from the previous stage, got {vals[:4]}...")
+        run, n, i = vals[1], vals[2], 3
+        dtypes, shapes = [], []
+        for _ in range(n):
+            code, nd = vals[i], vals[i + 1]
+            dtypes.append(_DTYPES[code])
+            shapes.append(tuple(vals[i + 2 : i + 2 + nd]))
+            i += 2 + nd
+        return cls(tuple(dtypes), tuple(shapes)), run
+
+
+class _Sends:
+    """Outstanding isends, kept alive until they complete."""
+
+    def __init__(self) -> None:
+        self.works: list[Work] = []
+
+    def add(self, work: Work) -> None:
+        self.works.append(work)
+        if len(self.works) > 8:
+            self.works = [w for w in self.works if not w.is_completed()]
+
+    def wait(self) -> None:
+        for w in self.works:
+            w.wait()
+        self.works.clear()
+
+
+class ActivationSender:
+    """Sends a stage's outputs to the next stage, with a header at the start of each run of shapes."""
+
+    def __init__(self, comm: Communicator, peer: int, stage: int) -> None:
+        self.comm, self.peer, self.stage = comm, peer, stage
+        self.remaining = 0
+        self.meta: Meta | None = None
+        self.sends = _Sends()
+
+    def send(self, tensors: Sequence[torch.Tensor], run: int) -> None:
+        """Send one micro-batch; ``run`` >= 1 micro-batches from this one have the same input shapes."""
+        tensors = [t.contiguous() for t in tensors]
+        meta = Meta.of(tensors)
+        if self.remaining == 0:
+            self.meta, self.remaining = meta, max(1, run)
+            self.sends.add(self.comm.isend(meta.encode(self.remaining, tensors[0].device), self.peer, TAG_HEADER))
+        elif meta != self.meta:
+            raise ChannelError(
+                f"stage {self.stage} output changed from {self.meta} to {meta} while its input shapes "
+                "stayed the same; a stage's output shapes must depend only on its input shapes"
+            )
+        self.remaining -= 1
+        for i, t in enumerate(tensors):
+            self.sends.add(self.comm.isend(t, self.peer, TAG_ACT + i))
+
+    def wait(self) -> None:
+        self.sends.wait()
+
+    def reset(self) -> None:
+        """Start a new run: the next send carries a header (call on every rank at the same point)."""
+        self.remaining = 0
+
+
+class ActivationReceiver:
+    """Receives the previous stage's outputs; ``prefetch`` posts the next receive early."""
+
+    def __init__(self, comm: Communicator, peer: int, device: torch.device) -> None:
+        self.comm, self.peer, self.device = comm, peer, device
+        self.remaining = 0
+        self.meta: Meta | None = None
+        self._header: tuple[torch.Tensor, Work] | None = None
+        self._payload: list[Work] | None = None
+
+    def prefetch(self) -> None:
+        if self._payload is not None or self._header is not None:
+            return
+        if self.remaining == 0:
+            buf = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
+            self._header = (buf, self.comm.irecv(buf, self.peer, TAG_HEADER))
+        else:
+            self._post_payload()
+
+    def _post_payload(self) -> None:
+        assert self.meta is not None
+        bufs = self.meta.empty(self.device)
+        self._payload = [self.comm.irecv(b, self.peer, TAG_ACT + i) for i, b in enumerate(bufs)]
+
+    def get(self, prefetch_next: bool = False) -> tuple[tuple[torch.Tensor, ...], int]:
+        """The next micro-batch's tensors and the length of the run of shapes from it on."""
+        self.prefetch()
+        if self._header is not None:
+            buf, work = self._header
+            work.wait()
+            self._header = None
+            self.meta, self.remaining = Meta.decode(buf)
+            self._post_payload()
+        assert self._payload is not None
+        tensors = tuple(w.wait() for w in self._payload)
+        self._payload = None
+        run = self.remaining
+        self.remaining -= 1
+        if prefetch_next:
+            self.prefetch()
+        return tensors, run
+
+    def reset(self) -> None:
+        if self._header is not None or self._payload is not None:
+            raise ChannelError("a receive is still posted; runs must consume every activation they prefetch")
+        self.remaining = 0
+
+
+class GradSender:
+    """Sends the gradients of a stage's floating-point inputs to the previous stage."""
+
+    def __init__(self, comm: Communicator, peer: int) -> None:
+        self.comm, self.peer = comm, peer
+        self.sends = _Sends()
+
+    def send(self, grads: Sequence[torch.Tensor]) -> None:
+        for i, g in enumerate(grads):
+            self.sends.add(self.comm.isend(g.contiguous(), self.peer, TAG_GRAD + i))
+
+    def wait(self) -> None:
+        self.sends.wait()
+
+
+class GradReceiver:
+    """Receives the gradients of the outputs a stage sent, posted ahead when their shapes are known."""
+
+    def __init__(self, comm: Communicator, peer: int, device: torch.device) -> None:
+        self.comm, self.peer, self.device = comm, peer, device
+        self._posted: tuple[int, list[Work]] | None = None
+
+    def prefetch(self, mb: int, meta: Meta) -> None:
+        if self._posted is not None:
+            return
+        bufs = meta.floating().empty(self.device)
+        self._posted = (mb, [self.comm.irecv(b, self.peer, TAG_GRAD + i) for i, b in enumerate(bufs)])
+
+    def get(self, mb: int, meta: Meta) -> tuple[torch.Tensor, ...]:
+        self.prefetch(mb, meta)
+        assert self._posted is not None
+        posted_mb, works = self._posted
+        if posted_mb != mb:
+            raise ChannelError(f"gradient receive posted for micro-batch {posted_mb} but {mb} is needed")
+        self._posted = None
+        return tuple(w.wait() for w in works)
+
+    @property
+    def posted(self) -> bool:
+        return self._posted is not None

@@ -1,0 +1,265 @@
+"""The executor: runs any schedule's actions for one stage over a communicator.
+
+For each action of the stage's list: ``F m`` takes the input (the first stage from its data,
+the others from the previous stage), runs the stage forward and sends the output on; ``B m``
+takes the output gradient (the last stage starts from its loss), runs the backward and sends
+the input gradient back; ``S`` averages gradients over the stage's replicas, then runs the
+weight policy's ``before_step``, ``optimizer.step()``, the LR scheduler, ``after_step`` and
+clears the gradients. Receives are posted one action ahead so transfers overlap compute.
+
+Each micro-batch's staleness (optimizer steps between its forward and its backward on this
+stage, 0 for flushing schedules) is given to the weight policy at forward time.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ringpipe.comm.base import Communicator
+from ringpipe.pipeline.channel import (
+    ActivationReceiver,
+    ActivationSender,
+    GradReceiver,
+    GradSender,
+    Meta,
+)
+from ringpipe.pipeline.recompute import microbatch_seed
+from ringpipe.pipeline.replicas import average_gradients
+from ringpipe.pipeline.schedules import Action
+from ringpipe.pipeline.stage import StageRuntime, as_tensors
+
+__all__ = ["PipelineExecutor", "RunResult", "staleness_of"]
+
+log = logging.getLogger(__name__)
+
+InputFn = Callable[[int], Any]
+
+
+@dataclass
+class RunResult:
+    """What one run of a schedule produced on this stage (losses and metrics on the last stage)."""
+
+    losses: dict[int, float] = field(default_factory=dict)
+    weights: dict[int, float] = field(default_factory=dict)
+    metrics: dict[int, dict[str, float]] = field(default_factory=dict)
+    steps: int = 0
+
+    def mean_loss(self) -> float | None:
+        """Loss of the run: micro-batch losses weighted like their gradients, normalised."""
+        if not self.losses:
+            return None
+        total = sum(self.weights.get(m, 1.0) for m in self.losses)
+        return sum(v * self.weights.get(m, 1.0) for m, v in self.losses.items()) / total
+
+    def mean_metrics(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        if not self.metrics:
+            return out
+        total = sum(self.weights.get(m, 1.0) for m in self.metrics)
+        for m, vals in self.metrics.items():
+            for k, v in vals.items():
+                out[k] = out.get(k, 0.0) + v * self.weights.get(m, 1.0) / total
+        return out
+
+
+def staleness_of(actions: Sequence[Action]) -> dict[int, int]:
+    """Optimizer steps between each micro-batch's forward and backward in a stage's action list."""
+    steps = 0
+    at_fwd: dict[int, int] = {}
+    out: dict[int, int] = {}
+    for a in actions:
+        if a.kind == "S":
+            steps += 1
+        elif a.kind == "F":
+            at_fwd[a.mb] = steps
+        else:
+            out[a.mb] = steps - at_fwd[a.mb]
+    return {mb: out.get(mb, 0) for mb in at_fwd}
+
+
+class PipelineExecutor:
+    """Runs schedules for one stage: compute from :class:`StageRuntime`, messages over ``comm``.
+
+    ``prev_rank`` / ``next_rank`` are ranks of ``comm`` (``None`` on the first / last stage);
+    ``replica_comm`` groups this stage's replicas for gradient averaging (``None``: no
+    replicas). ``seed``: when given, every forward of micro-batch ``m`` runs with the
+    generators seeded by ``microbatch_seed(seed, stage, m + offset)``, so dropout masks do
+    not depend on how the model is split (a single-process reference can reproduce them).
+    """
+
+    def __init__(
+        self,
+        comm: Communicator,
+        runtime: StageRuntime,
+        optimizer: torch.optim.Optimizer,
+        prev_rank: int | None,
+        next_rank: int | None,
+        scheduler: Any = None,
+        replica_comm: Communicator | None = None,
+        seed: int | None = None,
+        device: torch.device | None = None,
+    ) -> None:
+        self.comm = comm
+        self.rt = runtime
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.replica_comm = replica_comm
+        self.seed = seed
+        self.device = device or torch.device("cpu")
+        self.stage = runtime.stage
+        self.params = [p for p in runtime.module.parameters() if p.requires_grad]
+        self.act_in = ActivationReceiver(comm, prev_rank, self.device) if prev_rank is not None else None
+        self.act_out = ActivationSender(comm, next_rank, self.stage) if next_rank is not None else None
+        self.grad_in = GradReceiver(comm, next_rank, self.device) if next_rank is not None else None
+        self.grad_out = GradSender(comm, prev_rank) if prev_rank is not None else None
+        self.steps_taken = 0
+        self.microbatches_seen = 0
+
+    # ------------------------------------------------------------------ step
+
+    def step(self) -> None:
+        """Average over replicas, then the policy hooks around optimizer (and scheduler) step."""
+        if self.replica_comm is not None:
+            average_gradients(self.params, self.replica_comm)
+        self.rt.policy.before_step()
+        self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.rt.policy.after_step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.steps_taken += 1
+
+    # ------------------------------------------------------------------ run
+
+    def run(
+        self,
+        actions: Sequence[Action],
+        inputs: InputFn | None = None,
+        targets: InputFn | None = None,
+        weights: Callable[[int], float] | None = None,
+        run_length: Callable[[int], int] | None = None,
+    ) -> RunResult:
+        """Run one stage's ``actions``.
+
+        ``inputs(m)`` (first stage) and ``targets(m)`` (last stage) give micro-batch ``m``'s data;
+        they are called in forward order. ``weights(m)`` scales micro-batch ``m``'s loss (e.g.
+        its share of the batch). ``run_length(m)`` (first stage): how many micro-batches from
+        ``m`` on have the same input shapes (default 1: a shape header with every micro-batch).
+        """
+        self.rt.module.train()
+        staleness = staleness_of(actions)
+        fwd_order = [a.mb for a in actions if a.kind == "F"]
+        bwd_order = [a.mb for a in actions if a.kind == "B"]
+        f_pos = b_pos = 0
+        metas: dict[int, Meta] = {}
+        result = RunResult()
+        self._reset_channels()
+        if self.act_in is not None and fwd_order:
+            self.act_in.prefetch()
+        try:
+            for a in actions:
+                if a.kind == "F":
+                    mb = a.mb
+                    f_pos += 1
+                    if self.act_in is None:
+                        if inputs is None:
+                            raise ValueError(f"stage {self.stage} is the first stage and needs inputs")
+                        x = as_tensors(inputs(mb), self.stage, "input")
+                        x = tuple(t.to(self.device) for t in x)
+                        run = max(1, run_length(mb)) if run_length is not None else 1
+                    else:
+                        x, run = self.act_in.get(prefetch_next=f_pos < len(fwd_order))
+                    target = None
+                    if self.rt.is_last:
+                        if targets is None:
+                            raise ValueError(f"stage {self.stage} is the last stage and needs targets")
+                        target = targets(mb)
+                    w = weights(mb) if weights is not None else 1.0
+                    seed = None if self.seed is None else microbatch_seed(self.seed, self.stage, self.microbatches_seen + mb)
+                    out, loss, metrics = self.rt.forward(mb, x, staleness.get(mb, 0), target, w, seed)
+                    if self.act_out is not None:
+                        metas[mb] = Meta.of(out)
+                        self.act_out.send(out, run)
+                    if loss is not None:
+                        result.losses[mb], result.weights[mb] = loss, w
+                        if metrics:
+                            result.metrics[mb] = metrics
+                    self._prefetch_grad(bwd_order, b_pos, metas)
+                elif a.kind == "B":
+                    mb = a.mb
+                    b_pos += 1
+                    g = None
+                    if self.grad_in is not None:
+                        g = self.grad_in.get(mb, metas.pop(mb))
+                        self._prefetch_grad(bwd_order, b_pos, metas)
+                    grads_in = self.rt.backward(mb, g)
+                    if self.grad_out is not None:
+                        self.grad_out.send(grads_in)
+                else:
+                    self.step()
+                    result.steps += 1
+        except BaseException:
+            self.rt.clear()
+            raise
+        self._wait_sends()
+        self.microbatches_seen += len(fwd_order)
+        return result
+
+    def evaluate(
+        self,
+        num_microbatches: int,
+        inputs: InputFn | None = None,
+        targets: InputFn | None = None,
+        weights: Callable[[int], float] | None = None,
+        run_length: Callable[[int], int] | None = None,
+    ) -> RunResult:
+        """Forward ``num_microbatches`` micro-batches without gradients (modules in eval mode)."""
+        self.rt.module.eval()
+        result = RunResult()
+        self._reset_channels()
+        try:
+            for mb in range(num_microbatches):
+                if self.act_in is None:
+                    assert inputs is not None, "the first stage needs inputs"
+                    x = tuple(t.to(self.device) for t in as_tensors(inputs(mb), self.stage, "input"))
+                    run = max(1, run_length(mb)) if run_length is not None else 1
+                else:
+                    x, run = self.act_in.get(prefetch_next=mb + 1 < num_microbatches)
+                target = targets(mb) if self.rt.is_last and targets is not None else None
+                out, loss, metrics = self.rt.evaluate(x, target)
+                if self.act_out is not None:
+                    self.act_out.send(out, run)
+                if loss is not None:
+                    w = weights(mb) if weights is not None else 1.0
+                    result.losses[mb], result.weights[mb] = loss, w
+                    if metrics:
+                        result.metrics[mb] = metrics
+        finally:
+            self.rt.module.train()
+        self._wait_sends()
+        return result
+
+    # ------------------------------------------------------------------ helpers
+
+    def _prefetch_grad(self, bwd_order: list[int], b_pos: int, metas: dict[int, Meta]) -> None:
+        if self.grad_in is None or self.grad_in.posted or b_pos >= len(bwd_order):
+            return
+        nxt = bwd_order[b_pos]
+        if nxt in metas:
+            self.grad_in.prefetch(nxt, metas[nxt])
+
+    def _reset_channels(self) -> None:
+        if self.act_in is not None:
+            self.act_in.reset()
+        if self.act_out is not None:
+            self.act_out.reset()
+
+    def _wait_sends(self) -> None:
+        for ch in (self.act_out, self.grad_out):
+            if ch is not None:
+                ch.wait()

@@ -1,0 +1,211 @@
+"""Gap Aware: scale a stale gradient down by ``1 + Gap / C`` elementwise.
+
+Barkai, Hakimi and Schuster, "Gap-Aware Mitigation of Gradient Staleness", ICLR 2020; the
+statistics follow ALGORITHMS.md §1. ``Gap`` is how far the weights moved between the ones the
+gradient was computed on and the ones the optimizer is about to update; ``C`` is the typical
+size of one step, tracked after every step:
+
+- SGD: ``ra <- gamma_b ra + (1-gamma_b) v^2`` (``v`` the momentum buffer, or the gradient
+  without momentum), ``C = eta_max (sqrt(ra / (1 - gamma_b^steps)) + eps)``, ``eta_max`` the
+  largest learning rate seen so far.
+- Adam / AdamW: ``e <- beta2 e + (1-beta2) (eta/(1-beta1^t) m/denom)^2``, ``C = sqrt(e) + eps``.
+
+The gradient becomes ``g / penalty``; with L2 weight decay (SGD, Adam) ``theta lambda
+(1-penalty)/penalty`` is added so that the optimizer's own ``+lambda theta`` term is divided
+by the penalty as well. AdamW's decoupled decay is not a gradient term and is left alone.
+Before the first statistics update ``C`` is undefined and nothing is scaled (``ready``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from ringpipe.pipeline.staleness.optimizer_kind import optimizer_kind, param_groups_of
+
+__all__ = [
+    "GapAware",
+    "SGDGapAware",
+    "AdamGapAware",
+    "gap_aware_for",
+    "gap_aware_stages",
+    "GA_STAGE_POLICIES",
+]
+
+GA_STAGE_POLICIES = ("almost_last_partition", "all_except_last", "all_except_last_two")
+
+
+def gap_aware_stages(policy: str, num_stages: int) -> frozenset[int]:
+    """The stages a gap-aware stage policy applies to (stage ``i`` has depth ``N-1-i``)."""
+    if policy == "almost_last_partition":
+        return frozenset({num_stages - 2}) if num_stages >= 2 else frozenset()
+    if policy == "all_except_last":
+        return frozenset(range(num_stages - 1))
+    if policy == "all_except_last_two":
+        return frozenset(range(num_stages - 2))
+    raise ValueError(
+        f"unknown gap-aware stage policy {policy!r}; valid: {', '.join(GA_STAGE_POLICIES)}"
+    )
+
+
+class GapAware:
+    """Shared machinery: penalties from gaps and the gradient division; subclasses track ``C``."""
+
+    def __init__(
+        self,
+        params: list[torch.Tensor],
+        optimizer: torch.optim.Optimizer,
+        *,
+        eps: float = 1e-8,
+    ) -> None:
+        self.params = list(params)
+        self.optimizer = optimizer
+        self.kind = optimizer_kind(optimizer)
+        self.eps = eps
+        self._groups = param_groups_of(self.params, optimizer)
+        self.updates = 0
+
+    @property
+    def ready(self) -> bool:
+        """Whether ``C`` is defined (the statistics were updated after at least one step)."""
+        return self.updates > 0
+
+    def constants(self) -> list[torch.Tensor]:
+        """``C`` per parameter."""
+        raise NotImplementedError
+
+    def update_running_stats(self) -> None:
+        """Fold the step just taken into the statistics; call right after ``optimizer.step()``."""
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def penalties(self, gaps: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``1 + Gap / C`` per parameter."""
+        return [1.0 + gap / c for gap, c in zip(gaps, self.constants(), strict=True)]
+
+    @torch.no_grad()
+    def apply_penalty(self, penalties: list[torch.Tensor]) -> None:
+        """``g <- g / penalty`` plus the weight-decay correction for L2 decay."""
+        for p, group, pen in zip(self.params, self._groups, penalties, strict=True):
+            if p.grad is None:
+                continue
+            p.grad.div_(pen)
+            lam = float(group.get("weight_decay", 0.0))
+            if lam != 0.0 and self.kind != "adamw":
+                p.grad.add_(p.detach() * lam * (1.0 - pen) / pen)
+
+    def apply_gap(self, gaps: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Scale the gradients by the penalties of ``gaps``; returns the penalties (no-op if not ready)."""
+        if not self.ready:
+            return []
+        pens = self.penalties(gaps)
+        self.apply_penalty(pens)
+        return pens
+
+    @torch.no_grad()
+    def apply_on_theta(self, real_theta: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The parameters hold the weights the gradient used; ``real_theta`` the current ones."""
+        return self.apply_gap([(r - p).abs() for r, p in zip(real_theta, self.params, strict=True)])
+
+    @torch.no_grad()
+    def apply_on_stashed(self, stashed: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The parameters hold the current weights; ``stashed`` the ones the gradient used."""
+        return self.apply_gap([(p - s).abs() for p, s in zip(self.params, stashed, strict=True)])
+
+    def apply_from_grad(self) -> list[torch.Tensor]:
+        """Gap estimated from the gradient alone (staleness 1, no stash); SGD only."""
+        raise ValueError(
+            f"gap aware from the gradient is defined for SGD only, not {self.kind}; "
+            "stash the weights ('ws+ga') so the gap is measured"
+        )
+
+
+class SGDGapAware(GapAware):
+    """Gap Aware for SGD (both momentum forms): ``C`` from the running mean of ``v^2``."""
+
+    def __init__(
+        self,
+        params: list[torch.Tensor],
+        optimizer: torch.optim.Optimizer,
+        *,
+        big_gamma: float = 0.999,
+        eps: float = 1e-8,
+    ) -> None:
+        super().__init__(params, optimizer, eps=eps)
+        self.big_gamma = big_gamma
+        self.running = [torch.zeros_like(p, memory_format=torch.preserve_format) for p in self.params]
+        self.eta_max = [float(g["lr"]) for g in self._groups]
+
+    @torch.no_grad()
+    def constants(self) -> list[torch.Tensor]:
+        correction = 1.0 - self.big_gamma**self.updates
+        return [
+            eta * ((ra / correction).sqrt() + self.eps)
+            for ra, eta in zip(self.running, self.eta_max, strict=True)
+        ]
+
+    @torch.no_grad()
+    def update_running_stats(self) -> None:
+        gb = self.big_gamma
+        for i, (p, group) in enumerate(zip(self.params, self._groups, strict=True)):
+            v = self.optimizer.state.get(p, {}).get("momentum_buffer")
+            if v is None:
+                v = p.grad if p.grad is not None else torch.zeros_like(p)
+            self.running[i].mul_(gb).addcmul_(v, v, value=1.0 - gb)
+            self.eta_max[i] = max(self.eta_max[i], float(group["lr"]))
+        self.updates += 1
+
+    @torch.no_grad()
+    def apply_from_grad(self) -> list[torch.Tensor]:
+        """``Gap = eta |g|`` (the step the gradient itself would cause)."""
+        gaps = [
+            float(g["lr"]) * (p.grad.abs() if p.grad is not None else torch.zeros_like(p))
+            for p, g in zip(self.params, self._groups, strict=True)
+        ]
+        return self.apply_gap(gaps)
+
+
+class AdamGapAware(GapAware):
+    """Gap Aware for Adam and AdamW: ``C`` from the running mean of the squared Adam step."""
+
+    def __init__(
+        self,
+        params: list[torch.Tensor],
+        optimizer: torch.optim.Optimizer,
+        *,
+        eps: float = 1e-8,
+    ) -> None:
+        super().__init__(params, optimizer, eps=eps)
+        self.running = [torch.zeros_like(p, memory_format=torch.preserve_format) for p in self.params]
+
+    @torch.no_grad()
+    def constants(self) -> list[torch.Tensor]:
+        return [e.sqrt() + self.eps for e in self.running]
+
+    @torch.no_grad()
+    def update_running_stats(self) -> None:
+        for i, (p, group) in enumerate(zip(self.params, self._groups, strict=True)):
+            state = self.optimizer.state.get(p, {})
+            if "exp_avg" not in state:
+                continue
+            beta1, beta2 = (float(b) for b in group["betas"])
+            t = int(state["step"])
+            u = state["max_exp_avg_sq"] if group.get("amsgrad", False) else state["exp_avg_sq"]
+            step_size = float(group["lr"]) / (1.0 - beta1**t)
+            denom = u.sqrt() / math.sqrt(1.0 - beta2**t) + float(group["eps"])
+            step = state["exp_avg"] * step_size / denom
+            self.running[i].mul_(beta2).addcmul_(step, step, value=1.0 - beta2)
+        self.updates += 1
+
+
+def gap_aware_for(
+    params: list[torch.Tensor], optimizer: torch.optim.Optimizer, **kwargs: Any
+) -> GapAware:
+    """The Gap Aware variant matching ``optimizer`` (SGD forms, Adam, AdamW)."""
+    kind = optimizer_kind(optimizer)
+    if kind in ("sgd", "sutskever"):
+        return SGDGapAware(params, optimizer, **kwargs)
+    kwargs.pop("big_gamma", None)
+    return AdamGapAware(params, optimizer, **kwargs)

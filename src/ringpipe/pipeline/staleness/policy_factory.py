@@ -1,0 +1,144 @@
+"""Build a stage's weight policy from mitigation names such as ``"wp+ws+ga"``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from ringpipe.pipeline.policy import WeightPolicy
+from ringpipe.pipeline.staleness.combine import MitigationPolicy
+from ringpipe.pipeline.staleness.gap_aware import gap_aware_for, gap_aware_stages
+from ringpipe.pipeline.staleness.optimizer_kind import optimizer_kind
+from ringpipe.pipeline.staleness.predict import WeightPredictor
+from ringpipe.pipeline.staleness.stash import WeightStash
+
+__all__ = ["MITIGATIONS", "parse_mitigations", "make_policy"]
+
+MITIGATIONS: dict[str, str] = {
+    "stale": "no mitigation: forward and backward use whatever weights the stage holds",
+    "ws": "weight stashing (PipeDream): backward on the weights its forward used",
+    "wp": "weight prediction: msnag for step_every=1, aggmsnag for step_every>1",
+    "msnag": "weight prediction ignoring the partially accumulated gradient",
+    "aggmsnag": "weight prediction using the partially accumulated gradient (step_every>1)",
+    "ga": "Gap Aware: divide stale gradients by 1 + Gap/C",
+    "ga_jfl": "Gap Aware just for loss: backward on current weights, stash only sizes the gap",
+}
+"""Valid mitigation names and what each does; combine with ``+`` (``"wp+ws+ga"``)."""
+
+_PREDICTION = ("wp", "msnag", "aggmsnag")
+
+
+def _valid() -> str:
+    return ", ".join(MITIGATIONS) + " (combine with '+', e.g. 'wp+ws+ga')"
+
+
+def parse_mitigations(names: str | Iterable[str], step_every: int = 1) -> frozenset[str]:
+    """Normalise names to a set of ``{stale}`` or a subset of ``{msnag|aggmsnag, ws, ga|ga_jfl}``.
+
+    ``wp`` resolves to ``msnag`` for ``step_every == 1`` and ``aggmsnag`` otherwise. Raises
+    ``ValueError`` for unknown names and meaningless combinations, saying why.
+    """
+    if step_every < 1:
+        raise ValueError(f"step_every must be >= 1, got {step_every}")
+    raw = names.replace(",", "+").split("+") if isinstance(names, str) else list(names)
+    items = [str(n).strip().lower() for n in raw if str(n).strip()]
+    if not items:
+        raise ValueError(f"no staleness mitigation given ({names!r}); valid names: {_valid()}")
+    unknown = [n for n in items if n not in MITIGATIONS]
+    if unknown:
+        raise ValueError(f"unknown staleness mitigation {unknown[0]!r}; valid names: {_valid()}")
+    if len(set(items)) != len(items):
+        raise ValueError(f"mitigation names repeat in {names!r}; give each once. Valid names: {_valid()}")
+    chosen = set(items)
+    if "stale" in chosen and len(chosen) > 1:
+        raise ValueError(
+            f"'stale' means no mitigation and cannot be combined with {sorted(chosen - {'stale'})}; "
+            f"valid names: {_valid()}"
+        )
+    predictors = chosen & set(_PREDICTION)
+    if len(predictors) > 1:
+        raise ValueError(f"choose one weight predictor, not {sorted(predictors)}; valid names: {_valid()}")
+    if "aggmsnag" in chosen and step_every == 1:
+        raise ValueError(
+            "aggmsnag uses the partially accumulated gradient, which exists only with step_every > 1; "
+            "use 'wp' or 'msnag' for step_every=1"
+        )
+    if "wp" in chosen:
+        chosen.discard("wp")
+        chosen.add("msnag" if step_every == 1 else "aggmsnag")
+    if "ga" in chosen and "ga_jfl" in chosen:
+        raise ValueError(f"'ga' and 'ga_jfl' are two ways of applying Gap Aware; choose one. Valid names: {_valid()}")
+    if "ga_jfl" in chosen and "ws" not in chosen:
+        raise ValueError("ga_jfl measures the gap against stashed weights; add 'ws' (e.g. 'ws+ga_jfl')")
+    return frozenset(chosen)
+
+
+def make_policy(
+    names: str | Iterable[str],
+    params: Iterable[torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any | None = None,
+    *,
+    stage: int,
+    num_stages: int,
+    step_every: int = 1,
+    recompute: bool = False,
+    nag_with_predictor: bool = False,
+    ga_stages: str = "all_except_last",
+    ga_big_gamma: float = 0.999,
+    ga_eps: float = 1e-8,
+) -> WeightPolicy:
+    """The weight policy of stage ``stage`` of ``num_stages`` for the mitigations ``names``.
+
+    ``scheduler`` (optional) makes prediction scheduler-aware. ``ga_stages`` picks the stages
+    Gap Aware (``ga``/``ga_jfl``) applies to: ``almost_last_partition``, ``all_except_last`` or
+    ``all_except_last_two``. ``stale`` returns the no-op base :class:`WeightPolicy`.
+
+    Gap Aware with stashing measures the gap against the stash; without stashing (SGD only)
+    it uses the staleness-1 estimate ``Gap = eta |g|`` on every chosen stage. The caller
+    clears gradients only after ``after_step`` (the SGD statistics read ``p.grad`` when there
+    is no momentum buffer), and ``aggmsnag`` expects ``p.grad`` cleared after every step.
+    """
+    if num_stages < 1 or not 0 <= stage < num_stages:
+        raise ValueError(f"stage {stage} is not in [0, num_stages={num_stages})")
+    chosen = parse_mitigations(names, step_every)
+    if "ga_jfl" in chosen and not recompute:
+        raise ValueError(
+            "ga_jfl runs the backward on the current weights, which needs recomputation; "
+            "pass recompute=True (or use 'ws+ga')"
+        )
+    if chosen == {"stale"}:
+        return WeightPolicy()
+    params = [p for p in params if p.requires_grad]
+    kind = optimizer_kind(optimizer)
+    ga_here = stage in gap_aware_stages(ga_stages, num_stages)
+    ga_name = "ga" if "ga" in chosen else "ga_jfl" if "ga_jfl" in chosen else None
+    if ga_name and kind in ("adam", "adamw") and "ws" not in chosen:
+        raise ValueError(
+            f"Gap Aware for {type(optimizer).__name__} measures the gap against stashed weights; "
+            "add 'ws' (e.g. 'ws+ga')"
+        )
+    predictor = None
+    if chosen & {"msnag", "aggmsnag"}:
+        predictor = WeightPredictor(
+            params,
+            optimizer,
+            scheduler,
+            aggregate="aggmsnag" in chosen,
+            nag_with_predictor=nag_with_predictor,
+        )
+    stash = WeightStash(params) if "ws" in chosen else None
+    gap = None
+    if ga_name and ga_here:
+        gap = gap_aware_for(params, optimizer, big_gamma=ga_big_gamma, eps=ga_eps)
+    name = "+".join(sorted(chosen))
+    return MitigationPolicy(
+        predictor=predictor,
+        stash=stash,
+        gap_aware=gap,
+        just_for_loss=ga_name == "ga_jfl" and gap is not None,
+        requires_recompute="ga_jfl" in chosen,
+        name=name,
+    )

@@ -1,0 +1,362 @@
+"""PipelineTrainer: the high-level entry that builds one rank's stage and trains it with any schedule.
+
+Every rank builds the same full list of layers (same seed), keeps only its stage's layers,
+and calls the same methods with the same arguments, except the data: the first stage of each
+replica passes the inputs, the last stage passes the targets (from its own data loader; targets
+never travel through the pipeline), every other rank passes ``None``. Example::
+
+    trainer = PipelineTrainer(comm, layers, balance=[3, 2], schedule="1f1b", microbatches=4,
+                              optimizer_factory=lambda ps: torch.optim.SGD(ps, lr=0.1),
+                              loss_fn=torch.nn.functional.cross_entropy)
+    loss = trainer.train_step(x if trainer.is_first else None, y if trainer.is_last else None)
+
+Batches are split along dimension 0 into ``microbatches`` chunks with ``torch.tensor_split``;
+when the count does not divide the batch, the first chunks are one sample larger and each
+micro-batch's loss is weighted by its share of the batch, so a step still follows the gradient
+of the batch-mean loss (``loss_fn`` must average over the samples, as torch's losses do).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ringpipe.comm.base import Communicator
+from ringpipe.pipeline.executor import PipelineExecutor, RunResult
+from ringpipe.pipeline.partition import as_layers, partition
+from ringpipe.pipeline.policy import WeightPolicy
+from ringpipe.pipeline.replicas import make_grid, replica_group
+from ringpipe.pipeline.schedules import (
+    ASYNC_SCHEDULES,
+    Action,
+    async_1f1b,
+    get_schedule,
+)
+from ringpipe.pipeline.stage import LossFn, MetricsFn, StageRuntime
+
+__all__ = ["PipelineTrainer", "split_microbatches", "SCHEDULE_ALIASES"]
+
+log = logging.getLogger(__name__)
+
+SCHEDULE_ALIASES = {"async": "async_1f1b", "pipedream": "async_1f1b", "pipedream_flush": "1f1b"}
+
+
+def split_microbatches(batch: Any, microbatches: int) -> list[Any]:
+    """Split a tensor (or tuple of tensors) along dim 0 into ``microbatches`` chunks."""
+    tensors = batch if isinstance(batch, tuple | list) else (batch,)
+    if not tensors or not all(isinstance(t, torch.Tensor) for t in tensors):
+        raise TypeError(f"a batch must be a tensor or a tuple of tensors, got {type(batch).__name__}")
+    size = tensors[0].shape[0] if tensors[0].dim() else 0
+    if any((t.shape[0] if t.dim() else 0) != size for t in tensors):
+        raise ValueError(f"batch tensors have different first dimensions {[tuple(t.shape) for t in tensors]}")
+    if size < microbatches:
+        raise ValueError(
+            f"a batch of {size} samples cannot be split into {microbatches} micro-batches; "
+            "use fewer micro-batches or a larger batch (or drop the last, smaller batch)"
+        )
+    parts = [torch.tensor_split(t, microbatches, dim=0) for t in tensors]
+    if isinstance(batch, tuple | list):
+        return [tuple(p[i] for p in parts) for i in range(microbatches)]
+    return list(parts[0])
+
+
+def _batch_size(batch: Any) -> int:
+    first = batch[0] if isinstance(batch, tuple | list) else batch
+    return int(first.shape[0])
+
+
+def _run_lengths(chunks: Sequence[Any]) -> list[int]:
+    """For each chunk, how many chunks from it on have the same shapes (within this list)."""
+    shapes = [tuple(tuple(t.shape) for t in (c if isinstance(c, tuple | list) else (c,))) for c in chunks]
+    out = [1] * len(shapes)
+    for i in range(len(shapes) - 2, -1, -1):
+        if shapes[i] == shapes[i + 1]:
+            out[i] = out[i + 1] + 1
+    return out
+
+
+class PipelineTrainer:
+    """One rank's view of a pipeline (optionally replicated) training run.
+
+    ``schedule``: ``seq``, ``gpipe``, ``1f1b`` or ``async_1f1b`` (alias ``async``).
+    ``balance``: layers per stage, ``"params"``, ``"time"`` (needs ``sample``) or ``None``
+    (by parameters). The number of stages is ``len(balance)`` or ``comm.size // replicas``.
+    ``mitigations`` (async only): names for :func:`ringpipe.pipeline.staleness.make_policy`
+    (``"stale"``, ``"ws"``, ``"wp"``, ``"ga"``, ``"ga_jfl"`` and combinations) or a ready
+    :class:`WeightPolicy`; ``mitigation_options`` are passed on to ``make_policy`` (e.g.
+    ``ga_stages``, ``nag_with_predictor``). ``step_every`` (async only): optimizer step after that many
+    backwards. ``seed``: per-micro-batch seeding of the random generators (dropout does not
+    depend on the split). ``loss_on="all"`` makes ``train_step`` return the loss (averaged
+    over replicas) on every rank, at the cost of one allreduce per step.
+    """
+
+    def __init__(
+        self,
+        comm: Communicator,
+        layers: nn.Sequential | Sequence[nn.Module],
+        balance: Sequence[int] | str | None = None,
+        schedule: str = "gpipe",
+        microbatches: int = 4,
+        optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None,
+        loss_fn: LossFn | None = None,
+        recompute: bool = False,
+        replicas: int = 1,
+        mitigations: Sequence[str] | str | WeightPolicy | None = None,
+        step_every: int = 1,
+        mitigation_options: dict[str, Any] | None = None,
+        scheduler_factory: Callable[[torch.optim.Optimizer], Any] | None = None,
+        metrics_fn: MetricsFn | None = None,
+        seed: int | None = None,
+        sample: Any = None,
+        loss_on: str = "last",
+        device: torch.device | None = None,
+    ) -> None:
+        self.comm = comm
+        self.schedule = SCHEDULE_ALIASES.get(schedule, schedule)
+        self.schedule_fn = get_schedule(self.schedule)
+        self.is_async = self.schedule in ASYNC_SCHEDULES
+        if microbatches < 1:
+            raise ValueError(f"microbatches must be >= 1, got {microbatches}")
+        if step_every < 1:
+            raise ValueError(f"step_every must be >= 1, got {step_every}")
+        if step_every != 1 and not self.is_async:
+            raise ValueError(
+                f"step_every={step_every} applies to the asynchronous schedule only; schedule "
+                f"{self.schedule!r} steps once per batch (use microbatches for accumulation)"
+            )
+        if mitigations not in (None, (), [], "", "stale") and not self.is_async:
+            raise ValueError(
+                f"mitigations {mitigations!r} apply to schedule 'async_1f1b' only; schedule "
+                f"{self.schedule!r} flushes, so no weight is ever stale"
+            )
+        if loss_on not in ("last", "all"):
+            raise ValueError(f"loss_on must be 'last' or 'all', got {loss_on!r}")
+        self.microbatches = microbatches
+        self.step_every = step_every
+        self.loss_on = loss_on
+        all_layers = as_layers(layers)
+        num_stages = len(balance) if isinstance(balance, Sequence) and not isinstance(balance, str) else comm.size // max(1, replicas)
+        if num_stages > len(all_layers):
+            raise ValueError(
+                f"{num_stages} stages for a model of {len(all_layers)} layers; use at most {len(all_layers)} stages"
+            )
+        self.grid = make_grid(comm.size, comm.rank, num_stages, replicas)
+        stages, self.balance = partition(all_layers, num_stages, balance, sample)
+        self.stage = self.grid.stage
+        self.num_stages = num_stages
+        self.is_first = self.stage == 0
+        self.is_last = self.stage == num_stages - 1
+        self.layer_offset = sum(self.balance[: self.stage])
+        if device is None:
+            device = torch.device("cuda", comm.topology.local_rank) if comm.backend == "nccl" else torch.device("cpu")
+        self.device = device
+        self.module = stages[self.stage].to(device)
+        del stages, all_layers
+        if optimizer_factory is None:
+            raise ValueError("optimizer_factory is required, e.g. lambda params: torch.optim.SGD(params, lr=0.1)")
+        self.optimizer = optimizer_factory(list(self.module.parameters()))
+        self.scheduler = scheduler_factory(self.optimizer) if scheduler_factory is not None else None
+        self.policy = self._make_policy(mitigations, recompute, mitigation_options or {})
+        self.runtime = StageRuntime(
+            self.module, self.stage, num_stages, loss_fn if self.is_last else None, metrics_fn,
+            recompute, self.policy, device, live_weights=self.is_async,
+        )
+        self.replica_comm = replica_group(comm, self.grid)
+        self.executor = PipelineExecutor(
+            comm, self.runtime, self.optimizer, self.grid.prev_rank, self.grid.next_rank,
+            self.scheduler, self.replica_comm, seed, device,
+        )
+        self.last_metrics: dict[str, float] = {}
+        self._warned_uneven = False
+
+    def _make_policy(self, mitigations: Any, recompute: bool, options: dict[str, Any]) -> WeightPolicy:
+        if isinstance(mitigations, WeightPolicy):
+            return mitigations
+        if mitigations in (None, (), [], "") or not self.is_async:
+            return WeightPolicy()
+        from ringpipe.pipeline.staleness import make_policy
+
+        return make_policy(
+            mitigations, list(self.module.parameters()), self.optimizer, scheduler=self.scheduler,
+            stage=self.stage, num_stages=self.num_stages, step_every=self.step_every,
+            recompute=recompute, **options,
+        )
+
+    # ------------------------------------------------------------------ schedules
+
+    def actions(self, num_microbatches: int) -> list[Action]:
+        """This stage's action list for a run of ``num_microbatches`` micro-batches."""
+        if self.is_async:
+            return async_1f1b(self.num_stages, num_microbatches, self.stage, self.step_every)
+        return self.schedule_fn(self.num_stages, num_microbatches, self.stage)
+
+    def _weights_sync(self, chunks: Sequence[Any] | None, total: int) -> Callable[[int], float] | None:
+        if chunks is None:
+            return None
+        sizes = [_batch_size(c) for c in chunks]
+        if len(set(sizes)) > 1 and not self._warned_uneven:
+            log.warning(
+                "batch of %d samples split into micro-batches of %s samples; losses are weighted by "
+                "micro-batch size", total, sizes,
+            )
+            self._warned_uneven = True
+        return lambda m: sizes[m] / total
+
+    def _weights_async(self, num_microbatches: int) -> Callable[[int], float]:
+        k = self.step_every
+        last_group = (num_microbatches - 1) // k
+
+        def weight(m: int) -> float:
+            group = m // k
+            return 1.0 / (k if group < last_group else num_microbatches - last_group * k)
+
+        return weight
+
+    # ------------------------------------------------------------------ training
+
+    def train_step(self, inputs: Any = None, targets: Any = None) -> float | None:
+        """Train on one batch (inputs on the first stage, targets on the last, ``None`` elsewhere).
+
+        Synchronous schedules take one optimizer step; ``async_1f1b`` runs the batch's
+        micro-batches without flush between them, stepping every ``step_every`` backwards
+        (the pipeline fills and drains within the call; use :meth:`train_stream` to keep it
+        full across batches). Returns the batch loss on the last stage (every rank with
+        ``loss_on="all"``), else ``None``.
+        """
+        m = self.microbatches
+        x_chunks = split_microbatches(inputs, m) if self.is_first else None
+        y_chunks = split_microbatches(targets, m) if self.is_last else None
+        if self.is_last and y_chunks is None:
+            raise ValueError(f"rank {self.comm.rank} holds the last stage and needs the targets")
+        if self.is_first and x_chunks is None:
+            raise ValueError(f"rank {self.comm.rank} holds the first stage and needs the inputs")
+        runs = _run_lengths(x_chunks) if x_chunks is not None else None
+        weights: Callable[[int], float] | None = None
+        if self.is_async:
+            weights = self._weights_async(m)
+        elif self.is_last:
+            weights = self._weights_sync(y_chunks, _batch_size(targets))
+        result = self.executor.run(
+            self.actions(m),
+            inputs=(lambda i: x_chunks[i]) if x_chunks is not None else None,
+            targets=(lambda i: y_chunks[i]) if y_chunks is not None else None,
+            weights=weights,
+            run_length=(lambda i: runs[i]) if runs is not None else None,
+        )
+        return self._finish(result)
+
+    def train_stream(self, batches: Iterable[tuple[Any, Any]], num_batches: int) -> float | None:
+        """Train on ``num_batches`` batches in one run; returns the mean loss as in :meth:`train_step`.
+
+        ``batches`` yields ``(inputs_or_None, targets_or_None)`` on every rank. With
+        ``async_1f1b`` the pipeline stays full from the first batch to the last (the PipeDream
+        steady state: this is where the asynchronous schedule gains its throughput); the
+        synchronous schedules simply run :meth:`train_step` per batch.
+        """
+        if not self.is_async:
+            losses = [self.train_step(x, y) for x, y in itertools.islice(batches, num_batches)]
+            vals = [v for v in losses if v is not None]
+            return sum(vals) / len(vals) if vals else None
+        m = self.microbatches
+        it = iter(batches)
+        cache: dict[str, Any] = {"index": -1, "x": None, "y": None, "runs": None}
+
+        def load(mb: int) -> None:
+            b = mb // m
+            while cache["index"] < b:
+                x, y = next(it)
+                cache["index"] += 1
+                cache["x"] = split_microbatches(x, m) if self.is_first else None
+                cache["y"] = split_microbatches(y, m) if self.is_last else None
+                cache["runs"] = _run_lengths(cache["x"]) if cache["x"] is not None else None
+
+        def inputs(mb: int) -> Any:
+            load(mb)
+            return cache["x"][mb % m]
+
+        def targets(mb: int) -> Any:
+            load(mb)
+            return cache["y"][mb % m]
+
+        def run_length(mb: int) -> int:
+            load(mb)
+            return cache["runs"][mb % m]
+
+        total = num_batches * m
+        result = self.executor.run(
+            self.actions(total),
+            inputs=inputs if self.is_first else None,
+            targets=targets if self.is_last else None,
+            weights=self._weights_async(total),
+            run_length=run_length if self.is_first else None,
+        )
+        return self._finish(result)
+
+    def _finish(self, result: RunResult) -> float | None:
+        loss = result.mean_loss()
+        self.last_metrics = result.mean_metrics()
+        if self.loss_on == "all":
+            t = torch.tensor([loss if loss is not None else 0.0], dtype=torch.float64)
+            self.comm.allreduce(t, "sum")
+            return float(t) / self.grid.replicas
+        return loss
+
+    @torch.no_grad()
+    def eval_step(self, inputs: Any = None, targets: Any = None) -> tuple[float | None, dict[str, float]]:
+        """Forward one batch in eval mode; ``(loss, metrics)`` on the last stage (weighted by size)."""
+        m = self.microbatches
+        x_chunks = split_microbatches(inputs, m) if self.is_first else None
+        y_chunks = split_microbatches(targets, m) if self.is_last else None
+        runs = _run_lengths(x_chunks) if x_chunks is not None else None
+        weights = self._weights_sync(y_chunks, _batch_size(targets)) if self.is_last else None
+        result = self.executor.evaluate(
+            m,
+            inputs=(lambda i: x_chunks[i]) if x_chunks is not None else None,
+            targets=(lambda i: y_chunks[i]) if y_chunks is not None else None,
+            weights=weights,
+            run_length=(lambda i: runs[i]) if runs is not None else None,
+        )
+        return result.mean_loss(), result.mean_metrics()
+
+    # ------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict[str, Any]:
+        """This stage's state: its layers (local names), optimizer, scheduler and place."""
+        return {
+            "stage": self.stage,
+            "balance": list(self.balance),
+            "schedule": self.schedule,
+            "steps": self.executor.steps_taken,
+            "module": self.module.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["stage"] != self.stage or list(state["balance"]) != list(self.balance):
+            raise ValueError(
+                f"state of stage {state['stage']} with balance {state['balance']} cannot be loaded into "
+                f"stage {self.stage} with balance {self.balance}"
+            )
+        self.module.load_state_dict(state["module"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler is not None and state.get("scheduler") is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        self.executor.steps_taken = int(state.get("steps", 0))
+
+    def model_state_dict(self) -> dict[str, torch.Tensor]:
+        """The full model's state dict (keys of ``nn.Sequential(*layers)``) on every rank. Collective."""
+        local = {}
+        if self.grid.replica == 0:
+            for key, value in self.module.state_dict().items():
+                idx, _, rest = key.partition(".")
+                local[f"{int(idx) + self.layer_offset}.{rest}"] = value.detach().cpu()
+        merged: dict[str, torch.Tensor] = {}
+        for part in self.comm.allgather_object(local):
+            merged.update(part)
+        return dict(sorted(merged.items(), key=lambda kv: (int(kv[0].partition(".")[0]), kv[0])))

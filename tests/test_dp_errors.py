@@ -1,0 +1,66 @@
+"""Bad input to the data-parallel layer gets an error naming what is wrong and the fix (real processes)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from ringpipe.dp import Compression, DistributedOptimizer
+from ringpipe.launch import spawn
+
+
+def _catch(fn):
+    try:
+        fn()
+    except (ValueError, RuntimeError, TypeError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def _errors(comm):
+    out = {}
+    model = nn.Linear(3, 2)
+    sgd = lambda: torch.optim.SGD(model.parameters(), lr=0.1)  # noqa: E731
+    out["predivide"] = _catch(lambda: DistributedOptimizer(sgd(), op="sum", gradient_predivide_factor=2.0, comm=comm))
+    out["op"] = _catch(lambda: DistributedOptimizer(sgd(), op="max", comm=comm))
+    out["algorithm"] = _catch(lambda: DistributedOptimizer(sgd(), algorithm="carrier-pigeon", comm=comm))
+    out["passes"] = _catch(lambda: DistributedOptimizer(sgd(), backward_passes_per_step=0, comm=comm))
+
+    # Ranks that built different models are told so at construction (on every rank, no hang).
+    other = nn.Linear(3, 2 + comm.rank)
+    out["mismatch"] = _catch(lambda: DistributedOptimizer(
+        torch.optim.SGD(other.parameters(), lr=0.1), other.named_parameters(), comm=comm))
+
+    # A gradient computed more often than backward_passes_per_step before step().
+    opt = DistributedOptimizer(sgd(), model.named_parameters(), backward_passes_per_step=1, comm=comm)
+    assert opt.backward_passes_per_step == 1
+
+    def twice():
+        model(torch.ones(1, 3)).sum().backward()
+        model(torch.ones(1, 3)).sum().backward()
+
+    out["twice"] = _catch(twice)
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_errors_name_the_problem_and_the_fix():
+    for out in spawn(_errors, 2):
+        assert "only applies with op=Average" in out["predivide"] and "gradient_predivide_factor=2.0" in out["predivide"]
+        assert "Average or Sum" in out["op"]
+        assert "'carrier-pigeon'" in out["algorithm"] and "valid: native" in out["algorithm"]
+        assert "backward_passes_per_step must be an integer >= 1" in out["passes"]
+        assert "parameter mismatch across ranks" in out["mismatch"] and "rank 1" in out["mismatch"]
+        assert "(2, 3)" in out["mismatch"] and "(3, 3)" in out["mismatch"]
+        assert "'weight' was computed 2 times before step()" in out["twice"] or "'bias'" in out["twice"]
+        assert "backward_passes_per_step=1" in out["twice"]
+
+
+def test_single_process_errors():
+    with pytest.raises(ValueError, match="unknown compression 'zip'; valid: none, fp16, bf16"):
+        Compression.parse("zip")
+    with pytest.raises(TypeError, match="wraps a torch.optim.Optimizer"):
+        DistributedOptimizer(object())  # type: ignore[arg-type]
+    assert Compression.fp16.compress(torch.ones(2))[0].dtype == torch.float16
+    assert Compression.fp16.compress(torch.ones(2, dtype=torch.int64))[0].dtype == torch.int64

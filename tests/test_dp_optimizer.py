@@ -1,0 +1,211 @@
+"""DistributedOptimizer: N ranks with batch b reach the parameters of one process with batch N*b.
+
+Every configuration (SGD with momentum and Adam; small and large buckets; every allreduce
+algorithm; backward_passes_per_step=2; fp16/bf16 compression; Sum; predivide; parameters
+without gradients) trains 3 steps on real processes over gloo and, in one test, under mpirun
+with the MPI communicator; the reference is one process on the global batch.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from ringpipe.dp import Compression, DistributedOptimizer
+from ringpipe.launch import mpirun_command, spawn
+
+HERE = Path(__file__).parent
+HAVE_MPI = shutil.which("mpirun") is not None and __import__("importlib").util.find_spec("mpi4py") is not None
+STEPS, B = 3, 4
+
+
+def algorithms() -> list[str]:
+    try:
+        from ringpipe import collectives
+    except ImportError:
+        return ["native"]
+    names = getattr(collectives, "SUPPORTED", {}).get("allreduce", getattr(collectives, "ALGORITHMS", ()))
+    return ["native", *[a for a in names if a != "native"]]
+
+
+class Branchy(nn.Module):
+    """A trunk, a head used only by rank 0's data and a head no rank uses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Sequential(nn.Linear(8, 16), nn.Tanh())
+        self.head = nn.Linear(16, 4)
+        self.extra = nn.Linear(16, 4)
+        self.unused = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor, use_extra: bool) -> torch.Tensor:
+        h = self.trunk(x)
+        return self.head(h) + (self.extra(h) if use_extra else 0)
+
+
+def make_model(kind: str) -> nn.Module:
+    torch.manual_seed(0)
+    if kind == "branchy":
+        return Branchy()
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def make_opt(name: str, model: nn.Module) -> torch.optim.Optimizer:
+    if name == "adam":
+        return torch.optim.Adam(model.parameters(), lr=0.01)
+    return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def data(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(n, 8, generator=g), torch.randn(n, 4, generator=g)
+
+
+def forward(model: nn.Module, cfg: dict, x: torch.Tensor, rank: int) -> torch.Tensor:
+    if cfg.get("model") == "branchy":
+        return model(x, use_extra=rank == 0)
+    return model(x)
+
+
+def configs() -> list[dict]:
+    out = []
+    for opt in ("sgd", "adam"):
+        for bucket in (64, 1 << 22):  # one bucket per tensor or so / everything in one bucket
+            for alg in algorithms():
+                out.append({"opt": opt, "bucket": bucket, "alg": alg})
+    out += [
+        {"opt": "sgd", "bucket": 256, "bpps": 2},
+        {"opt": "adam", "bucket": 1 << 22, "bpps": 2},
+        {"opt": "sgd", "bucket": 256, "compression": "fp16", "tol": 2e-3},
+        {"opt": "sgd", "bucket": 1 << 22, "compression": "bf16", "tol": 2e-2},
+        {"opt": "sgd", "bucket": 256, "op": "sum"},
+        {"opt": "adam", "bucket": 256, "predivide": 2.0},
+        {"opt": "sgd", "bucket": 64, "model": "branchy"},
+        {"opt": "adam", "bucket": 1 << 22, "model": "branchy"},
+    ]
+    return out
+
+
+def train_distributed(comm, cfgs: list[dict]) -> list[list]:
+    """Run every configuration on this rank; return the final parameters of each."""
+    results = []
+    for cfg in cfgs:
+        model = make_model(cfg.get("model", "mlp"))
+        opt = DistributedOptimizer(
+            make_opt(cfg["opt"], model),
+            named_parameters=model.named_parameters(),
+            compression=Compression.parse(cfg.get("compression")),
+            backward_passes_per_step=cfg.get("bpps", 1),
+            op=cfg.get("op", "average"),
+            gradient_predivide_factor=cfg.get("predivide", 1.0),
+            bucket_bytes=cfg["bucket"],
+            algorithm=cfg.get("alg", "native"),
+            comm=comm,
+        )
+        passes, n = cfg.get("bpps", 1), comm.size
+        x_all, y_all = data(STEPS * passes * n * B)
+        for step in range(STEPS):
+            opt.zero_grad()
+            for j in range(passes):
+                lo = ((step * passes + j) * n + comm.rank) * B
+                loss = nn.functional.mse_loss(forward(model, cfg, x_all[lo : lo + B], comm.rank), y_all[lo : lo + B])
+                (loss / passes).backward()
+            opt.step()
+        results.append([p.detach().clone().numpy() for p in model.parameters()])
+        opt.remove_hooks()
+    return results
+
+
+def reference(cfg: dict, n: int) -> list[torch.Tensor]:
+    """One process on the global batch (per-rank losses averaged where ranks run different code)."""
+    model = make_model(cfg.get("model", "mlp"))
+    opt = make_opt(cfg["opt"], model)
+    passes = cfg.get("bpps", 1)
+    x_all, y_all = data(STEPS * passes * n * B)
+    scale = n if cfg.get("op") == "sum" else 1.0
+    for step in range(STEPS):
+        opt.zero_grad()
+        lo, hi = step * passes * n * B, (step + 1) * passes * n * B
+        if cfg.get("model") == "branchy":
+            losses = [
+                nn.functional.mse_loss(forward(model, cfg, x_all[lo + r * B : lo + (r + 1) * B], r),
+                                       y_all[lo + r * B : lo + (r + 1) * B])
+                for r in range(n)
+            ]
+            loss = torch.stack(losses).mean()
+        else:
+            loss = nn.functional.mse_loss(model(x_all[lo:hi]), y_all[lo:hi])
+        (loss * scale).backward()
+        opt.step()
+    return [p.detach() for p in model.parameters()]
+
+
+def check(results: list[list[list]], cfgs: list[dict], n: int) -> None:
+    for i, cfg in enumerate(cfgs):
+        ref = reference(cfg, n)
+        tol = cfg.get("tol", 1e-5)
+        for rank, per_rank in enumerate(results):
+            for got, want in zip(per_rank[i], ref, strict=True):
+                assert torch.allclose(torch.as_tensor(got), want, atol=tol, rtol=tol), (cfg, rank)
+        # The reference moved, so a run that did nothing could not pass.
+        start = next(make_model(cfg.get("model", "mlp")).parameters()).detach()
+        assert not torch.allclose(ref[0], start)
+
+
+def groups() -> dict[str, list[dict]]:
+    every = configs()
+    return {
+        "sgd-every-algorithm": [c for c in every if "alg" in c and c["opt"] == "sgd"],
+        "adam-every-algorithm": [c for c in every if "alg" in c and c["opt"] == "adam"],
+        "passes-compression-ops-unused": [c for c in every if "alg" not in c],
+    }
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("group", list(groups()))
+def test_gloo_two_ranks_equal_one_process_on_the_global_batch(group):
+    cfgs = groups()[group]
+    check(spawn(train_distributed, 2, args=(cfgs,)), cfgs, 2)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("alg", algorithms())
+def test_gloo_three_ranks(alg):
+    cfgs = [{"opt": "sgd", "bucket": 256, "alg": alg}]
+    if alg == "native":
+        cfgs += [{"opt": "adam", "bucket": 1 << 22, "bpps": 2}, {"opt": "sgd", "bucket": 64, "model": "branchy"}]
+    check(spawn(train_distributed, 3, args=(cfgs,)), cfgs, 3)
+
+
+def mpi_main(out_dir: str) -> None:
+    """Entry point under mpirun: train every configuration with the MPI communicator."""
+    from ringpipe.comm import init_world
+
+    torch.set_num_threads(1)
+    comm = init_world("mpi")
+    cfgs = [c for c in configs() if c.get("alg", "native") in ("native", "ring") and c.get("compression") != "bf16"]
+    res = train_distributed(comm, cfgs)
+    with open(os.path.join(out_dir, f"rank{comm.rank}.pkl"), "wb") as f:
+        pickle.dump((cfgs, res), f)
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(not HAVE_MPI, reason="needs mpirun and mpi4py")
+def test_mpi_two_ranks_equal_one_process(tmp_path):
+    code = f"import test_dp_optimizer as t; t.mpi_main({str(tmp_path)!r})"
+    cmd = mpirun_command(2, [sys.executable, "-c", code])
+    env = dict(os.environ, PYTHONPATH=str(HERE), OMP_NUM_THREADS="1")
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=170)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    loaded = [pickle.loads((tmp_path / f"rank{r}.pkl").read_bytes()) for r in range(2)]
+    cfgs = loaded[0][0]
+    check([res for _, res in loaded], cfgs, 2)

@@ -1,0 +1,86 @@
+"""Mitigation names: what composes, and the errors for what does not."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from ringpipe.pipeline.policy import WeightPolicy
+from ringpipe.pipeline.staleness import MitigationPolicy, make_policy, parse_mitigations
+
+
+def _sgd():
+    p = torch.nn.Parameter(torch.zeros(2))
+    return [p], torch.optim.SGD([p], lr=0.1, momentum=0.9)
+
+
+def test_wp_resolves_by_step_every():
+    assert parse_mitigations("wp", 1) == {"msnag"}
+    assert parse_mitigations("wp+ws", 4) == {"aggmsnag", "ws"}
+    assert parse_mitigations(["ws", "ga"]) == {"ws", "ga"}
+    assert parse_mitigations(" WP, ws ") == {"msnag", "ws"}
+
+
+def test_every_meaningful_combination_composes():
+    params, opt = _sgd()
+    for wp, ws, ga in itertools.product(["", "wp"], ["", "ws"], ["", "ga", "ga_jfl"]):
+        names = [n for n in (wp, ws, ga) if n]
+        if not names or (ga == "ga_jfl" and not ws):
+            continue
+        for step_every in (1, 3):
+            pol = make_policy("+".join(names), params, opt, stage=0, num_stages=3,
+                              step_every=step_every, recompute=True)
+            assert isinstance(pol, MitigationPolicy), names
+            assert (pol.predictor is not None) == bool(wp)
+            assert (pol.stash is not None) == bool(ws)
+            assert (pol.gap_aware is not None) == bool(ga)
+            assert pol.uses_recompute() == (ga == "ga_jfl")
+            if wp:
+                assert pol.predictor.aggregate == (step_every > 1)
+    stale = make_policy("stale", params, opt, stage=0, num_stages=3)
+    assert type(stale) is WeightPolicy
+
+
+def test_ga_stage_policy_limits_gap_aware_to_chosen_stages():
+    params, opt = _sgd()
+    on = [make_policy("ws+ga", params, opt, stage=s, num_stages=4, ga_stages="almost_last_partition")
+          .gap_aware is not None for s in range(4)]
+    assert on == [False, False, True, False]
+
+
+@pytest.mark.parametrize(
+    ("names", "kwargs", "match"),
+    [
+        ("sgd", {}, r"unknown staleness mitigation 'sgd'; valid names: stale, ws, wp"),
+        ("", {}, "no staleness mitigation given"),
+        ("stale+ws", {}, "'stale' means no mitigation"),
+        ("ws+ws", {}, "repeat"),
+        ("wp+msnag", {}, "choose one weight predictor"),
+        ("ws+ga+ga_jfl", {"recompute": True}, "choose one"),
+        ("ga_jfl", {"recompute": True}, "add 'ws'"),
+        ("ws+ga_jfl", {"recompute": False}, "recompute=True"),
+        ("aggmsnag", {}, "step_every > 1"),
+    ],
+)
+def test_nonsense_combinations_raise(names, kwargs, match):
+    params, opt = _sgd()
+    with pytest.raises(ValueError, match=match):
+        make_policy(names, params, opt, stage=0, num_stages=2, **kwargs)
+
+
+def test_optimizer_and_stage_errors():
+    p = torch.nn.Parameter(torch.zeros(2))
+    with pytest.raises(ValueError, match="RMSprop.*supported: torch.optim.SGD"):
+        make_policy("wp", [p], torch.optim.RMSprop([p]), stage=0, num_stages=2)
+    with pytest.raises(ValueError, match="add 'ws'"):
+        make_policy("ga", [p], torch.optim.Adam([p]), stage=0, num_stages=2)
+    with pytest.raises(ValueError, match="maximize"):
+        make_policy("wp", [p], torch.optim.SGD([p], lr=0.1, maximize=True), stage=0, num_stages=2)
+    with pytest.raises(ValueError, match=r"stage 2 is not in \[0, num_stages=2\)"):
+        make_policy("ws", [p], torch.optim.SGD([p], lr=0.1), stage=2, num_stages=2)
+    other = torch.nn.Parameter(torch.zeros(1))
+    with pytest.raises(ValueError, match=r"not in the optimizer's param groups"):
+        make_policy("wp", [other], torch.optim.SGD([p], lr=0.1), stage=0, num_stages=2)
+    assert make_policy("stale", [p], torch.optim.RMSprop([p]), stage=0, num_stages=2).__class__ is WeightPolicy
