@@ -20,6 +20,7 @@ import traceback
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import torch
 import torch.multiprocessing as tmp
 
 from ringpipe.comm.base import Communicator
@@ -80,7 +81,7 @@ def spawn(
     nprocs: int,
     backend: str = "gloo",
     args: Sequence[Any] = (),
-    start_method: str = "fork",
+    start_method: str | None = None,
     env: dict[str, str] | None = None,
 ) -> list[Any]:
     """Run ``fn(comm, *args)`` on ``nprocs`` real processes; return the per-rank results.
@@ -88,8 +89,12 @@ def spawn(
     Processes are started by ``torch.multiprocessing`` with the standard torch variables set,
     so ``fn`` sees a world as under torchrun. If a rank raises or dies, the others are
     terminated and :class:`WorkerFailed` names the rank. ``start_method='spawn'`` needs a
-    picklable, module-level ``fn``; ``fork`` (default on Linux) starts faster.
+    picklable, module-level ``fn``; ``fork`` starts faster and is the default unless the
+    backend is NCCL or CUDA is already initialised here (CUDA cannot be used after fork).
     """
+    if start_method is None:
+        cuda = backend == "nccl" or torch.cuda.is_initialized()
+        start_method = "spawn" if cuda or sys.platform != "linux" else "fork"
     if backend not in BACKENDS or backend == "mpi":
         raise ValueError(f"spawn supports backends gloo and nccl; got {backend!r} (use mpirun for mpi)")
     ctx = tmp.get_context(start_method)
@@ -114,13 +119,39 @@ def spawn(
         # Read results while joining: a large result blocks its writer until it is read.
         while not ctx_.join(timeout=0.05):
             drain()
-    except tmp.ProcessRaisedException as exc:
-        raise WorkerFailed(exc.error_index, str(exc).strip().splitlines()[-1]) from exc
-    except tmp.ProcessExitedException as exc:
-        cause = f"killed by signal {exc.signal_name}" if exc.signal_name else f"exit code {exc.exit_code}"
-        raise WorkerFailed(exc.error_index, cause) from exc
+    except (tmp.ProcessRaisedException, tmp.ProcessExitedException) as exc:
+        rank, cause = _root_cause(ctx_, exc.error_index)
+        raise WorkerFailed(rank, cause) from exc
     drain()
     return out
+
+
+# Messages of a rank that failed only because another rank went away first.
+_PEER_LOST = ("connection closed by peer", "connection reset by peer", "remote worker crashing", "broken pipe")
+
+
+def _root_cause(ctx: Any, first: int) -> tuple[int, str]:
+    """The failed worker to blame and its cause: one that did not merely lose a peer.
+
+    When a rank dies, the ranks talking to it fail a moment later with "connection closed by
+    peer"; whichever failure ``join`` noticed first, the report names the rank that died.
+    """
+    failures: list[tuple[int, str]] = []
+    for rank, proc in enumerate(ctx.processes):
+        proc.join(timeout=1.0)
+        code = proc.exitcode
+        if code in (None, 0) or (rank != first and code == -signal.SIGTERM):
+            continue  # still alive, succeeded, or stopped by join after the first failure
+        cause = ""
+        path = ctx.error_files[rank]
+        if os.path.exists(path) and os.path.getsize(path) > 0:
+            with open(path, "rb") as fh:
+                cause = str(pickle.load(fh)).strip().splitlines()[-1]
+        if not cause:
+            cause = f"killed by signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+        failures.append((rank, cause))
+    failures.sort(key=lambda f: (any(p in f[1].lower() for p in _PEER_LOST), f[0] != first, f[0]))
+    return failures[0] if failures else (first, "failed")
 
 
 @contextlib.contextmanager

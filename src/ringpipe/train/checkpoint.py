@@ -1,0 +1,64 @@
+"""Checkpoints: written by rank 0 atomically (temporary file, then rename), the last k kept, resumable.
+
+A checkpoint is a plain dict of tensors and Python values saved with ``torch.save`` and read
+with ``weights_only=True``. The file appears under its final name only once it is complete
+(``os.replace`` is atomic on POSIX), so a run killed while saving leaves the previous
+checkpoint intact and at worst a ``*.tmp`` file, which :func:`latest_checkpoint` ignores.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "latest_checkpoint", "list_checkpoints"]
+
+_NAME = re.compile(r"^step-(\d+)\.pt$")
+
+
+class CheckpointError(RuntimeError):
+    """No usable checkpoint, or one that does not match the run being resumed."""
+
+
+def list_checkpoints(directory: str | Path) -> list[Path]:
+    """Complete checkpoints in ``directory``, oldest first."""
+    d = Path(directory)
+    if not d.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in d.iterdir() if (m := _NAME.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def latest_checkpoint(directory: str | Path) -> Path | None:
+    ckpts = list_checkpoints(directory)
+    return ckpts[-1] if ckpts else None
+
+
+def save_checkpoint(directory: str | Path, step: int, payload: dict[str, Any], keep: int) -> Path:
+    """Write ``payload`` as ``step-<step>.pt`` atomically and delete all but the newest ``keep``."""
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    final = d / f"step-{step:08d}.pt"
+    tmp = d / f".step-{step:08d}.pt.tmp"
+    with tmp.open("wb") as f:
+        torch.save(payload, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, final)
+    for old in list_checkpoints(d)[:-keep]:
+        old.unlink(missing_ok=True)
+    return final
+
+
+def load_checkpoint(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    try:
+        return torch.load(p, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {str(p)!r} does not exist") from None
+    except Exception as exc:  # a truncated or foreign file: say which one
+        raise CheckpointError(f"checkpoint {str(p)!r} cannot be read ({exc}); delete it to resume from an older one") from None

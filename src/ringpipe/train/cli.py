@@ -1,0 +1,235 @@
+"""``ringpipe train``: argument parsing, world detection or process start, and the closing summary."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from ringpipe.train.config import (
+    MODE_NAMES,
+    ConfigError,
+    TrainConfig,
+    dump_config,
+    load_config,
+    read_file,
+)
+
+__all__ = ["add_parser", "add_train_parser", "run_train", "resolve_run_dir"]
+
+log = logging.getLogger(__name__)
+
+_EPILOG = """\
+configuration:
+  Every setting lives in a typed config (YAML or JSON); the defaults are the default run:
+  an MLP on the embedded 8x8 digits, mode dp on 2 local processes, Adam, cosine schedule
+  with 2 warmup epochs. Keys (sections are chosen by their `name`):
+    mode nprocs backend seed epochs batch_size max_steps log_every
+    model.name: mlp(hidden, dropout) | cnn(channels, hidden, dropout) | resnet(width, blocks)
+                | transformer(d_model, heads, layers, ff, dropout)
+    data.name: digits(test_fraction) | mnist, fashion_mnist(root) | cifar10(root)
+               | synthetic(samples, classes, shape, noise, test_fraction)
+               | synthetic_lm(samples, vocab, seq_len, noise, test_fraction)
+    optimizer.name: sgd(lr, momentum, nesterov, weight_decay, scale_lr)
+                    | adam, adamw(lr, betas, eps, weight_decay, scale_lr)
+    schedule.name: constant | step(step_epochs, gamma) | multistep(milestones, gamma)
+                   | cosine(min_factor); all take warmup_epochs, warmup_start_factor
+    checkpoint: every_epochs, keep
+    pipeline (pipeline modes): stages, microbatches, balance, partition, recompute
+    dp (mode dp): bucket_mb, compression, backward_passes_per_step, algorithm
+  batch_size is per data-parallel replica; epochs are counted as step x global_batch / records.
+
+modes: {modes}
+
+run directory: config.yaml (resolved), metrics.jsonl, checkpoints/, curves.png, summary.json
+
+examples:
+  ringpipe train
+  ringpipe train --config configs/ddp.yaml --set optimizer.lr=0.003 --set epochs=10
+  ringpipe train --mode single --set model.name=cnn --run-dir runs/cnn
+  ringpipe train --run-dir runs/cnn --resume --set max_steps=null
+  torchrun --nproc-per-node 4 -m ringpipe.cli train --config configs/ddp.yaml
+  mpirun -n 2 python -m ringpipe.cli train --mode dp
+"""
+
+
+def add_train_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register the ``train`` subcommand on an ``argparse`` subparsers object."""
+    p = subparsers.add_parser(
+        "train",
+        help="train a model from a typed config (every mode: single, ddp, dp, pipelines)",
+        description=(
+            "Train a model from a validated configuration, on one process, on N local processes "
+            "(--nprocs), or on the world of a launcher (torchrun, mpirun, srun, ringpipe launch), "
+            "which is detected. Writes everything into the run directory and nowhere else."
+        ),
+        epilog=_EPILOG.format(modes=", ".join(MODE_NAMES)),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--config", "-c", metavar="FILE", default=None,
+                   help="YAML or JSON config file; its keys refine the defaults (default: the built-in default run)")
+    p.add_argument("--set", "-s", dest="overrides", metavar="KEY=VALUE", action="append", default=[],
+                   help="override one key, dotted, value read as YAML (repeatable), e.g. --set optimizer.lr=0.01")
+    p.add_argument("--mode", "-m", choices=MODE_NAMES, default=None, help="shortcut for --set mode=MODE")
+    p.add_argument("--nprocs", "-n", type=int, default=None,
+                   help="local processes to start when not under a launcher (shortcut for --set nprocs=N)")
+    p.add_argument("--backend", choices=("gloo", "nccl", "mpi"), default=None,
+                   help="communication backend (shortcut for --set backend=...); mpi re-starts under mpirun")
+    p.add_argument("--run-dir", "-o", metavar="DIR", default=None,
+                   help="where outputs go (default: runs/<timestamp>-<mode>; with --resume: the newest run in runs/)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the newest checkpoint of --run-dir with its saved config (--set still applies)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
+    p.set_defaults(func=run_train)
+    return p
+
+
+#: ``ringpipe.cli`` registers subcommands through ``add_parser``.
+add_parser = add_train_parser
+
+
+def resolve_run_dir(run_dir: str | None, mode: str, resume: bool, root: Path = Path("runs")) -> Path:
+    """The run directory: as given; for --resume the newest under ``root``; else a new timestamped one."""
+    if run_dir:
+        return Path(run_dir)
+    if resume:
+        runs = sorted((p for p in root.glob("*") if (p / "checkpoints").is_dir()), key=lambda p: p.stat().st_mtime)
+        if not runs:
+            raise ConfigError(f"--resume without --run-dir: no run with checkpoints under {root}/; give --run-dir")
+        return runs[-1]
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return root / f"{stamp}-{mode}"
+
+
+def _build_config(args: argparse.Namespace, run_dir: Path | None) -> TrainConfig:
+    overrides = list(args.overrides)
+    for flag, key in ((args.mode, "mode"), (args.nprocs, "nprocs"), (args.backend, "backend")):
+        if flag is not None:
+            overrides.insert(0, f"{key}={flag}")
+    base = None
+    if args.resume and args.config is None and run_dir is not None and (run_dir / "config.yaml").is_file():
+        base = read_file(run_dir / "config.yaml")
+    cfg = load_config(args.config, overrides, base=base)
+    env_backend = os.environ.get("RINGPIPE_BACKEND")
+    if env_backend and args.backend is None and "backend" not in cfg.model_fields_set:
+        cfg = load_config(args.config, [f"backend={env_backend}", *overrides], base=base)
+    return cfg
+
+
+def _worker(comm: Any, raw: dict[str, Any], run_dir: str, resume: bool, progress: bool, verbose: bool) -> Any:
+    """Entry point on every rank (spawned, or under a launcher)."""
+    import torch
+
+    from ringpipe.train.config import validate
+    from ringpipe.train.logs import configure_rank_logging
+    from ringpipe.train.loop import train
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1") or 1))
+    configure_rank_logging(comm.rank, comm.size, verbose)
+    summary = train(comm, validate(raw), Path(run_dir), resume=resume, progress=progress)
+    return summary if comm.rank == 0 else None
+
+
+def _in_launched_world() -> bool:
+    from ringpipe.env import detect
+
+    return detect().launcher != "single"
+
+
+def run_train(args: argparse.Namespace) -> int:
+    """Run ``ringpipe train``: returns the process exit code."""
+    verbose = bool(getattr(args, "verbose", False))
+    try:
+        pre_dir = resolve_run_dir(args.run_dir, "x", args.resume) if (args.run_dir or args.resume) else None
+        cfg = _build_config(args, pre_dir)
+    except ConfigError as exc:
+        print(f"ringpipe train: {exc}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        import yaml
+
+        print(yaml.safe_dump(dump_config(cfg), sort_keys=False), end="")
+        return 0
+    run_dir = pre_dir or resolve_run_dir(None, cfg.mode, False)
+    raw = dump_config(cfg)
+    progress = not args.no_progress
+
+    if _in_launched_world():
+        return _run_in_world(cfg, raw, args, progress, verbose)
+    if cfg.backend == "mpi" and cfg.nprocs > 1:
+        return _reexec_mpirun(cfg, run_dir, args)
+
+    from ringpipe.train.registry import RegistryError
+
+    try:
+        if cfg.nprocs == 1:
+            from ringpipe.comm import init_world, shutdown_world
+
+            comm = init_world(cfg.backend)
+            try:
+                summary = _worker(comm, raw, str(run_dir), args.resume, progress, verbose)
+            finally:
+                shutdown_world()
+        else:
+            from ringpipe.launch import spawn
+
+            log.info("starting %d local processes (%s, mode %s) -> %s", cfg.nprocs, cfg.backend, cfg.mode, run_dir)
+            summary = spawn(_worker, cfg.nprocs, backend=cfg.backend,
+                            args=(raw, str(run_dir), args.resume, progress, verbose),
+                            env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})[0]
+    except (ConfigError, RegistryError, ValueError, RuntimeError, FileNotFoundError) as exc:
+        print(f"ringpipe train: {exc}", file=sys.stderr)
+        return 1
+    _report(summary, run_dir)
+    return 0
+
+
+def _run_in_world(cfg: TrainConfig, raw: dict[str, Any], args: argparse.Namespace, progress: bool,
+                  verbose: bool) -> int:
+    from ringpipe.comm import init_world, shutdown_world
+
+    comm = init_world(cfg.backend)
+    try:
+        if cfg.nprocs != comm.size and "nprocs" in cfg.model_fields_set and comm.rank == 0:
+            log.warning("nprocs=%d is ignored: the launcher started %d ranks", cfg.nprocs, comm.size)
+        # Rank 0 names the run directory, so that every rank writes to the same place.
+        name = str(resolve_run_dir(args.run_dir, cfg.mode, args.resume)) if comm.rank == 0 else None
+        run_dir = comm.broadcast_object(name) if comm.size > 1 else name
+        summary = _worker(comm, raw, str(run_dir), args.resume, progress, verbose)
+    finally:
+        shutdown_world()
+    if comm.rank == 0:
+        _report(summary, Path(str(run_dir)))
+    return 0
+
+
+def _reexec_mpirun(cfg: TrainConfig, run_dir: Path, args: argparse.Namespace) -> int:
+    """Start ``cfg.nprocs`` ranks of this same command under mpirun (the mpi backend needs it)."""
+    from ringpipe.launch import mpirun_command
+
+    argv = ["train", "--run-dir", str(run_dir)]
+    if args.config:
+        argv += ["--config", str(args.config)]
+    for flag, value in (("--mode", args.mode), ("--nprocs", args.nprocs), ("--backend", args.backend)):
+        if value is not None:
+            argv += [flag, str(value)]
+    for item in args.overrides:
+        argv += ["--set", item]
+    argv += [f for f, on in (("--resume", args.resume), ("--no-progress", args.no_progress)) if on]
+    cmd = mpirun_command(cfg.nprocs, [sys.executable, "-m", "ringpipe.cli", *argv])
+    log.info("starting %d ranks under mpirun: %s", cfg.nprocs, " ".join(cmd))
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    return subprocess.run(cmd, env=env).returncode
+
+
+def _report(summary: dict[str, Any], run_dir: Path) -> None:
+    from ringpipe.train.metrics import format_summary
+
+    print(format_summary(summary))
+    print(f"run directory: {run_dir}")

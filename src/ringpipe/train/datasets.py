@@ -1,0 +1,183 @@
+"""Dataset registry: embedded digits, MNIST / Fashion-MNIST (IDX), CIFAR-10 (python batches), synthetic.
+
+Every dataset is small enough to hold in memory as tensors; a loader returns a
+:class:`Dataset` with the train and test splits already normalised. Splits that are not
+given by the files (digits, synthetic) are drawn with a fixed generator, independent of the
+training seed, so every run and every rank sees the same split.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ringpipe.train.formats import FormatError, read_cifar_batch, read_idx
+from ringpipe.train.registry import Registry
+
+__all__ = ["Dataset", "Split", "DATASETS", "load_dataset", "DatasetError"]
+
+#: Seed of the generator that draws train/test splits and synthetic data (not the training seed).
+SPLIT_SEED = 1234
+
+
+class DatasetError(FileNotFoundError):
+    """Dataset files are missing or unusable; the message names the directory and the files expected."""
+
+
+@dataclass
+class Split:
+    """Inputs and targets of one split, as tensors."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+
+    def __len__(self) -> int:
+        return int(self.x.shape[0])
+
+
+@dataclass
+class Dataset:
+    """A loaded dataset: splits, classes (or vocabulary) and the shape of one input."""
+
+    name: str
+    train: Split
+    test: Split
+    num_classes: int
+    input_shape: tuple[int, ...]
+    kind: str = "classification"  # or "lm": x and y are token sequences, y shifted by one
+
+
+DATASETS: Registry[Callable[[Any], Dataset]] = Registry("dataset")
+
+
+def load_dataset(cfg: Any) -> Dataset:
+    """Load the dataset described by a data config section."""
+    return DATASETS.get(cfg.name)(cfg)
+
+
+def _split(n: int, test_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    perm = np.random.default_rng(SPLIT_SEED).permutation(n)
+    n_test = max(1, round(n * test_fraction))
+    return perm[n_test:], perm[:n_test]
+
+
+def _normalise(train: np.ndarray, test: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel standardisation with the train split's statistics (axis 1 is the channel)."""
+    axes = tuple(i for i in range(train.ndim) if i != 1)
+    mean = train.mean(axis=axes, keepdims=True)
+    std = train.std(axis=axes, keepdims=True) + 1e-6
+    return (
+        torch.from_numpy(((train - mean) / std).astype(np.float32)),
+        torch.from_numpy(((test - mean) / std).astype(np.float32)),
+    )
+
+
+@DATASETS.register("digits")
+def digits(cfg: Any) -> Dataset:
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    x = (np.asarray(bunch.images, dtype=np.float32) / 16.0).reshape(-1, 1, 8, 8)
+    y = np.asarray(bunch.target, dtype=np.int64)
+    tr, te = _split(len(x), cfg.test_fraction)
+    xtr, xte = _normalise(x[tr], x[te])
+    return Dataset("digits", Split(xtr, torch.from_numpy(y[tr])), Split(xte, torch.from_numpy(y[te])), 10, (1, 8, 8))
+
+
+_IDX_FILES = {
+    "train_images": "train-images-idx3-ubyte",
+    "train_labels": "train-labels-idx1-ubyte",
+    "test_images": "t10k-images-idx3-ubyte",
+    "test_labels": "t10k-labels-idx1-ubyte",
+}
+
+
+def _find(root: Path, stem: str, dataset: str) -> Path:
+    for folder in (root, root / "raw", root / dataset / "raw", root / dataset):
+        for name in (stem, stem + ".gz", stem.replace("-idx", ".idx")):
+            if (folder / name).is_file():
+                return folder / name
+    raise DatasetError(
+        f"{dataset}: {stem}[.gz] not found in {root} (nor in raw/ or {dataset}/raw/); the directory must hold "
+        f"{', '.join(_IDX_FILES.values())} (optionally .gz)"
+    )
+
+
+@DATASETS.register("mnist", "fashion_mnist")
+def idx_dataset(cfg: Any) -> Dataset:
+    root = Path(cfg.root).expanduser()
+    if not root.is_dir():
+        raise DatasetError(f"{cfg.name}: data.root={str(root)!r} is not a directory")
+    arrays = {k: read_idx(_find(root, stem, cfg.name)) for k, stem in _IDX_FILES.items()}
+    for split in ("train", "test"):
+        imgs, labels = arrays[f"{split}_images"], arrays[f"{split}_labels"]
+        if imgs.ndim != 3 or labels.ndim != 1 or len(imgs) != len(labels):
+            raise FormatError(
+                f"{cfg.name} {split}: images must be N x H x W and labels N, got {imgs.shape} and {labels.shape}"
+            )
+    tr = arrays["train_images"].astype(np.float32)[:, None] / 255.0
+    te = arrays["test_images"].astype(np.float32)[:, None] / 255.0
+    xtr, xte = _normalise(tr, te)
+    ytr = torch.from_numpy(arrays["train_labels"].astype(np.int64))
+    yte = torch.from_numpy(arrays["test_labels"].astype(np.int64))
+    classes = int(max(int(ytr.max()), int(yte.max())) + 1)
+    return Dataset(cfg.name, Split(xtr, ytr), Split(xte, yte), max(classes, 10), tuple(xtr.shape[1:]))
+
+
+@DATASETS.register("cifar10")
+def cifar10(cfg: Any) -> Dataset:
+    root = Path(cfg.root).expanduser()
+    folder = root / "cifar-10-batches-py" if (root / "cifar-10-batches-py").is_dir() else root
+    train_files = sorted(folder.glob("data_batch_*"))
+    test_file = folder / "test_batch"
+    if not train_files or not test_file.is_file():
+        raise DatasetError(
+            f"cifar10: data.root={str(root)!r} must hold data_batch_1..5 and test_batch "
+            f"(directly or in cifar-10-batches-py/)"
+        )
+    parts = [read_cifar_batch(f) for f in train_files]
+    xtr = np.concatenate([p[0] for p in parts]).astype(np.float32) / 255.0
+    ytr = np.concatenate([p[1] for p in parts])
+    xte_u8, yte = read_cifar_batch(test_file)
+    xtr_t, xte_t = _normalise(xtr, xte_u8.astype(np.float32) / 255.0)
+    return Dataset(
+        "cifar10", Split(xtr_t, torch.from_numpy(ytr)), Split(xte_t, torch.from_numpy(yte)), 10, (3, 32, 32)
+    )
+
+
+@DATASETS.register("synthetic")
+def synthetic(cfg: Any) -> Dataset:
+    rng = np.random.default_rng(SPLIT_SEED)
+    dim = int(np.prod(cfg.shape))
+    centers = rng.normal(size=(cfg.classes, dim)).astype(np.float32) * 2.0
+    y = rng.integers(0, cfg.classes, size=cfg.samples)
+    x = centers[y] + cfg.noise * rng.normal(size=(cfg.samples, dim)).astype(np.float32)
+    x = x.reshape(cfg.samples, *cfg.shape).astype(np.float32)
+    tr, te = _split(cfg.samples, cfg.test_fraction)
+    return Dataset(
+        "synthetic",
+        Split(torch.from_numpy(x[tr]), torch.from_numpy(y[tr].astype(np.int64))),
+        Split(torch.from_numpy(x[te]), torch.from_numpy(y[te].astype(np.int64))),
+        cfg.classes,
+        tuple(cfg.shape),
+    )
+
+
+@DATASETS.register("synthetic_lm")
+def synthetic_lm(cfg: Any) -> Dataset:
+    """Each token is followed by a fixed successor with probability ``1 - noise``, else a random one."""
+    rng = np.random.default_rng(SPLIT_SEED)
+    successor = rng.permutation(cfg.vocab)
+    seq = np.empty((cfg.samples, cfg.seq_len + 1), dtype=np.int64)
+    seq[:, 0] = rng.integers(0, cfg.vocab, size=cfg.samples)
+    for t in range(1, cfg.seq_len + 1):
+        noisy = rng.random(cfg.samples) < cfg.noise
+        seq[:, t] = np.where(noisy, rng.integers(0, cfg.vocab, size=cfg.samples), successor[seq[:, t - 1]])
+    tr, te = _split(cfg.samples, cfg.test_fraction)
+    x, y = torch.from_numpy(seq[:, :-1].copy()), torch.from_numpy(seq[:, 1:].copy())
+    return Dataset("synthetic_lm", Split(x[tr], y[tr]), Split(x[te], y[te]), cfg.vocab, (cfg.seq_len,), kind="lm")

@@ -1,0 +1,139 @@
+"""Run outputs: ``metrics.jsonl``, ``summary.json``, a PNG of the loss/accuracy curves, the summary table."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "MetricsWriter",
+    "read_metrics",
+    "write_json_atomic",
+    "plot_curves",
+    "format_summary",
+    "comm_time",
+]
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    p = Path(path)
+    if not p.is_file():
+        return []
+    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+
+
+class MetricsWriter:
+    """Appends one JSON record per line to ``<run-dir>/metrics.jsonl`` (rank 0 only; others no-op)."""
+
+    def __init__(self, run_dir: str | Path, enabled: bool) -> None:
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.enabled = enabled
+        self.records: list[dict[str, Any]] = []
+
+    def truncate_after(self, step: int) -> None:
+        """Keep only records up to ``step`` (resuming from a checkpoint taken at that step)."""
+        if not self.enabled:
+            return
+        self.records = [r for r in read_metrics(self.path) if r["step"] <= step]
+        tmp = self.path.with_name(".metrics.jsonl.tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in self.records))
+        os.replace(tmp, self.path)
+
+    def write(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        self.records.append(record)
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def write_json_atomic(path: str | Path, obj: Any) -> None:
+    p = Path(path)
+    tmp = p.with_name(f".{p.name}.tmp")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n")
+    os.replace(tmp, p)
+
+
+def comm_time(windows: Sequence[tuple[int, int]], events: Iterable[tuple[int, int]]) -> float:
+    """Seconds inside ``windows`` (disjoint, sorted ns intervals) during which any event was in flight.
+
+    Overlapping events (a bucket allreduce running while another starts) count once.
+    """
+    merged: list[list[int]] = []
+    for s, e in sorted(events):
+        if merged and s <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], e)
+        else:
+            merged.append([s, e])
+    total, i = 0, 0
+    for ws, we in windows:
+        while i < len(merged) and merged[i][1] <= ws:
+            i += 1
+        j = i
+        while j < len(merged) and merged[j][0] < we:
+            total += max(0, min(we, merged[j][1]) - max(ws, merged[j][0]))
+            j += 1
+    return total / 1e9
+
+
+def plot_curves(run_dir: str | Path, records: Sequence[dict[str, Any]]) -> Path | None:
+    """Loss and accuracy against epochs (train and test) as ``<run-dir>/curves.png``; None without data."""
+    run = Path(run_dir)
+    train = [r for r in records if r["kind"] == "train"]
+    evals = [r for r in records if r["kind"] == "eval"]
+    if not train and not evals:
+        return None
+    # matplotlib may build a font cache at first import: keep it inside the run directory
+    # (nothing written elsewhere) unless the user chose a place.
+    fresh = "matplotlib" not in sys.modules and "MPLCONFIGDIR" not in os.environ
+    if fresh:
+        os.environ["MPLCONFIGDIR"] = str(run / ".mplconfig")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    finally:
+        if fresh:
+            del os.environ["MPLCONFIGDIR"]
+
+    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 4))
+    if train:
+        ax_loss.plot([r["epoch"] for r in train], [r["loss"] for r in train], label="train", alpha=0.7)
+        ax_acc.plot([r["epoch"] for r in train], [r["accuracy"] for r in train], label="train", alpha=0.7)
+    if evals:
+        ax_loss.plot([r["epoch"] for r in evals], [r["test_loss"] for r in evals], "o-", label="test")
+        ax_acc.plot([r["epoch"] for r in evals], [r["test_accuracy"] for r in evals], "o-", label="test")
+    ax_loss.set(xlabel="epoch", ylabel="loss", title="loss")
+    ax_acc.set(xlabel="epoch", ylabel="accuracy", title="accuracy", ylim=(0, 1.02))
+    for ax in (ax_loss, ax_acc):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    out = run / "curves.png"
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "-"
+        return f"{value:.4f}" if abs(value) < 1000 else f"{value:,.0f}"
+    return str(value)
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """The closing table: one ``key  value`` row per summary entry."""
+    rows = [(k, _fmt(v)) for k, v in summary.items() if not isinstance(v, dict | list)]
+    width = max(len(k) for k, _ in rows)
+    vwidth = max(len(v) for _, v in rows)
+    line = "+" + "-" * (width + 2) + "+" + "-" * (vwidth + 2) + "+"
+    body = [f"| {k.ljust(width)} | {v.rjust(vwidth)} |" for k, v in rows]
+    return "\n".join([line, *body, line])

@@ -1,0 +1,279 @@
+"""Mode registry: each training mode is one adapter that turns (config, communicator, model) into an Engine.
+
+The training loop only talks to an :class:`Engine`: one optimizer step on a batch, one
+evaluation batch, state for checkpoints, and which data shard (replica) this rank reads.
+Data-parallel modes (``single``, ``ddp``, ``dp``) are here; pipeline modes live in
+:mod:`ringpipe.train.pipeline_modes` and register themselves into the same registry.
+A mode whose machinery is missing from the build says so when it is chosen.
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ringpipe.comm import Communicator, default_log
+from ringpipe.comm.events import EventLog
+from ringpipe.train.config import TrainConfig
+from ringpipe.train.datasets import Dataset
+from ringpipe.train.optimizers import build_optimizer, scaled_lr
+from ringpipe.train.registry import Registry
+
+__all__ = [
+    "MODES",
+    "Engine",
+    "ModeContext",
+    "ModeSpec",
+    "ModeUnavailable",
+    "DataParallelEngine",
+    "tally",
+    "loss_fn",
+    "build_engine",
+]
+
+
+class ModeUnavailable(RuntimeError):
+    """The chosen mode needs a part of ringpipe (or of the environment) that is not there."""
+
+
+def loss_fn(kind: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """Mean cross-entropy over samples (classification) or tokens (language model)."""
+    if kind == "lm":
+        return lambda out, y: nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+    return nn.functional.cross_entropy
+
+
+def tally(out: torch.Tensor, y: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+    """``[loss_sum, correct, count]`` of one batch (tokens count for language models), float64."""
+    pred = out.detach().argmax(dim=-1)
+    count = y.numel()
+    return torch.tensor(
+        [float(loss.detach()) * count, float((pred == y).sum()), float(count)], dtype=torch.float64
+    )
+
+
+@dataclass
+class ModeContext:
+    """What an adapter gets: the validated config, the world, the data and a seeded model factory."""
+
+    cfg: TrainConfig
+    comm: Communicator
+    data: Dataset
+    build_model: Callable[[], nn.Sequential]
+
+    @property
+    def loss(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        return loss_fn(self.data.kind)
+
+    def optimizer(self, params: Any, replicas: int) -> tuple[torch.optim.Optimizer, float]:
+        """The configured optimizer with the rate scaled for ``replicas``; returns (optimizer, scale)."""
+        lr, scale = scaled_lr(self.cfg.optimizer, replicas)
+        return build_optimizer(params, self.cfg.optimizer, lr), scale
+
+
+class Engine(ABC):
+    """One rank's view of a training mode, driven by :func:`ringpipe.train.loop.train`."""
+
+    #: number of data-parallel replicas (data shards) and this rank's replica
+    replicas: int = 1
+    replica_rank: int = 0
+    #: the optimizer the LR schedule drives on this rank, and the factor its rate was scaled by
+    optimizer: torch.optim.Optimizer
+    lr_scale: float = 1.0
+    #: True when every rank holds the same model and optimizer state (only rank 0's is saved)
+    shared_state: bool = True
+
+    @abstractmethod
+    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """One optimizer step on this rank's batch; returns this rank's tally (zeros if it sees no loss)."""
+
+    @abstractmethod
+    def eval_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Evaluate a batch without changing any state; returns this rank's tally."""
+
+    @abstractmethod
+    def state_dict(self) -> dict[str, Any]: ...
+
+    @abstractmethod
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    def close(self) -> None:  # noqa: B027 - optional hook, most engines hold nothing to release
+        """Release communication resources (background threads, hooks)."""
+
+
+@dataclass(frozen=True)
+class ModeSpec:
+    """A registered mode: its adapter and a one-line description for ``--help``."""
+
+    name: str
+    build: Callable[[ModeContext], Engine]
+    description: str
+    requires: str | None = None  # module that must be importable, e.g. ringpipe.dp
+
+    def check(self) -> None:
+        if self.requires is None:
+            return
+        try:
+            importlib.import_module(self.requires)
+        except ImportError as exc:
+            raise ModeUnavailable(
+                f"mode {self.name!r} is not available in this build: it needs {self.requires} ({exc}); "
+                f"use mode single, ddp or another available mode"
+            ) from None
+
+
+MODES: Registry[ModeSpec] = Registry("mode")
+
+
+def register_mode(name: str, description: str, requires: str | None = None) -> Callable[[Any], Any]:
+    def deco(build: Callable[[ModeContext], Engine]) -> Callable[[ModeContext], Engine]:
+        MODES.register(name)(ModeSpec(name, build, description, requires))
+        return build
+
+    return deco
+
+
+def build_engine(ctx: ModeContext) -> Engine:
+    """The engine of ``ctx.cfg.mode`` (pipeline modes are registered on first use)."""
+    importlib.import_module("ringpipe.train.pipeline_modes")
+    spec = MODES.get(ctx.cfg.mode)
+    spec.check()
+    return spec.build(ctx)
+
+
+# --------------------------------------------------------------------------------- data parallel
+
+
+class DataParallelEngine(Engine):
+    """Every rank holds the whole model and reads its own shard: ``single``, ``ddp`` and ``dp``."""
+
+    def __init__(self, ctx: ModeContext, model: nn.Module, train_model: nn.Module, optimizer: torch.optim.Optimizer,
+                 scale: float, accumulate: int = 1) -> None:
+        self.model = model  # the plain module (evaluation, checkpoints)
+        self.train_model = train_model  # what the forward of a training step goes through
+        self.optimizer = optimizer
+        self.lr_scale = scale
+        self.loss = ctx.loss
+        self.replicas = ctx.comm.size
+        self.replica_rank = ctx.comm.rank
+        self.accumulate = accumulate  # backward passes (equal chunks of the batch) per optimizer step
+
+    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        self.train_model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        total = torch.zeros(3, dtype=torch.float64)
+        for xc, yc in zip(x.chunk(self.accumulate), y.chunk(self.accumulate), strict=True):
+            out = self.train_model(xc)
+            loss = self.loss(out, yc)
+            (loss / self.accumulate).backward()
+            total += tally(out, yc, loss)
+        self.optimizer.step()
+        return total
+
+    @torch.no_grad()
+    def eval_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        self.model.eval()
+        out = self.model(x)
+        return tally(out, y, self.loss(out, y))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+
+
+@register_mode("single", "one process, no communication: the reference")
+def _single(ctx: ModeContext) -> Engine:
+    if ctx.comm.size != 1:
+        raise ModeUnavailable(
+            f"mode 'single' runs on one process but the world has {ctx.comm.size} ranks: "
+            "use mode ddp or dp, or start one process"
+        )
+    model = ctx.build_model()
+    opt, scale = ctx.optimizer(model.parameters(), 1)
+    return DataParallelEngine(ctx, model, model, opt, scale)
+
+
+def _timed_allreduce_hook(log: EventLog) -> Callable[[Any, Any], torch.futures.Future[torch.Tensor]]:
+    """A DDP communication hook doing DDP's own average, timed into ringpipe's event log."""
+
+    def hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        buf = bucket.buffer()
+        ev = log.begin("ddp_allreduce", buf.numel() * buf.element_size(), -1, 0, "ddp")
+        buf.div_(dist.get_world_size())
+        fut = dist.all_reduce(buf, async_op=True).get_future()
+
+        def done(f: torch.futures.Future[Any]) -> torch.Tensor:
+            EventLog.end(ev)
+            return f.value()[0]
+
+        return fut.then(done)
+
+    # DDP checks the hook's annotations as objects; postponed (string) annotations fail that check.
+    hook.__annotations__ = {"state": object, "bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]}
+    return hook
+
+
+@register_mode("ddp", "torch DistributedDataParallel over the world process group (baseline)")
+def _ddp(ctx: ModeContext) -> Engine:
+    if not dist.is_available() or not dist.is_initialized():
+        raise ModeUnavailable(
+            f"mode 'ddp' needs torch.distributed's default process group, which the {ctx.comm.backend!r} "
+            "communicator does not create: use backend gloo (CPU) or nccl (GPU)"
+        )
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = ctx.build_model()
+    ddp = DistributedDataParallel(model)
+    ddp.register_comm_hook(None, _timed_allreduce_hook(default_log()))
+    opt, scale = ctx.optimizer(model.parameters(), ctx.comm.size)
+    return DataParallelEngine(ctx, model, ddp, opt, scale)
+
+
+def _import_dp() -> tuple[Any, Any, Any]:
+    """(DistributedOptimizer, broadcast_parameters, broadcast_optimizer_state) from ringpipe.dp."""
+    try:
+        from ringpipe.dp.broadcast import broadcast_optimizer_state, broadcast_parameters
+        from ringpipe.dp.optimizer import DistributedOptimizer
+    except ImportError as exc:
+        raise ModeUnavailable(
+            f"mode 'dp' is not available in this build: ringpipe.dp cannot be imported ({exc}); use mode ddp"
+        ) from None
+    return DistributedOptimizer, broadcast_parameters, broadcast_optimizer_state
+
+
+class _DPEngine(DataParallelEngine):
+    """``dp``: gradients averaged by ringpipe's DistributedOptimizer while backward runs."""
+
+    def close(self) -> None:
+        self.optimizer.remove_hooks()  # type: ignore[attr-defined]
+
+
+@register_mode("dp", "ringpipe's DistributedOptimizer (Horovod-style, overlapped bucketed allreduce)")
+def _dp(ctx: ModeContext) -> Engine:
+    distributed_optimizer, broadcast_parameters, broadcast_optimizer_state = _import_dp()
+    dpc = ctx.cfg.dp
+    assert dpc is not None
+    model = ctx.build_model()
+    base, scale = ctx.optimizer(model.parameters(), ctx.comm.size)
+    broadcast_parameters(model.state_dict(), root_rank=0, comm=ctx.comm)
+    broadcast_optimizer_state(base, root_rank=0, comm=ctx.comm)
+    opt = distributed_optimizer(
+        base,
+        named_parameters=model.named_parameters(),
+        compression=dpc.compression,
+        backward_passes_per_step=dpc.backward_passes_per_step,
+        bucket_bytes=int(dpc.bucket_mb * 1024 * 1024),
+        algorithm=dpc.algorithm,
+        comm=ctx.comm,
+    )
+    return _DPEngine(ctx, model, model, opt, scale, accumulate=dpc.backward_passes_per_step)

@@ -1,0 +1,175 @@
+"""Pipeline-parallel modes (seq, gpipe, 1f1b, async) as adapters over ringpipe.pipeline's PipelineTrainer.
+
+The world is ``stages x replicas``: each replica is one pipeline reading its own data shard,
+and each stage's gradients are averaged over the replicas. Every rank of a replica reads the
+same batch; the first stage feeds the inputs, the last stage uses the targets, and the loss
+and accuracy are known on the last stage only (other ranks report zeros, which the loop's
+sum over ranks ignores).
+
+The synchronous modes step once per batch, and the loop's LR schedule drives their optimizer.
+Mode ``async`` steps each stage every ``step_every`` micro-batches, so each stage owns its
+schedule (given to PipelineTrainer, which steps it after every optimizer step and lets
+scheduler-aware weight prediction read the rates to come); it counts epochs as
+``optimizer steps / (steps per batch x batches per epoch)``, so at every batch boundary it
+agrees with the loop's per-batch schedule, which then only drives a stand-in optimizer for
+the logged rate.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ringpipe.train.config import PipelineConfig
+from ringpipe.train.modes import Engine, ModeContext, ModeUnavailable, register_mode
+from ringpipe.train.schedules import build_schedule
+
+__all__ = ["PipelineEngine", "SCHEDULE_OF_MODE", "rate_stand_in", "async_options"]
+
+#: ringpipe.pipeline schedule behind each mode
+SCHEDULE_OF_MODE = {"seq": "seq", "gpipe": "gpipe", "1f1b": "1f1b", "async": "async_1f1b"}
+
+
+def _accuracy(out: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
+    return {"accuracy": float((out.detach().argmax(dim=-1) == y).float().mean())}
+
+
+def rate_stand_in(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """An optimizer over one dummy tensor with ``optimizer``'s initial rates: a schedule may drive it freely."""
+    groups = [
+        {"params": [torch.zeros(1, requires_grad=True)], "lr": float(g.get("initial_lr", g["lr"]))}
+        for g in optimizer.param_groups
+    ]
+    stand_in = torch.optim.SGD(groups)
+    stand_in._opt_called = True  # type: ignore[attr-defined]  # never stepped: no step-order warning
+    return stand_in
+
+
+def async_options(pc: PipelineConfig) -> dict[str, Any]:
+    """PipelineTrainer's keyword arguments for mode ``async`` from a resolved pipeline section."""
+    options: dict[str, Any] = {}
+    if pc.ga_stages is not None:
+        options["ga_stages"] = pc.ga_stages
+    if pc.nag_with_predictor is not None:
+        options["nag_with_predictor"] = pc.nag_with_predictor
+    return {
+        "mitigations": list(pc.mitigations or ["stale"]),
+        "step_every": pc.step_every or 1,
+        "mitigation_options": options,
+    }
+
+
+class PipelineEngine(Engine):
+    """One rank's stage of a (replicated) pipeline."""
+
+    shared_state = False
+
+    def __init__(self, ctx: ModeContext, mode: str) -> None:
+        try:
+            from ringpipe.pipeline import PipelineTrainer
+        except ImportError as exc:
+            raise ModeUnavailable(
+                f"mode {mode!r} is not available in this build: ringpipe.pipeline cannot be imported ({exc})"
+            ) from None
+        pc = ctx.cfg.pipeline
+        assert pc is not None
+        size = ctx.comm.size
+        if size % pc.stages:
+            raise ModeUnavailable(
+                f"mode {mode!r}: the world has {size} ranks, not a multiple of pipeline.stages={pc.stages}; "
+                f"start a multiple of {pc.stages} processes or change pipeline.stages"
+            )
+        if pc.balance is not None and len(pc.balance) != pc.stages:
+            raise ValueError(
+                f"pipeline.balance={pc.balance} has {len(pc.balance)} stages but pipeline.stages={pc.stages}"
+            )
+        replicas = size // pc.stages
+        layers = ctx.build_model()
+        balance: Any
+        if pc.balance is not None:
+            balance = list(pc.balance)
+        elif pc.partition == "uniform":
+            n = len(layers)
+            balance = [n // pc.stages + (1 if i < n % pc.stages else 0) for i in range(pc.stages)]
+        else:
+            balance = "params" if pc.partition == "parameters" else "time"
+        scales: list[float] = []
+
+        def factory(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+            opt, scale = ctx.optimizer(params, replicas)
+            scales.append(scale)
+            return opt
+
+        extra: dict[str, Any] = {}
+        if mode == "async":
+            extra = async_options(pc)
+            steps_per_batch = pc.microbatches // extra["step_every"]
+            batches_per_epoch = len(ctx.data.train) / (ctx.cfg.batch_size * replicas)
+
+            def scheduler_factory(opt: torch.optim.Optimizer) -> Any:
+                return build_schedule(opt, ctx.cfg.schedule, ctx.cfg.epochs,
+                                      batches_per_epoch * steps_per_batch, scales[0])
+
+            extra["scheduler_factory"] = scheduler_factory
+
+        self.trainer = PipelineTrainer(
+            ctx.comm,
+            layers,
+            balance=balance,
+            schedule=SCHEDULE_OF_MODE[mode],
+            microbatches=pc.microbatches,
+            optimizer_factory=factory,
+            loss_fn=ctx.loss,
+            recompute=pc.recompute,
+            replicas=replicas,
+            metrics_fn=_accuracy,
+            seed=ctx.cfg.seed,
+            sample=ctx.data.train.x[: ctx.cfg.batch_size] if balance == "time" else None,
+            **extra,
+        )
+        # Under async the stage's own scheduler sets its rates; the loop's schedule gets a stand-in.
+        self.optimizer = rate_stand_in(self.trainer.optimizer) if mode == "async" else self.trainer.optimizer
+        self.lr_scale = scales[0] if scales else 1.0
+        self.replicas = replicas
+        self.replica_rank = self.trainer.grid.replica
+
+    def _tally(self, loss: float | None, y: torch.Tensor) -> torch.Tensor:
+        if not self.trainer.is_last or loss is None:
+            return torch.zeros(3, dtype=torch.float64)
+        n = y.numel()
+        acc = self.trainer.last_metrics.get("accuracy", 0.0)
+        return torch.tensor([loss * n, acc * n, float(n)], dtype=torch.float64)
+
+    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        t = self.trainer
+        loss = t.train_step(x if t.is_first else None, y if t.is_last else None)
+        return self._tally(loss, y)
+
+    def eval_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        t = self.trainer
+        m = t.microbatches
+        t.microbatches = max(1, min(m, len(x)))  # a short last batch gets fewer micro-batches
+        try:
+            loss, metrics = t.eval_step(x if t.is_first else None, y if t.is_last else None)
+        finally:
+            t.microbatches = m
+        t.last_metrics = metrics
+        return self._tally(loss, y)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.trainer.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.trainer.load_state_dict(state)
+
+
+def _register(mode: str, description: str) -> None:
+    register_mode(mode, description)(lambda ctx: PipelineEngine(ctx, mode))
+
+
+_register("seq", "naive model parallelism: the model cut into stages, one micro-batch at a time")
+_register("gpipe", "GPipe fill-drain pipeline over micro-batches (Huang et al. 2019)")
+_register("1f1b", "PipeDream-flush: one forward, one backward (Narayanan et al. 2021)")
+_register("async", "asynchronous PipeDream-style pipeline, no flush, a step every pipeline.step_every "
+          "micro-batches, staleness mitigations (pipeline.mitigations)")

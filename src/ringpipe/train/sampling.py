@@ -1,0 +1,66 @@
+"""The batch stream of one data-parallel replica: shuffled shards, pass after pass, resumable.
+
+Each pass over the data is ``torch.utils.data.DistributedSampler``'s shard for this replica
+(the same permutation on every replica for a given seed and pass, every sample once across
+replicas). Batches are cut from the concatenation of passes, so every step has exactly
+``batch_size`` samples per replica and the epoch ``step * global_batch / records`` is exact.
+The position (pass, offset) is the whole state: a resumed run continues mid-pass.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils.data import DistributedSampler
+
+__all__ = ["ShardStream", "eval_indices"]
+
+
+class ShardStream:
+    """Index batches for replica ``rank`` of ``replicas`` over ``records`` samples."""
+
+    def __init__(self, records: int, replicas: int, rank: int, batch_size: int, seed: int) -> None:
+        self.records, self.replicas, self.rank = records, replicas, rank
+        self.batch_size, self.seed = batch_size, seed
+        self.pass_ = 0
+        self.offset = 0
+        self._shard: torch.Tensor | None = None
+
+    def _current(self) -> torch.Tensor:
+        if self._shard is None:
+            # DistributedSampler only takes len() of its dataset.
+            sampler: DistributedSampler[int] = DistributedSampler(
+                range(self.records),  # type: ignore[arg-type]
+                num_replicas=self.replicas,
+                rank=self.rank,
+                shuffle=True,
+                seed=self.seed,
+            )
+            sampler.set_epoch(self.pass_)
+            self._shard = torch.tensor(list(sampler), dtype=torch.long)
+        return self._shard
+
+    def next_batch(self) -> torch.Tensor:
+        parts, need = [], self.batch_size
+        while need:
+            shard = self._current()
+            take = shard[self.offset : self.offset + need]
+            parts.append(take)
+            need -= len(take)
+            self.offset += len(take)
+            if self.offset >= len(shard):
+                self.pass_, self.offset, self._shard = self.pass_ + 1, 0, None
+        return torch.cat(parts)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"pass": self.pass_, "offset": self.offset}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.pass_, self.offset, self._shard = int(state["pass"]), int(state["offset"]), None
+
+
+def eval_indices(records: int, replicas: int, rank: int, batch_size: int) -> list[torch.Tensor]:
+    """This replica's evaluation batches: samples ``rank, rank + replicas, ...`` (each sample once overall)."""
+    mine = torch.arange(rank, records, replicas)
+    return list(mine.split(batch_size)) if len(mine) else []

@@ -1,0 +1,254 @@
+"""``ringpipe train`` in mode async: configuration of the mitigations, per-stage LR schedule, end to end."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from ringpipe.launch import spawn
+from ringpipe.pipeline.staleness import GA_STAGE_POLICIES as FACTORY_GA_STAGES
+from ringpipe.pipeline.staleness import MITIGATIONS
+from ringpipe.train.cli import add_train_parser, run_train
+from ringpipe.train.config import (
+    GA_STAGE_POLICIES,
+    MITIGATION_DOCS,
+    ConfigError,
+    PipelineConfig,
+    dump_config,
+    load_config,
+    mitigations_help,
+)
+from ringpipe.train.datasets import load_dataset
+from ringpipe.train.metrics import read_metrics
+from ringpipe.train.models import build_model
+from ringpipe.train.modes import ModeContext, build_engine
+from ringpipe.train.schedules import build_schedule
+
+TINY = ["epochs=1", "batch_size=32", "log_every=2", "optimizer.scale_lr=false", "optimizer.lr=0.01",
+        "model.hidden=[32]"]
+#: the documented command line: ringpipe train --set mode=async --set mitigations=wp,ws,ga ...
+COMMAND = ["mode=async", "mitigations=wp,ws,ga", "step_every=2", "recompute=false"]
+NESTED = ["mode=async", "pipeline.mitigations=[wp, ws, ga]", "pipeline.step_every=2", "pipeline.recompute=false"]
+TIMING = {"samples_per_second", "comm_share"}
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+def _sets(items):
+    return [a for item in items for a in ("--set", item)]
+
+
+def _train(run_dir, *argv: str) -> tuple[int, dict, list[dict]]:
+    parser = argparse.ArgumentParser()
+    add_train_parser(parser.add_subparsers())
+    args = parser.parse_args(["train", "--run-dir", str(run_dir), "--no-progress", *argv])
+    rc = run_train(args)
+    path = run_dir / "summary.json"
+    summary = json.loads(path.read_text()) if path.exists() else {}
+    metrics = read_metrics(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
+    return rc, summary, metrics
+
+
+def _error(*overrides: str) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides=overrides)
+    return str(info.value)
+
+
+# ------------------------------------------------------------------------------ end to end
+
+
+@pytest.mark.timeout(120)
+def test_command_line_runs_end_to_end(tmp_path, capsys):
+    run = tmp_path / "run"
+    rc, summary, metrics = _train(run, *_sets([*COMMAND, *TINY]))
+    assert rc == 0, capsys.readouterr().err
+    for key in ("test_accuracy", "final_loss", "samples_per_second", "epochs", "world_size", "mode"):
+        assert key in summary
+    assert summary["mode"] == "async" and summary["world_size"] == 2 and summary["epochs"] >= 1.0
+    losses = [r["loss"] for r in metrics if r["kind"] == "train"]
+    assert len(losses) >= 5 and losses[-1] < 0.5 * losses[0], losses
+    saved = yaml.safe_load((run / "config.yaml").read_text())["pipeline"]
+    assert saved["mitigations"] == ["wp", "ws", "ga"] and saved["step_every"] == 2
+    assert saved["recompute"] is False and saved["ga_stages"] == "all_except_last"
+    assert "mitigations" not in yaml.safe_load((run / "config.yaml").read_text())  # stored nested only
+
+
+@pytest.mark.timeout(180)
+def test_resume_restores_each_stage_schedule(tmp_path):
+    """Interrupted and resumed equals uninterrupted: the stages' own schedules are checkpointed."""
+    cfg = [*TINY, "mode=async", "mitigations=wp,ws", "step_every=2", "optimizer.name=sgd",
+           "schedule.name=cosine", "schedule.warmup_epochs=0.5"]
+    rc, full, full_metrics = _train(tmp_path / "full", *_sets(cfg))
+    assert rc == 0
+    part = tmp_path / "part"
+    rc, cut, _ = _train(part, *_sets([*cfg, "max_steps=17"]))
+    assert rc == 0 and cut["interrupted"] and cut["steps"] == 17
+    rc, resumed, resumed_metrics = _train(part, "--resume", "--set", "max_steps=null")
+    assert rc == 0 and resumed["steps"] == full["steps"]
+    strip = [{k: v for k, v in r.items() if k not in TIMING} for r in full_metrics]
+    assert [{k: v for k, v in r.items() if k not in TIMING} for r in resumed_metrics] == strip
+    assert resumed["test_loss"] == full["test_loss"] and resumed["final_lr"] == full["final_lr"]
+
+
+# ------------------------------------------------------------------------------ per-stage LR
+
+
+def _lr_worker(comm, overrides):
+    torch.set_num_threads(1)
+    cfg = load_config(overrides=overrides)
+    data = load_dataset(cfg.data)
+
+    def make_model():
+        torch.manual_seed(cfg.seed)
+        return build_model(cfg.model, data)
+
+    engine = build_engine(ModeContext(cfg, comm, data, make_model))
+    trainer = engine.trainer
+    used: list[float] = []
+    trainer.optimizer.register_step_pre_hook(lambda opt, a, k: used.append(opt.param_groups[0]["lr"]))
+    # What the loop does: its per-batch schedule on the engine's optimizer, stepped after each batch.
+    loop_schedule = build_schedule(engine.optimizer, cfg.schedule, cfg.epochs,
+                                   len(data.train) / cfg.batch_size, engine.lr_scale)
+    at_batch_end = []
+    for b in range(3):
+        x, y = data.train.x[32 * b: 32 * (b + 1)], data.train.y[32 * b: 32 * (b + 1)]
+        engine.train_step(x, y)
+        loop_schedule.step()
+        at_batch_end.append((trainer.optimizer.param_groups[0]["lr"], loop_schedule.get_last_lr()[0]))
+    predictor = getattr(trainer.policy, "predictor", None)
+    return {
+        "stage": trainer.stage,
+        "used": used,
+        "at_batch_end": at_batch_end,
+        "last_epoch": trainer.scheduler.last_epoch,
+        "steps": trainer.executor.steps_taken,
+        "records": len(data.train),
+        "predictor_reads_schedule": predictor is not None and predictor.scheduler is trainer.scheduler,
+    }
+
+
+@pytest.mark.timeout(60)
+def test_lr_advances_per_optimizer_step_of_each_stage():
+    lr, start, warmup = 0.05, 0.1, 1.0
+    overrides = ["mode=async", "nprocs=2", "mitigations=wp", "step_every=2", "pipeline.microbatches=4",
+                 "batch_size=32", "model.hidden=[16]", "optimizer.name=sgd", f"optimizer.lr={lr}",
+                 "optimizer.scale_lr=false", "schedule.name=constant", f"schedule.warmup_epochs={warmup}",
+                 f"schedule.warmup_start_factor={start}"]
+    results = spawn(_lr_worker, 2, args=(overrides,))
+    assert sorted(r["stage"] for r in results) == [0, 1]
+    for r in results:
+        steps_per_batch = 4 // 2
+        steps_per_epoch = r["records"] / 32 * steps_per_batch
+        assert r["steps"] == r["last_epoch"] == 3 * steps_per_batch
+        expected = [lr * (start + (1 - start) * (s / steps_per_epoch) / warmup) for s in range(6)]
+        assert r["used"] == pytest.approx(expected, rel=1e-12), r["stage"]
+        assert all(b > a for a, b in zip(r["used"], r["used"][1:], strict=False))  # changes within a batch
+        for stage_lr, loop_lr in r["at_batch_end"]:  # the logged rate is the stage's at batch ends
+            assert stage_lr == pytest.approx(loop_lr, rel=1e-12)
+        assert r["predictor_reads_schedule"]
+
+
+# ------------------------------------------------------------------------------ configuration
+
+
+def test_short_and_nested_forms_agree(tmp_path):
+    short = load_config(overrides=COMMAND)
+    assert short == load_config(overrides=NESTED)
+    assert short.pipeline is not None and short.pipeline.mitigations == ["wp", "ws", "ga"]
+    assert load_config(overrides=["mode=async", "mitigations=wp+ws+ga", "step_every=2"]) == short
+    f = tmp_path / "c.yaml"
+    f.write_text("mode: async\nmitigations: [wp, ws, ga]\nstep_every: 2\npipeline: {recompute: false}\n")
+    assert load_config(f) == short
+    assert load_config(f, ["step_every=1", "mitigations=ws"]).pipeline.step_every == 1  # --set wins
+    assert load_config(overrides=["mode=async", "step_every=2", "pipeline.step_every=1"]).pipeline.step_every == 1
+    f.write_text("mode: async\nstep_every: 2\npipeline: {step_every: 1}\n")
+    with pytest.raises(ConfigError, match="step_every=2 and pipeline.step_every=1 disagree"):
+        load_config(f)
+    again = load_config(base=yaml.safe_load(yaml.safe_dump(dump_config(short))))
+    assert again == short
+
+
+def test_async_defaults_are_resolved():
+    p = load_config(overrides=["mode=async"]).pipeline
+    assert p is not None and (p.step_every, p.mitigations, p.ga_stages, p.nag_with_predictor) == (
+        1, ["stale"], None, None)
+    p = load_config(overrides=["mode=async", "mitigations=ws,ga", "ga_stages=almost_last_partition",
+                               "pipeline.stages=3", "nprocs=3"]).pipeline
+    assert p is not None and p.ga_stages == "almost_last_partition"
+    dumped = dump_config(load_config(overrides=["mode=gpipe"]))["pipeline"]
+    assert not {"step_every", "mitigations", "ga_stages", "nag_with_predictor"} & set(dumped)
+
+
+@pytest.mark.parametrize("names", ["stale", "ws", "wp", "msnag", "wp,ws", "ws,ga", "wp,ws,ga", "wp,ga_jfl,ws"])
+@pytest.mark.parametrize("optimizer", ["sgd", "adam", "adamw"])
+def test_meaningful_combinations_are_accepted(names, optimizer):
+    cfg = load_config(overrides=["mode=async", f"mitigations={names}", f"optimizer.name={optimizer}",
+                                 f"recompute={'ga_jfl' in names}"])
+    assert cfg.pipeline is not None and cfg.pipeline.mitigations == names.split(",")
+
+
+def test_unknown_mitigation_lists_valid_names(tmp_path, capsys):
+    msg = _error("mode=async", "mitigations=wp,ws,gap")
+    assert "pipeline.mitigations=wp,ws,gap" in msg and "unknown staleness mitigation 'gap'" in msg
+    assert all(name in msg for name in MITIGATIONS)
+    rc, _, _ = _train(tmp_path / "x", *_sets(["mode=async", "mitigations=pw"]))
+    assert rc == 2 and "'pw'" in capsys.readouterr().err and not (tmp_path / "x").exists()
+    assert "mitigations.0=3" in _error("mode=async", "mitigations=[3]")
+    assert "ga_stages='last'" in _error("mode=async", "mitigations=ws,ga", "ga_stages=last")
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    (["mitigations=ga,ga_jfl,ws", "recompute=true"], "choose one"),
+    (["mitigations=stale,ws"], "cannot be combined"),
+    (["mitigations=wp,msnag"], "choose one weight predictor"),
+    (["mitigations=ws,ws"], "repeat"),
+    (["mitigations=aggmsnag"], "step_every > 1"),
+    (["mitigations=ga_jfl", "recompute=true"], "add 'ws'"),
+    (["mitigations=ws,ga_jfl"], "needs recomputation"),
+    (["mitigations=ga", "optimizer.name=adam"], "Gap Aware for Adam"),
+    (["mitigations=wp,ga", "optimizer.name=adamw"], "Gap Aware for AdamW"),
+    (["mitigations=ws", "ga_stages=all_except_last"], "read only with mitigation ga"),
+    (["mitigations=ws", "nag_with_predictor=true"], "read only with a weight predictor"),
+    (["mitigations=ws,ga", "ga_stages=all_except_last_two"], "no stage of a 2-stage pipeline"),
+    (["step_every=3"], "must divide pipeline.microbatches=4"),
+])
+def test_bad_combinations_are_config_errors(overrides, expected):
+    msg = _error("mode=async", *overrides)
+    assert expected in msg
+    assert "pipeline." in msg  # names the field
+
+
+@pytest.mark.parametrize("mode", ["single", "ddp", "dp", "seq", "gpipe", "1f1b"])
+def test_async_keys_refused_for_synchronous_modes(mode):
+    msg = _error(f"mode={mode}", "step_every=2")
+    assert "pipeline.step_every=2" in msg and "mode 'async'" in msg and f"mode {mode!r}" in msg
+    msg = _error(f"mode={mode}", "pipeline.mitigations=ws")
+    assert "pipeline.mitigations" in msg and "mode 'async'" in msg
+    if mode in ("single", "ddp", "dp"):
+        assert "pipeline.recompute" in _error(f"mode={mode}", "recompute=true")
+    else:
+        assert load_config(overrides=[f"mode={mode}", "recompute=true"]).pipeline.recompute
+
+
+def test_every_mitigation_is_documented():
+    assert set(MITIGATION_DOCS) == set(MITIGATIONS)
+    assert tuple(GA_STAGE_POLICIES) == tuple(FACTORY_GA_STAGES)
+    description = PipelineConfig.model_fields["mitigations"].description or ""
+    text = mitigations_help()
+    for name in (*MITIGATIONS, *GA_STAGE_POLICIES, "nag_with_predictor", "step_every"):
+        assert name in text
+    for name in MITIGATIONS:
+        assert f"{name}:" in description
+
+
+@pytest.mark.parametrize("name", ["async.yaml", "async_wp_ws_ga.yaml"])
+def test_example_configs_load(name):
+    cfg = load_config(CONFIGS / name)
+    assert cfg.mode == "async" and cfg.pipeline is not None and cfg.pipeline.step_every is not None
+    if name == "async_wp_ws_ga.yaml":
+        assert cfg == load_config(CONFIGS / name, [*COMMAND, "pipeline.microbatches=4"])
