@@ -49,7 +49,7 @@ def _ip(*args: str) -> None:
 
 @contextlib.contextmanager
 def two_hosts(delay_ms: float = 0.0, rate: str | None = None) -> Iterator[tuple[Host, Host]]:
-    """Yield two hosts joined by a veth link, optionally shaped with ``tc netem`` (delay, rate)."""
+    """Yield two hosts joined by a veth link, optionally shaped (``tc netem`` delay, ``tc tbf`` rate)."""
     tag = f"{os.getpid() % 100000}"
     hosts = (
         Host(f"rp-a-{tag}", "10.213.0.1", f"rpa{tag}", "rp-host-a"),
@@ -64,13 +64,16 @@ def two_hosts(delay_ms: float = 0.0, rate: str | None = None) -> Iterator[tuple[
             _ip("-n", h.ns, "addr", "add", f"{h.addr}/24", "dev", h.ifname)
             _ip("-n", h.ns, "link", "set", h.ifname, "up")
             _ip("-n", h.ns, "link", "set", "lo", "up")
-            if delay_ms or rate:
-                netem = ["tc", "qdisc", "add", "dev", h.ifname, "root", "netem"]
-                if delay_ms:
-                    netem += ["delay", f"{delay_ms}ms"]
+            if delay_ms:
+                netem = ["tc", "qdisc", "add", "dev", h.ifname, "root", "netem", "delay", f"{delay_ms}ms"]
                 if rate:
                     netem += ["rate", rate]
                 subprocess.run(["ip", "netns", "exec", h.ns, *netem], check=True, capture_output=True)
+            elif rate:
+                # A token bucket: needs only sch_tbf, which more kernels ship than sch_netem.
+                tbf = ["tc", "qdisc", "add", "dev", h.ifname, "root", "tbf", "rate", rate,
+                       "burst", "64kb", "latency", "500ms"]
+                subprocess.run(["ip", "netns", "exec", h.ns, *tbf], check=True, capture_output=True)
         yield hosts
     finally:
         for h in hosts:

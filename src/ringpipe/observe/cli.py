@@ -1,0 +1,163 @@
+"""``ringpipe doctor`` and ``ringpipe trace``: argument parsing and the live probe job."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import asdict
+from typing import Any
+
+import torch
+
+from ringpipe.comm.base import Communicator
+
+__all__ = ["add_parser", "doctor_main", "trace_main", "doctor_job"]
+
+
+def doctor_job(comm: Communicator, nbytes: int, reps: int, all_pairs: bool | None) -> dict[str, Any] | None:
+    """The probe every rank runs: compute, links, ring and native allreduce; rank 0 gets the result."""
+    from ringpipe import collectives
+    from ringpipe.observe.collect import collect_events
+    from ringpipe.observe.doctor import compute_probe, diagnose, run_probe
+
+    comm.log.clear()
+    comm.barrier()
+    compute_ms = compute_probe()
+    comm.barrier()
+    links = run_probe(comm, nbytes, all_pairs) if comm.size > 1 else []
+    x = torch.ones(max(1, nbytes // 4))
+    timings: dict[str, list[float]] = {"ring": [], "native": []}
+    for _ in range(reps):
+        for name in timings:
+            comm.barrier()
+            t0 = time.perf_counter()
+            if name == "ring":
+                collectives.allreduce(comm, x, "sum", algorithm="ring")
+            else:
+                comm.allreduce(x, "sum")
+            timings[name].append(time.perf_counter() - t0)
+    slowest = comm.allgather_object({k: min(v) for k, v in timings.items()})
+    job = collect_events(comm, info={"compute_ms": compute_ms, "threads": torch.get_num_threads()})
+    if job is None:
+        return None
+    findings = diagnose(job, links)
+    allreduce_ms = {k: 1e3 * max(s[k] for s in slowest) for k in timings}
+    return {"job": job, "links": links, "findings": findings, "allreduce_ms": allreduce_ms}
+
+
+def _print_report(result: dict[str, Any], nbytes: int, as_json: bool) -> None:
+    from ringpipe.observe.doctor import format_report
+
+    job, findings = result["job"], result["findings"]
+    if as_json:
+        print(json.dumps({
+            "ranks": job.size,
+            "hosts": job.hosts(),
+            "links": result.get("links", []),
+            "allreduce_ms": result.get("allreduce_ms", {}),
+            "compute_ms": [r.info.get("compute_ms") for r in job.ranks],
+            "findings": [asdict(f) for f in findings],
+        }), flush=True)
+        return
+    extra = []
+    if result.get("links"):
+        extra.append(f"{'link':>12} {'latency us':>11} {'GB/s':>8}  hosts")
+        hosts = job.hosts()
+        for x in result["links"]:
+            extra.append(f"{x['src']:>5} <-> {x['dst']:<3} {x['latency_us']:>11.1f} {x['gbps']:>8.3f}  "
+                         f"{hosts[x['src']]} / {hosts[x['dst']]}")
+    if result.get("allreduce_ms"):
+        ms = result["allreduce_ms"]
+        extra.append(f"allreduce of {nbytes} bytes (slowest rank, best of the runs): ring {ms['ring']:.2f} ms, "
+                     f"native {ms['native']:.2f} ms")
+    print(format_report(job, findings, extra), flush=True)
+
+
+def doctor_main(args: Any) -> int:
+    from ringpipe.observe.bench import parse_size
+
+    if args.events:
+        from ringpipe.observe.collect import load_events
+        from ringpipe.observe.doctor import diagnose
+        from ringpipe.observe.table import format_profile
+
+        job = load_events(args.events)
+        findings = diagnose(job)
+        if not args.json:
+            print(format_profile(job) + "\n", flush=True)
+        _print_report({"job": job, "findings": findings}, 0, args.json)
+        return 1 if any(f.severity == "problem" for f in findings) and args.strict else 0
+    nbytes = parse_size(args.size)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    backend = args.backend or os.environ.get("RINGPIPE_BACKEND") or "gloo"
+    pairs = {"all": True, "ring": False, "auto": None}[args.pairs]
+    if args.nprocs and "WORLD_SIZE" not in os.environ and "OMPI_COMM_WORLD_SIZE" not in os.environ:
+        from ringpipe.launch import spawn
+
+        results = spawn(doctor_job, args.nprocs, backend, args=(nbytes, args.reps, pairs))
+        result = results[0]
+    else:
+        from ringpipe.comm import init_world, shutdown_world
+
+        comm = init_world(backend)
+        try:
+            result = doctor_job(comm, nbytes, args.reps, pairs)
+        finally:
+            shutdown_world()
+    if result is None:
+        return 0
+    if args.save_events:
+        from ringpipe.observe.collect import save_events
+
+        save_events(args.save_events, result["job"])
+    _print_report(result, nbytes, args.json)
+    return 1 if any(f.severity == "problem" for f in result["findings"]) and args.strict else 0
+
+
+def trace_main(args: Any) -> int:
+    from ringpipe.observe.collect import load_events
+    from ringpipe.observe.table import format_profile
+    from ringpipe.observe.timeline import write_timeline
+
+    job = load_events(args.events)
+    out = write_timeline(args.output, job)
+    print(format_profile(job), flush=True)
+    print(f"\ntimeline: {out} (open in chrome://tracing or https://ui.perfetto.dev)", file=sys.stderr)
+    return 0
+
+
+def add_parser(sub: Any) -> None:
+    d = sub.add_parser(
+        "doctor",
+        help="explain where collectives lose time: late ranks, placement, slow links, slow CPUs",
+        description=(
+            "Without EVENTS: probe the job it runs in (under any launcher, or -n N local processes): "
+            "a compute probe per rank, latency and bandwidth of every pair of ranks (ring neighbours "
+            "above 8 ranks), ring and native allreduce; then name the rank, host or link at fault. "
+            "With EVENTS (a file from `ringpipe train --set observe.events=true` or "
+            "ringpipe.observe.save_events): the communication profile and the late ranks of that run."
+        ),
+    )
+    d.add_argument("events", nargs="?", default=None, help="events file to analyse instead of probing")
+    d.add_argument("-n", "--nprocs", type=int, default=None, help="start N local processes (when not under a launcher)")
+    d.add_argument("--backend", default=None, help="gloo, nccl or mpi (default: $RINGPIPE_BACKEND or gloo)")
+    d.add_argument("--size", default="4M", help="message size of the bandwidth and allreduce probes (default 4M)")
+    d.add_argument("--reps", type=int, default=3, help="allreduce probe repetitions (default 3)")
+    d.add_argument("--pairs", choices=("auto", "all", "ring"), default="auto",
+                   help="links to probe: every pair, ring neighbours, or all pairs up to 8 ranks (auto)")
+    d.add_argument("--save-events", default=None, metavar="FILE", help="also save the probe's events here")
+    d.add_argument("--json", action="store_true", help="one JSON object instead of the report")
+    d.add_argument("--strict", action="store_true", help="exit 1 when a problem is found")
+    d.set_defaults(func=doctor_main)
+
+    t = sub.add_parser(
+        "trace",
+        help="turn an events file into a Chrome timeline and print the communication profile",
+        description="Write EVENTS as a Chrome trace (chrome://tracing, ui.perfetto.dev) and print the MPI-style profile.",
+    )
+    t.add_argument("events", help="events file (ringpipe.observe.save_events or `ringpipe train --set observe.events=true`)")
+    t.add_argument("-o", "--output", default="timeline.json", help="timeline file to write (default timeline.json)")
+    t.set_defaults(func=trace_main)

@@ -1,0 +1,317 @@
+"""The doctor: explains locality anomalies — which rank, host or link makes collectives slow.
+
+Seed 000 found that the same ring allreduce on 8 ranks ran at different speeds with ranks
+placed 4-2-2 or 4-3-1 over three hosts, and suspected NUMA, binding and links. The doctor
+turns those suspicions into measurements and names the culprit:
+
+- **late ranks** (from any job's events): the rank that enters collectives last, again and
+  again, while the others wait for it. That is load imbalance or a slow process, not the
+  network, and no collective algorithm can fix it.
+- **placement**: ranks per host (unbalanced placements make a ring cross hosts at uneven
+  places), more ranks than cores on a host, ranks bound to the same CPUs.
+- **links** (from a probe): latency and bandwidth of every pair of ranks (or of ring
+  neighbours on large jobs), grouped into same-host and cross-host links; a link much slower
+  than its peers is named, and so is the cost of crossing hosts.
+- **compute** (from a probe): a rank much slower at the same matrix product than the others.
+
+:func:`diagnose` is pure (events and probe results in, findings out); :func:`run_probe` is the
+collective part that every rank runs under ``ringpipe doctor``.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import Counter, defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ringpipe.comm.base import Communicator
+from ringpipe.observe.collect import JobEvents
+
+__all__ = ["Finding", "diagnose", "late_ranks", "placement", "link_findings", "compute_findings",
+           "run_probe", "format_report", "COLLECTIVE_OPS"]
+
+COLLECTIVE_OPS = ("allreduce", "allgather", "broadcast", "reduce", "reduce_scatter", "alltoall", "barrier")
+_PROBE_TAG = 7_100_000
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One diagnosis: how bad (``problem`` or ``info``), what, and what to do about it."""
+
+    severity: str
+    what: str
+    evidence: str
+    fix: str = ""
+    rank: int | None = None
+    hosts: tuple[str, ...] = ()
+
+    def text(self) -> str:
+        out = f"[{self.severity}] {self.what}\n    evidence: {self.evidence}"
+        return out + (f"\n    what to do: {self.fix}" if self.fix else "")
+
+
+# ----------------------------------------------------------------------------- late ranks
+
+
+def late_ranks(job: JobEvents, min_calls: int = 5, min_late_ms: float = 1.0) -> list[Finding]:
+    """Ranks that keep entering the same collectives last, from the job's events.
+
+    The k-th call of an operation on a communicator is the same collective on every rank (ranks
+    call collectives in one order). A rank is named when it is the last to arrive in at least
+    60 % of at least ``min_calls`` calls, by a median of ``min_late_ms`` or more, and by at least
+    three times the median lateness of the other ranks.
+    """
+    calls: dict[tuple[str, str], dict[int, list[tuple[int, int]]]] = defaultdict(dict)
+    for rank_events in job.ranks:
+        for e in rank_events.events:
+            if e.op in COLLECTIVE_OPS:
+                calls[(e.comm, e.op)].setdefault(rank_events.rank, []).append((e.start_ns, e.end_ns))
+    findings = []
+    for (comm, op), per_rank in sorted(calls.items()):
+        if len(per_rank) < 2:
+            continue
+        ranks = sorted(per_rank)
+        n = min(len(v) for v in per_rank.values())
+        if n < min_calls:
+            continue
+        late: dict[int, list[float]] = {r: [] for r in ranks}
+        last: Counter[int] = Counter()
+        waited: defaultdict[int, float] = defaultdict(float)
+        for k in range(n):
+            arrivals = {r: per_rank[r][k][0] for r in ranks}
+            first = min(arrivals.values())
+            order = sorted(ranks, key=lambda r: arrivals[r])
+            last[order[-1]] += 1
+            waited[order[-1]] += (arrivals[order[-1]] - arrivals[order[-2]]) / 1e9
+            for r in ranks:
+                late[r].append((arrivals[r] - first) / 1e6)
+        for r in ranks:
+            med = statistics.median(late[r])
+            others = statistics.median([x for q in ranks if q != r for x in late[q]])
+            if last[r] >= 0.6 * n and med >= min_late_ms and med >= 3 * others:
+                host = job.ranks[r].host
+                findings.append(Finding(
+                    "problem",
+                    f"rank {r} (host {host}) arrives late at {op} on {comm}",
+                    f"last to enter in {last[r]} of {n} calls, a median {med:.1f} ms after the first rank "
+                    f"(other ranks: {others:.2f} ms); the others waited {waited[r]:.3f} s for it in total",
+                    f"the network is not the cause: rank {r} does more work between collectives. Look for "
+                    "uneven data or model shards, a slower or oversubscribed CPU on its host, data loading "
+                    "or file I/O on that rank only (e.g. rank-0 checkpoints inside the step), or other jobs "
+                    "on that host",
+                    rank=r, hosts=(host,),
+                ))
+    return findings
+
+
+# ----------------------------------------------------------------------------- placement
+
+
+def placement(job: JobEvents) -> list[Finding]:
+    """Ranks per host, ring crossings, oversubscribed cores and shared bindings."""
+    findings: list[Finding] = []
+    hosts = job.hosts()
+    per_host = Counter(hosts)
+    order = list(dict.fromkeys(hosts))
+    shape = "-".join(str(per_host[h]) for h in order)
+    p = len(hosts)
+    crossings = sum(hosts[r] != hosts[(r + 1) % p] for r in range(p)) if p > 1 else 0
+    if len(per_host) > 1 and len(set(per_host.values())) > 1:
+        findings.append(Finding(
+            "problem",
+            f"unbalanced placement {shape} over {len(per_host)} hosts",
+            f"ranks per host: {', '.join(f'{h}: {per_host[h]}' for h in order)}; a ring in rank order "
+            f"crosses hosts {crossings} times, and the host with {min(per_host.values())} rank(s) carries "
+            "a whole ring hop of cross-host traffic on fewer cores",
+            "place the same number of ranks on every host, or use the hierarchical allreduce "
+            "(algorithm='hierarchical': reduce inside each host, allreduce among one leader per host, "
+            "broadcast inside each host), which sends each byte across hosts once per host",
+            hosts=tuple(order),
+        ))
+    elif len(per_host) > 1:
+        findings.append(Finding("info", f"placement {shape} over {len(per_host)} hosts",
+                                f"a ring in rank order crosses hosts {crossings} times"))
+    by_host: dict[str, list[int]] = defaultdict(list)
+    for rank_events in job.ranks:
+        by_host[rank_events.host].append(rank_events.rank)
+    for host, ranks in by_host.items():
+        infos = [job.ranks[r].info for r in ranks]
+        if not all("cpus" in i for i in infos):
+            continue
+        cpus = set().union(*(set(i["cpus"]) for i in infos))
+        threads = sum(int(i.get("threads", 1)) for i in infos)
+        if threads > len(cpus):
+            findings.append(Finding(
+                "problem",
+                f"host {host} is oversubscribed: {len(ranks)} ranks x threads = {threads} on {len(cpus)} CPUs",
+                f"ranks {ranks} may run on CPUs {sorted(cpus)}",
+                "start fewer ranks per host, or fewer threads per rank (OMP_NUM_THREADS, "
+                "torch.set_num_threads); ranks that wait for a core make every collective wait for them",
+                hosts=(host,),
+            ))
+        bound = Counter(tuple(i["cpus"]) for i in infos if len(i["cpus"]) < int(i.get("cpu_count", 0) or 0))
+        for cpuset, count in bound.items():
+            if count > 1 and len(cpuset) < count:
+                share = [r for r, i in zip(ranks, infos, strict=True) if tuple(i["cpus"]) == cpuset]
+                findings.append(Finding(
+                    "problem",
+                    f"ranks {share} on host {host} are bound to the same CPUs {list(cpuset)}",
+                    f"{count} ranks share {len(cpuset)} CPU(s) while the host has more",
+                    "bind each rank to its own cores (mpirun --bind-to core --map-by socket, or "
+                    "--bind-to none) or set distinct affinities",
+                    hosts=(host,),
+                ))
+    return findings
+
+
+# ----------------------------------------------------------------------------- links and compute
+
+
+def link_findings(job: JobEvents, links: list[dict[str, Any]], slow_factor: float = 0.5) -> list[Finding]:
+    """Findings from probed links: ``[{"src", "dst", "latency_us", "gbps"}, ...]``."""
+    if not links:
+        return []
+    hosts = job.hosts()
+    classes: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for link in links:
+        cross = hosts[link["src"]] != hosts[link["dst"]]
+        classes["cross-host" if cross else "same-host"].append(link)
+    findings: list[Finding] = []
+    medians = {c: statistics.median(x["gbps"] for x in ls) for c, ls in classes.items()}
+    lat = {c: statistics.median(x["latency_us"] for x in ls) for c, ls in classes.items()}
+    for cls, ls in classes.items():
+        for x in ls:
+            if x["gbps"] < slow_factor * medians[cls]:
+                a, b = hosts[x["src"]], hosts[x["dst"]]
+                findings.append(Finding(
+                    "problem",
+                    f"slow link: rank {x['src']} ({a}) <-> rank {x['dst']} ({b})",
+                    f"{x['gbps']:.3f} GB/s against a median of {medians[cls]:.3f} GB/s for {cls} links "
+                    f"(latency {x['latency_us']:.0f} us, median {lat[cls]:.0f} us)",
+                    "a ring allreduce runs at the pace of its slowest hop: check this link's NIC, cable, "
+                    "switch port or traffic shaping, or order the ranks so the ring avoids it",
+                    hosts=(a, b),
+                ))
+    if "cross-host" in medians and "same-host" in medians:
+        ratio = medians["same-host"] / max(medians["cross-host"], 1e-12)
+        sev = "problem" if ratio >= 2 else "info"
+        findings.append(Finding(
+            sev,
+            f"crossing hosts costs {ratio:.1f}x in bandwidth",
+            f"same-host links {medians['same-host']:.3f} GB/s (latency {lat['same-host']:.0f} us), "
+            f"cross-host links {medians['cross-host']:.3f} GB/s (latency {lat['cross-host']:.0f} us)",
+            "use the hierarchical allreduce so that only one rank per host sends across hosts"
+            if sev == "problem" else "",
+            hosts=tuple(dict.fromkeys(hosts)),
+        ))
+    p = len(hosts)
+    ring = [x for x in links if (x["dst"] - x["src"]) % p in (1, p - 1)]
+    if p > 2 and ring:
+        worst = min(ring, key=lambda x: x["gbps"])
+        findings.append(Finding(
+            "info", f"slowest ring hop: rank {worst['src']} <-> rank {worst['dst']}",
+            f"{worst['gbps']:.3f} GB/s; a ring allreduce of n bytes needs about 2(p-1)/p * n / "
+            f"{worst['gbps']:.3f} GB/s on this ring"))
+    return findings
+
+
+def compute_findings(job: JobEvents, slow_factor: float = 1.5) -> list[Finding]:
+    """Ranks whose compute probe took ``slow_factor`` times the median or longer."""
+    times = {r.rank: r.info["compute_ms"] for r in job.ranks if "compute_ms" in r.info}
+    if len(times) < 2:
+        return []
+    med = statistics.median(times.values())
+    return [
+        Finding(
+            "problem",
+            f"rank {r} (host {job.ranks[r].host}) computes slowly",
+            f"the same matrix products took {t:.1f} ms against a median of {med:.1f} ms",
+            "its CPU is shared (oversubscription, other jobs), slower, or its memory is on another "
+            "NUMA node (numactl --show; bind ranks with mpirun --bind-to core --map-by socket)",
+            rank=r, hosts=(job.ranks[r].host,),
+        )
+        for r, t in sorted(times.items()) if t >= slow_factor * med
+    ]
+
+
+def diagnose(job: JobEvents, links: list[dict[str, Any]] | None = None) -> list[Finding]:
+    """Every finding for ``job``: problems first."""
+    found = placement(job) + compute_findings(job) + link_findings(job, links or []) + late_ranks(job)
+    return sorted(found, key=lambda f: f.severity != "problem")
+
+
+def format_report(job: JobEvents, findings: list[Finding], extra: Sequence[str] = ()) -> str:
+    """The doctor's report: hosts, any measurement lines, then the findings, problems first."""
+    hosts = list(dict.fromkeys(job.hosts()))
+    lines = [f"ringpipe doctor: {job.size} ranks on {len(hosts)} host(s): {', '.join(hosts)}"]
+    lines += list(extra)
+    problems = [f for f in findings if f.severity == "problem"]
+    lines.append(f"{len(problems)} problem(s) found" if problems else "no problem found")
+    lines += [f.text() for f in findings]
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- probes (collective)
+
+
+def _pairs(size: int, all_pairs: bool) -> list[tuple[int, int]]:
+    if all_pairs:
+        return [(a, b) for a in range(size) for b in range(a + 1, size)]
+    return sorted({(min(r, (r + 1) % size), max(r, (r + 1) % size)) for r in range(size)})
+
+
+def _pingpong(comm: Communicator, peer: int, buf: torch.Tensor, reps: int, first: bool) -> float:
+    """Median one-way time (s) of ``reps`` round trips of ``buf`` with ``peer``."""
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        if first:
+            comm.send(buf, peer, _PROBE_TAG)
+            comm.recv(buf, peer, _PROBE_TAG)
+        else:
+            comm.recv(buf, peer, _PROBE_TAG)
+            comm.send(buf, peer, _PROBE_TAG)
+        times.append((time.perf_counter() - t0) / 2)
+    return statistics.median(times)
+
+
+def compute_probe(reps: int = 3, n: int = 256, iters: int = 20) -> float:
+    """Median time in ms of ``iters`` ``n x n`` matrix products (the same work on every rank)."""
+    a = torch.randn(n, n, generator=torch.Generator().manual_seed(0))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            a = torch.tanh(a @ a / n)
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times)
+
+
+def run_probe(comm: Communicator, nbytes: int = 4 << 20, all_pairs: bool | None = None) -> list[dict[str, Any]]:
+    """Measure links pair by pair (one pair at a time); every rank calls it. Returns all links.
+
+    All pairs on up to 8 ranks, ring neighbours above. Each link: median one-way latency of
+    8-byte messages and bandwidth of ``nbytes`` messages, as seen by the lower rank of the pair.
+    """
+    if all_pairs is None:
+        all_pairs = comm.size <= 8
+    small = torch.zeros(2, dtype=torch.float32)
+    big = torch.zeros(max(1, nbytes // 4), dtype=torch.float32)
+    mine: list[dict[str, Any]] = []
+    for a, b in _pairs(comm.size, all_pairs):
+        if comm.rank in (a, b):
+            peer, first = (b, True) if comm.rank == a else (a, False)
+            _pingpong(comm, peer, small, 2, first)  # connect and warm up
+            lat = _pingpong(comm, peer, small, 10, first)
+            bw_t = _pingpong(comm, peer, big, 3, first)
+            if first:
+                mine.append({"src": a, "dst": b, "latency_us": 1e6 * lat,
+                             "gbps": big.numel() * 4 / max(bw_t, 1e-12) / 1e9})
+        comm.barrier()
+    every = comm.allgather_object(mine)
+    return [link for part in every for link in part]

@@ -1,0 +1,69 @@
+"""A timeline of every rank's communication in Chrome's trace format (chrome://tracing, Perfetto).
+
+One process row per rank (named ``rank R @ host``), one thread row per communicator, and a
+separate row per collective algorithm's steps, so that a ring's steps line up under the call
+that made them. Times are microseconds from the first event of the job, on rank 0's clock.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from ringpipe.observe.collect import JobEvents
+
+__all__ = ["chrome_trace", "write_timeline"]
+
+
+def _row(op: str, comm: str) -> str:
+    # "allreduce.step" / "allreduce.header" go under the call that made them, on their own row.
+    if "." in op:
+        return f"{comm}: {op.split('.', 1)[0]} steps"
+    return comm or "world"
+
+
+def chrome_trace(job: JobEvents) -> dict[str, Any]:
+    """The Chrome trace-event JSON object for ``job`` (``{"traceEvents": [...]}``)."""
+    starts = [e.start_ns for r in job.ranks for e in r.events]
+    origin = min(starts) if starts else 0
+    out: list[dict[str, Any]] = []
+    for r in job.ranks:
+        out.append({"ph": "M", "name": "process_name", "pid": r.rank, "tid": 0,
+                    "args": {"name": f"rank {r.rank} @ {r.host}"}})
+        out.append({"ph": "M", "name": "process_sort_index", "pid": r.rank, "tid": 0,
+                    "args": {"sort_index": r.rank}})
+        tids: dict[str, int] = {}
+        for e in r.events:
+            row = _row(e.op, e.comm)
+            if row not in tids:
+                tids[row] = len(tids) + 1
+                out.append({"ph": "M", "name": "thread_name", "pid": r.rank, "tid": tids[row],
+                            "args": {"name": row}})
+            args: dict[str, Any] = {"bytes": e.nbytes}
+            if e.peer >= 0:
+                args["peer"] = e.peer
+            if e.tag:
+                args["tag"] = e.tag
+            args.update({k: v for k, v in e.detail.items() if isinstance(v, (int, float, str, bool))})
+            out.append({
+                "ph": "X",
+                "name": e.op,
+                "cat": "comm",
+                "pid": r.rank,
+                "tid": tids[row],
+                "ts": (e.start_ns - origin) / 1e3,
+                "dur": max(0, e.end_ns - e.start_ns) / 1e3,
+                "args": args,
+            })
+    return {"traceEvents": out, "displayTimeUnit": "ms", "otherData": {"ringpipe": job.meta}}
+
+
+def write_timeline(path: str | Path, job: JobEvents) -> Path:
+    """Write :func:`chrome_trace` of ``job`` to ``path`` (open it in chrome://tracing or ui.perfetto.dev)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(chrome_trace(job)))
+    tmp.replace(path)
+    return path

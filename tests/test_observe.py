@@ -1,0 +1,241 @@
+"""Where the time goes: events gathered on one clock, the Chrome timeline, the profile table, the doctor."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import netns
+from ringpipe import collectives
+from ringpipe.comm.events import Event
+from ringpipe.launch import spawn
+from ringpipe.observe.collect import JobEvents, RankEvents, collect_events, load_events, save_events
+from ringpipe.observe.doctor import diagnose, late_ranks, link_findings, placement
+from ringpipe.observe.table import busy_ns, format_profile, profile
+from ringpipe.observe.timeline import chrome_trace, write_timeline
+
+MS = 1_000_000
+
+
+def _ev(op, start_ms, end_ms, nbytes=4096, peer=-1, comm="world", **detail):
+    return Event(op, nbytes, peer, int(start_ms * MS), int(end_ms * MS), 0, comm, detail)
+
+
+def _job(per_rank_events, hosts=None, infos=None):
+    hosts = hosts or ["h0"] * len(per_rank_events)
+    infos = infos or [{} for _ in per_rank_events]
+    return JobEvents([RankEvents(r, hosts[r], evs, infos[r]) for r, evs in enumerate(per_rank_events)],
+                     {"backend": "gloo"})
+
+
+# ----------------------------------------------------------------------------- pure analysis
+
+
+def _allreduces(late_rank, n=10, size=3, late_ms=20.0):
+    """n allreduces every 100 ms; ``late_rank`` enters each one ``late_ms`` after the others."""
+    out = []
+    for r in range(size):
+        evs = []
+        for k in range(n):
+            t0 = 100.0 * k + (late_ms if r == late_rank else 0.1 * r)
+            evs.append(_ev("allreduce", t0, 100.0 * k + late_ms + 2.0))
+        out.append(evs)
+    return out
+
+
+def test_late_rank_is_named_with_its_lateness_and_the_cost_to_others():
+    found = late_ranks(_job(_allreduces(late_rank=2)))
+    assert len(found) == 1
+    f = found[0]
+    assert f.rank == 2 and f.severity == "problem"
+    assert "last to enter in 10 of 10 calls" in f.evidence and "20.0 ms" in f.evidence
+    assert "network is not the cause" in f.fix
+
+
+def test_balanced_ranks_are_not_blamed():
+    # Lateness of at most 0.2 ms and rotating: nobody is named.
+    assert late_ranks(_job(_allreduces(late_rank=None))) == []
+
+
+def test_too_few_calls_give_no_verdict():
+    assert late_ranks(_job(_allreduces(late_rank=1, n=3))) == []
+
+
+def test_unbalanced_placement_4_3_1_and_ring_crossings():
+    hosts = ["a"] * 4 + ["b"] * 3 + ["c"]
+    job = _job([[] for _ in hosts], hosts=hosts)
+    found = placement(job)
+    f = found[0]
+    assert f.severity == "problem" and "unbalanced placement 4-3-1 over 3 hosts" in f.what
+    assert "crosses hosts 3 times" in f.evidence and "hierarchical" in f.fix
+    balanced = placement(_job([[] for _ in range(8)], hosts=["a"] * 4 + ["b"] * 4))
+    assert [f.severity for f in balanced] == ["info"]
+
+
+def test_oversubscribed_host_and_shared_binding():
+    infos = [{"cpus": [0], "cpu_count": 8, "threads": 1} for _ in range(3)]
+    found = placement(_job([[] for _ in range(3)], infos=infos))
+    whats = " | ".join(f.what for f in found)
+    assert "oversubscribed: 3 ranks x threads = 3 on 1 CPUs" in whats
+    assert "ranks [0, 1, 2] on host h0 are bound to the same CPUs [0]" in whats
+    fine = [{"cpus": [r], "cpu_count": 8, "threads": 1} for r in range(3)]
+    assert placement(_job([[] for _ in range(3)], infos=fine)) == []
+
+
+def test_slow_link_and_the_cost_of_crossing_hosts():
+    hosts = ["a", "a", "b", "b"]
+    job = _job([[] for _ in hosts], hosts=hosts)
+    links = [
+        {"src": 0, "dst": 1, "latency_us": 20, "gbps": 8.0},
+        {"src": 2, "dst": 3, "latency_us": 20, "gbps": 8.0},
+        {"src": 0, "dst": 2, "latency_us": 200, "gbps": 1.0},
+        {"src": 0, "dst": 3, "latency_us": 200, "gbps": 1.0},
+        {"src": 1, "dst": 2, "latency_us": 200, "gbps": 0.2},  # the bad cable
+        {"src": 1, "dst": 3, "latency_us": 200, "gbps": 1.0},
+    ]
+    found = link_findings(job, links)
+    slow = [f for f in found if f.what.startswith("slow link")]
+    assert [f.what for f in slow] == ["slow link: rank 1 (a) <-> rank 2 (b)"]
+    crossing = [f for f in found if "crossing hosts" in f.what]
+    assert crossing[0].what == "crossing hosts costs 8.0x in bandwidth" and crossing[0].severity == "problem"
+    # Problems come first in the full diagnosis.
+    sev = [f.severity for f in diagnose(job, links)]
+    assert sev == sorted(sev, key=lambda s: s != "problem")
+
+
+def test_busy_time_counts_overlapping_operations_once():
+    evs = [_ev("isend", 0, 10), _ev("irecv", 5, 12), _ev("allreduce", 20, 25)]
+    assert busy_ns(evs) == 17 * MS
+
+
+def test_profile_rows_per_operation_and_rank():
+    r0 = [_ev("allreduce", 0, 4, nbytes=1024), _ev("allreduce.step", 1, 2, peer=1), _ev("send", 10, 11, peer=1)]
+    r1 = [_ev("allreduce", 0, 6, nbytes=1024), _ev("recv", 9, 11, peer=0)]
+    p = profile(_job([r0, r1]))
+    ops = {row["op"]: row for row in p["ops"]}
+    assert set(ops) == {"allreduce", "send", "recv"}  # steps belong to their call
+    assert ops["allreduce"]["calls"] == 2 and ops["allreduce"]["max_rank"] == 1
+    assert ops["allreduce"]["max_ms"] == pytest.approx(6.0) and ops["allreduce"]["min_ms"] == pytest.approx(4.0)
+    assert p["ranks"][0]["comm_ms"] == pytest.approx(5.0) and p["ranks"][0]["wall_ms"] == pytest.approx(11.0)
+    text = format_profile(_job([r0, r1]))
+    assert "allreduce" in text and "1.0 KiB" in text and "comm %" in text
+
+
+def test_chrome_trace_has_a_process_per_rank_and_steps_on_their_own_row(tmp_path):
+    r0 = [_ev("allreduce", 1, 4), _ev("allreduce.step", 2, 3, peer=1, step=0, cid=5)]
+    r1 = [_ev("allreduce", 1.5, 4)]
+    job = _job([r0, r1], hosts=["a", "b"])
+    trace = chrome_trace(job)
+    names = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"}
+    assert names == {0: "rank 0 @ a", 1: "rank 1 @ b"}
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert min(e["ts"] for e in spans) == 0.0
+    step = next(e for e in spans if e["name"] == "allreduce.step")
+    call = next(e for e in spans if e["name"] == "allreduce" and e["pid"] == 0)
+    assert step["tid"] != call["tid"] and step["args"]["cid"] == 5 and step["dur"] == pytest.approx(1000.0)
+    path = write_timeline(tmp_path / "t.json", job)
+    assert json.loads(path.read_text())["traceEvents"]
+
+
+def test_events_file_round_trip_and_clear_errors(tmp_path):
+    job = _job([[_ev("allreduce", 0, 1, cid=3)], [_ev("allreduce", 0, 2)]], infos=[{"compute_ms": 1.0}, {}])
+    back = load_events(save_events(tmp_path / "ev.json", job))
+    assert back.ranks[0].events == job.ranks[0].events and back.ranks[0].info == {"compute_ms": 1.0}
+    with pytest.raises(FileNotFoundError, match="no such events file"):
+        load_events(tmp_path / "missing.json")
+    (tmp_path / "other.json").write_text('{"traceEvents": []}')
+    with pytest.raises(ValueError, match="not a ringpipe events file"):
+        load_events(tmp_path / "other.json")
+
+
+# ----------------------------------------------------------------------------- real processes
+
+
+def _late_job(comm, late_rank):
+    comm.log.clear()
+    x = torch.ones(1024)
+    for _ in range(8):
+        if comm.rank == late_rank:
+            time.sleep(0.02)  # this rank does more work between collectives
+        comm.allreduce(x)
+        collectives.allreduce(comm, x, "sum", algorithm="ring")
+    job = collect_events(comm)
+    if job is None:
+        return None
+    return job, [(f.rank, f.what) for f in diagnose(job)]
+
+
+@pytest.mark.timeout(120)
+def test_doctor_names_the_rank_that_keeps_the_others_waiting(tmp_path):
+    job, findings = spawn(_late_job, 3, args=(1,))[0]
+    late = [f for f in findings if "arrives late" in f[1]]
+    # Both the native allreduce and ringpipe's ring see rank 1 arrive last.
+    assert {rank for rank, _ in late} == {1}, findings
+    assert any("allreduce on world" in what for _, what in late)
+    assert {r.rank for r in job.ranks} == {0, 1, 2}
+    steps = [e for e in job.ranks[0].events if e.op == "allreduce.step"]
+    assert steps and all(e.detail["algorithm"] == "ring" for e in steps)
+    trace = chrome_trace(job)
+    assert {e["pid"] for e in trace["traceEvents"] if e["ph"] == "X"} == {0, 1, 2}
+
+
+def _env():
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "RINGPIPE_BACKEND"):
+        env.pop(k, None)
+    return env
+
+
+@pytest.mark.timeout(120)
+def test_doctor_and_trace_commands(tmp_path):
+    events = tmp_path / "ev.json"
+    out = subprocess.run([sys.executable, "-m", "ringpipe.cli", "doctor", "-n", "2", "--size", "64K", "--json",
+                          "--save-events", str(events)], capture_output=True, text=True, env=_env(), timeout=100)
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report["ranks"] == 2 and len(report["compute_ms"]) == 2
+    assert [(x["src"], x["dst"]) for x in report["links"]] == [(0, 1)]
+    assert report["links"][0]["gbps"] > 0 and report["allreduce_ms"]["ring"] > 0
+    trace = subprocess.run([sys.executable, "-m", "ringpipe.cli", "trace", str(events), "-o",
+                            str(tmp_path / "timeline.json")], capture_output=True, text=True, env=_env(), timeout=60)
+    assert trace.returncode == 0, trace.stderr
+    assert "Communication profile: 2 ranks on 1 host" in trace.stdout and "allreduce" in trace.stdout
+    assert json.loads((tmp_path / "timeline.json").read_text())["traceEvents"]
+    offline = subprocess.run([sys.executable, "-m", "ringpipe.cli", "doctor", str(events)],
+                             capture_output=True, text=True, env=_env(), timeout=60)
+    assert offline.returncode == 0 and "ringpipe doctor: 2 ranks on 1 host(s)" in offline.stdout
+
+
+REASON = netns.can_create()
+
+
+@pytest.mark.netns
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(REASON is not None, reason=REASON or "")
+def test_doctor_finds_the_slow_cross_host_links():
+    """Two namespace hosts whose link is shaped to 200 Mbit/s: the doctor blames crossing hosts."""
+    env = _env()
+    with netns.two_hosts(rate="200mbit") as (a, b):
+        procs = []
+        for node, host in enumerate((a, b)):
+            cmd = [*host.prefix(), sys.executable, "-m", "ringpipe.cli", "launch", "-n", "2", "--nnodes", "2",
+                   "--node-rank", str(node), "--rdzv-endpoint", f"{a.addr}:29641", "-m", "ringpipe.cli",
+                   "doctor", "--json", "--size", "1M", "--pairs", "all"]
+            procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
+        outs = [p.communicate(timeout=150) for p in procs]
+    for p, (out, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, out[-2000:] + err[-4000:]
+    line = next(x for x in outs[0][0].splitlines() if '"findings"' in x)
+    report = json.loads(line.split(":", 1)[1] if not line.startswith("{") else line)
+    assert report["hosts"] == ["rp-host-a", "rp-host-a", "rp-host-b", "rp-host-b"]
+    crossing = [f for f in report["findings"] if "crossing hosts costs" in f["what"]]
+    assert crossing and crossing[0]["severity"] == "problem", report["findings"]
+    cross = [x["gbps"] for x in report["links"] if (x["src"] < 2) != (x["dst"] < 2)]
+    same = [x["gbps"] for x in report["links"] if (x["src"] < 2) == (x["dst"] < 2)]
+    assert len(cross) == 4 and len(same) == 2 and max(cross) < min(same)
