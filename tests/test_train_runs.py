@@ -98,6 +98,20 @@ def test_resume_equals_uninterrupted(tmp_path, mode, nprocs):
     assert len(list((part / "checkpoints").glob("step-*.pt"))) == 2  # keep last k
 
 
+def test_failed_resume_keeps_saved_config(tmp_path, capsys):
+    """A refused --resume (another mode) leaves config.yaml as it was, so a later resume still works."""
+    run = tmp_path / "run"
+    rc, cut, _ = _train(run, *_sets([*TINY, "mode=single", "max_steps=3"]))
+    assert rc == 0 and cut["interrupted"]
+    saved = (run / "config.yaml").read_text()
+    capsys.readouterr()
+    rc, _, _ = _train(run, "--resume", "--mode", "dp")
+    assert rc == 1 and "mode 'single'" in capsys.readouterr().err
+    assert (run / "config.yaml").read_text() == saved
+    rc, resumed, _ = _train(run, "--resume", "--set", "max_steps=null")
+    assert rc == 0 and resumed["mode"] == "single" and not resumed["interrupted"]
+
+
 def test_single_outputs_only_in_run_dir(tmp_path, capsys):
     run = tmp_path / "out"
     rc, summary, metrics = _train(run, *_sets([*TINY, "mode=single", "epochs=2"]))

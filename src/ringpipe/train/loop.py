@@ -363,17 +363,18 @@ def train(
 ) -> dict[str, Any]:
     """Train ``cfg`` on this rank of ``comm``; rank 0 writes the run directory. Returns the summary."""
     run = Path(run_dir)
-    if comm.rank == 0:
+    if comm.rank == 0 and not resume:
         run.mkdir(parents=True, exist_ok=True)
-        (run / "config.yaml").write_text(yaml.safe_dump(dump_config(cfg), sort_keys=False))
     if comm.size > 1:
         comm.barrier()
     state = _Run(comm, cfg, run, progress)
     try:
         if resume:
-            state.resume()
-        elif comm.rank == 0:
-            (run / "metrics.jsonl").write_text("")
+            state.resume()  # refuses a mismatched checkpoint before anything is written
+        if comm.rank == 0:
+            (run / "config.yaml").write_text(yaml.safe_dump(dump_config(cfg), sort_keys=False))
+            if not resume:
+                (run / "metrics.jsonl").write_text("")
         summary = state.run()
     finally:
         state.engine.close()
