@@ -180,6 +180,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._synchronized = False
         self._should_synchronize = True
         self._active = float(comm.size)
+        self._peers_joined = False  # some rank had joined at the last reduction
         self._unused: list[int] = []
         self._hooks = [s.param.register_post_accumulate_grad_hook(self._make_hook(s)) for s in self._slots]
         self._created = next(_CREATED)
@@ -352,6 +353,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 slot.count = 0
                 slot.used = False
             self._next_launch = 0
+            self._peers_joined = self._active < self.comm.size
         # Parameters that no rank produced a gradient for keep no gradient, as in one process.
         for i in self._unused:
             self._slots[i].param.grad = None
@@ -384,6 +386,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             else:
                 self.synchronize()
         self._synchronized = False
+        if self._peers_joined:
+            self._share_hyperparameters(have_data=True)
         return self.optimizer.step(closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -436,8 +440,37 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._next_launch = 1
         self._launch_all(flag=0.0)
         self._wait_all()
+        self._share_hyperparameters(have_data=False)
         self.optimizer.step()
         return True
+
+    def hyperparameters(self) -> list[dict[str, Any]]:
+        """Every parameter group's settings (learning rate, momentum, ...) without its parameters."""
+        return [{k: v for k, v in group.items() if k != "params"} for group in self.param_groups]
+
+    def load_hyperparameters(self, groups: Sequence[dict[str, Any]]) -> None:
+        """Set the parameter groups' settings to ``groups`` (as returned by :meth:`hyperparameters`)."""
+        if len(groups) != len(self.param_groups):
+            raise ValueError(
+                f"{len(groups)} groups of hyper-parameters for an optimizer with {len(self.param_groups)} "
+                "parameter groups; build the same optimizer on every rank"
+            )
+        for group, theirs in zip(self.param_groups, groups, strict=True):
+            group.update({k: v for k, v in theirs.items() if k != "params"})
+
+    def _share_hyperparameters(self, have_data: bool) -> None:
+        """Give ranks that joined the hyper-parameters of the first rank with data, for this step.
+
+        A joined rank no longer runs the training loop, so its learning-rate scheduler stands
+        still; without this its served steps would use a stale learning rate and its
+        parameters would drift away from those of the ranks still training.
+        """
+        mine = self.hyperparameters() if have_data else None
+        every = self.engine.run(lambda: self.comm.allgather_object(mine), name="join-hyperparameters")
+        if not have_data:
+            source = next((g for g in every if g is not None), None)
+            if source is not None:
+                self.load_hyperparameters(source)
 
 
 def _reducer(comm: Communicator, algorithm: str) -> Callable[[torch.Tensor], Any]:
