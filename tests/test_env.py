@@ -81,6 +81,7 @@ def test_slurm():
     env = {
         "SLURM_PROCID": "5", "SLURM_NTASKS": "7", "SLURM_LOCALID": "1", "SLURM_NODEID": "2",
         "SLURM_JOB_NODELIST": "node[01-03],gpu7", "SLURM_TASKS_PER_NODE": "2(x3),1", "SLURM_JOB_ID": "123456",
+        "SLURM_STEP_ID": "0",
     }
     t = detect(env)
     assert (t.rank, t.size, t.local_rank, t.local_size, t.node_rank, t.num_nodes) == (5, 7, 1, 2, 2, 4)
@@ -112,7 +113,59 @@ def test_inconsistent_environment_names_variables():
     with pytest.raises(EnvironmentError_, match="WORLD_SIZE='two'"):
         detect({"RANK": "0", "WORLD_SIZE": "two", "LOCAL_RANK": "0"})
     with pytest.raises(EnvironmentError_, match="SLURM_JOB_ID"):
-        detect({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "n1"})
+        detect({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "n1", "SLURM_STEP_ID": "0"})
+
+
+@pytest.mark.parametrize(
+    "env, missing, setter",
+    [
+        ({"RANK": "1", "WORLD_SIZE": "2"}, "LOCAL_RANK is not", "torchrun"),
+        ({"LOCAL_RANK": "0"}, "RANK, WORLD_SIZE are not", "torchrun"),
+        ({"TORCHELASTIC_RUN_ID": "x"}, "RANK, WORLD_SIZE, LOCAL_RANK are not", "torchrun"),
+        ({"OMPI_COMM_WORLD_RANK": "1"}, "OMPI_COMM_WORLD_SIZE is not", "mpirun"),
+        ({"PMI_RANK": "1"}, "PMI_SIZE is not", "mpiexec"),
+        ({"PMI_SIZE": "2"}, "PMI_RANK is not", "mpiexec"),
+        ({"SLURM_STEP_ID": "0", "SLURM_PROCID": "1"}, "SLURM_NTASKS or SLURM_NPROCS is not", "srun"),
+        ({"SLURM_STEP_ID": "3", "SLURM_NTASKS": "2"}, "SLURM_PROCID is not", "srun"),
+    ],
+)
+def test_partial_launcher_variables_are_an_error(env, missing, setter):
+    """A partial set never becomes a silent single process: the error names what is missing and who sets it."""
+    with pytest.raises(EnvironmentError_) as info:
+        detect(env)
+    msg = str(info.value)
+    assert missing in msg and setter in msg
+    for name, value in env.items():
+        assert f"{name}={value}" in msg
+
+
+@pytest.mark.parametrize(
+    "env",
+    [
+        {},
+        {"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"},
+        # sbatch without srun: the batch script is one process, with SLURM_PROCID=0 and the job's task count.
+        {"SLURM_JOB_ID": "42", "SLURM_JOBID": "42", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_PROCID": "0",
+         "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_NTASKS": "4", "SLURM_NPROCS": "4",
+         "SLURM_TASKS_PER_NODE": "2(x2)", "ENVIRONMENT": "BATCH"},
+        {"SLURM_JOB_ID": "42", "SLURM_PROCID": "0"},  # sbatch without -n
+        {"SLURM_JOB_ID": "42", "SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_STEP_ID": "-5"},  # batch step id
+        {"SLURM_JOB_ID": "42", "SLURM_NTASKS": "4", "SLURM_JOB_NODELIST": "n1"},  # salloc shell
+        {"SLURM_JOB_ID": "42", "SLURM_STEP_ID": "extern"},
+    ],
+)
+def test_single_process_environments(env):
+    """Plain runs and the partial sets that batch scripts and allocation shells really carry stay single."""
+    t = detect(env)
+    assert (t.launcher, t.rank, t.size) == ("single", 0, 1)
+
+
+def test_complete_launcher_wins_over_a_partial_one():
+    """A stray variable of another launcher does not hide a complete world (srun task that set LOCAL_RANK)."""
+    env = {"SLURM_STEP_ID": "0", "SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "n1",
+           "SLURM_JOB_ID": "7", "LOCAL_RANK": "1"}
+    t = detect(env)
+    assert (t.launcher, t.rank, t.size) == ("slurm", 1, 2)
 
 
 def test_with_hostnames_derives_nodes():

@@ -1,8 +1,15 @@
 """Who am I: rank, size, local rank and node from torchrun, Open MPI, MPICH/Intel MPI, Slurm or nothing.
 
-Detection order (first match wins): explicit arguments > torchrun > Open MPI > MPICH / Intel MPI /
-Cray PMI > Slurm > a single process. The result is an explicit :class:`Topology` object that is
+Detection order (first complete set wins): explicit arguments > torchrun > Open MPI > MPICH / Intel
+MPI / Cray PMI > Slurm > a single process. The result is an explicit :class:`Topology` object that is
 passed around; nothing here is a module global.
+
+A launcher sets all of its variables on every rank it starts, so a partial set (``RANK`` and
+``WORLD_SIZE`` without ``LOCAL_RANK``, ``PMI_RANK`` alone) is an error naming the missing
+variables, never a silent single process. Slurm needs care: a batch script (``sbatch`` without
+``srun``) or an allocation shell also carries ``SLURM_PROCID=0`` and often ``SLURM_NTASKS``, yet
+runs one copy; only the tasks of an ``srun`` job step (``SLURM_STEP_ID`` a number >= 0; the batch,
+interactive and extern steps have none or a negative one) form a Slurm world.
 """
 
 from __future__ import annotations
@@ -227,7 +234,11 @@ def detect(
     master_addr: str | None = None,
     master_port: int | None = None,
 ) -> Topology:
-    """Read the launch environment into a :class:`Topology` (before any communication)."""
+    """Read the launch environment into a :class:`Topology` (before any communication).
+
+    Raises :class:`EnvironmentError_` naming the missing variables when a launcher's variables are
+    only partly set and no other launcher's are complete.
+    """
     env = dict(os.environ if environ is None else environ)
 
     if rank is not None or size is not None:
@@ -246,8 +257,9 @@ def detect(
 
     addr = master_addr or env.get("MASTER_ADDR")
     port = master_port or _port(env)
+    partial = {name: _missing(env, name) for name in _LAUNCHERS}
 
-    if "TORCHELASTIC_RUN_ID" in env or ("RANK" in env and "WORLD_SIZE" in env and "LOCAL_RANK" in env):
+    if partial["torchrun"] == []:
         n = "torchrun"
         size_ = _int(env, "WORLD_SIZE", n)
         lsize = _first_int(env, ["LOCAL_WORLD_SIZE"], None)
@@ -266,7 +278,7 @@ def detect(
             master_port=port,
         )
 
-    if "OMPI_COMM_WORLD_SIZE" in env:
+    if partial["openmpi"] == []:
         n = "openmpi"
         size_ = _int(env, "OMPI_COMM_WORLD_SIZE", n)
         lsize = _first_int(env, ["OMPI_COMM_WORLD_LOCAL_SIZE"], size_) or size_
@@ -283,7 +295,7 @@ def detect(
             master_port=port,
         )
 
-    if "PMI_RANK" in env and "PMI_SIZE" in env:
+    if partial["mpich"] == []:
         n = "mpich"
         size_ = _int(env, "PMI_SIZE", n)
         rank_ = _int(env, "PMI_RANK", n)
@@ -304,7 +316,7 @@ def detect(
             master_port=port,
         )
 
-    if "SLURM_PROCID" in env and ("SLURM_NTASKS" in env or "SLURM_NPROCS" in env):
+    if partial["slurm"] == []:
         n = "slurm"
         size_ = _int(env, "SLURM_NTASKS" if "SLURM_NTASKS" in env else "SLURM_NPROCS", n)
         rank_ = _int(env, "SLURM_PROCID", n)
@@ -336,7 +348,69 @@ def detect(
             master_port=port,
         )
 
+    problems = [_partial_message(env, name, missing) for name, missing in partial.items() if missing]
+    if problems:
+        raise EnvironmentError_("incomplete launch environment:\n  " + "\n  ".join(problems))
     return Topology(launcher="single", master_addr=addr or "127.0.0.1", master_port=port)
+
+
+#: Per launcher: the variables that show it started this process, the required ones (each entry a
+#: tuple of alternatives, one of which must be set) and what sets them.
+_LAUNCHERS: dict[str, tuple[tuple[str, ...], tuple[tuple[str, ...], ...], str]] = {
+    "torchrun": (
+        ("TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
+        (("RANK",), ("WORLD_SIZE",), ("LOCAL_RANK",)),
+        "torchrun and ringpipe launch set RANK, WORLD_SIZE and LOCAL_RANK on every rank; set the missing "
+        "ones (LOCAL_RANK=0 with one process per node) or unset the others to run a single process",
+    ),
+    "openmpi": (
+        ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+         "OMPI_COMM_WORLD_LOCAL_SIZE", "OMPI_COMM_WORLD_NODE_RANK"),
+        (("OMPI_COMM_WORLD_RANK",), ("OMPI_COMM_WORLD_SIZE",)),
+        "Open MPI's mpirun sets both on every rank; start under mpirun or unset the others",
+    ),
+    "mpich": (
+        ("PMI_RANK", "PMI_SIZE"),
+        (("PMI_RANK",), ("PMI_SIZE",)),
+        "mpiexec of MPICH / Intel MPI (Hydra), Cray PMI and srun --mpi=pmi2 set both on every rank; "
+        "start under one of them or unset the other",
+    ),
+    "slurm": (
+        ("SLURM_STEP_ID", "SLURM_STEPID"),  # only in an srun job step: see _srun_step
+        (("SLURM_PROCID",), ("SLURM_NTASKS", "SLURM_NPROCS")),
+        "srun sets SLURM_PROCID and SLURM_NTASKS in every task of a job step; start under srun",
+    ),
+}
+
+
+def _srun_step(env: Mapping[str, str]) -> bool:
+    """Whether this process is a task of an ``srun`` job step (not a batch script or allocation shell)."""
+    step = env.get("SLURM_STEP_ID", env.get("SLURM_STEPID", "")).strip()
+    return step.isdigit()
+
+
+def _missing(env: Mapping[str, str], launcher: str) -> list[str] | None:
+    """None if none of ``launcher``'s variables is set, else its required variables that are missing."""
+    markers, required, _ = _LAUNCHERS[launcher]
+    if launcher == "slurm" and not _srun_step(env):
+        return None
+    if not any(m in env for m in markers):
+        return None
+    return [" or ".join(alts) for alts in required if not any(a in env for a in alts)]
+
+
+def _partial_message(env: Mapping[str, str], launcher: str, missing: Sequence[str]) -> str:
+    markers, required, setter = _LAUNCHERS[launcher]
+    names = dict.fromkeys([*markers, *(a for alts in required for a in alts)])
+    given = [f"{n}={env[n]}" for n in names if n in env]
+    return (
+        f"{launcher}: {', '.join(given)} {_verb(given)} set but {', '.join(missing)} {_verb(missing)} not "
+        f"({setter})"
+    )
+
+
+def _verb(items: Sequence[str]) -> str:
+    return "is" if len(items) == 1 else "are"
 
 
 def _guess_node(rank: int, size: int, local_size: int) -> int:
