@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+import re
 import typing
 
 import pytest
 import yaml
+from pydantic import BaseModel
 
+from ringpipe.train.cli import add_train_parser
 from ringpipe.train.config import (
+    MITIGATION_DOCS,
+    MODE_NAMES,
     ConfigError,
+    DPConfig,
+    PipelineConfig,
     TrainConfig,
     apply_overrides,
     dump_config,
@@ -127,3 +135,28 @@ def test_every_key_is_read():
 def test_registry_errors_list_valid_names():
     with pytest.raises(RegistryError, match="valid models: mlp, cnn, resnet, transformer"):
         MODELS.get("vgg")
+
+
+def _schema_keys(model: type[BaseModel]) -> set[str]:
+    """Every field name of ``model`` and of the sections (all variants) below it."""
+    keys = set()
+    for name, field in model.model_fields.items():
+        keys.add(name)
+        for arg in (field.annotation, *typing.get_args(field.annotation)):
+            if isinstance(arg, type) and issubclass(arg, BaseModel):
+                keys |= _schema_keys(arg)
+    return keys
+
+
+def test_help_names_every_key_mode_and_choice():
+    parser = argparse.ArgumentParser()
+    train = add_train_parser(parser.add_subparsers())
+    text = train.format_help()
+    missing = sorted(k for k in _schema_keys(TrainConfig) if not re.search(rf"\b{k}\b", text))
+    assert not missing, f"ringpipe train --help does not mention {missing}"
+    values = [*MODE_NAMES, *MITIGATION_DOCS,
+              *typing.get_args(DPConfig.model_fields["compression"].annotation),
+              *typing.get_args(PipelineConfig.model_fields["partition"].annotation)]
+    assert not [v for v in values if not re.search(rf"\b{v}\b", text)]
+    for mode in MODE_NAMES:  # one line per mode, with its description
+        assert re.search(rf"^  {mode} +\S", text, re.MULTILINE), mode

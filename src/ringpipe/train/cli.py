@@ -3,20 +3,31 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import importlib
 import logging
 import os
 import subprocess
 import sys
+import textwrap
+import typing
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel
+
 from ringpipe.train.config import (
+    ASYNC_KEYS,
     MODE_NAMES,
     ConfigError,
+    DPConfig,
+    PipelineConfig,
     TrainConfig,
     dump_config,
     load_config,
+    mitigations_help,
     read_file,
 )
 
@@ -29,22 +40,13 @@ configuration:
   Every setting lives in a typed config (YAML or JSON); the defaults are the default run:
   an MLP on the embedded 8x8 digits, mode dp on 2 local processes, Adam, cosine schedule
   with 2 warmup epochs. Keys (sections are chosen by their `name`):
-    mode nprocs backend seed epochs batch_size max_steps log_every
-    model.name: mlp(hidden, dropout) | cnn(channels, hidden, dropout) | resnet(width, blocks)
-                | transformer(d_model, heads, layers, ff, dropout)
-    data.name: digits(test_fraction) | mnist, fashion_mnist(root) | cifar10(root)
-               | synthetic(samples, classes, shape, noise, test_fraction)
-               | synthetic_lm(samples, vocab, seq_len, noise, test_fraction)
-    optimizer.name: sgd(lr, momentum, nesterov, weight_decay, scale_lr)
-                    | adam, adamw(lr, betas, eps, weight_decay, scale_lr)
-    schedule.name: constant | step(step_epochs, gamma) | multistep(milestones, gamma)
-                   | cosine(min_factor); all take warmup_epochs, warmup_start_factor
-    checkpoint: every_epochs, keep
-    pipeline (pipeline modes): stages, microbatches, balance, partition, recompute
-    dp (mode dp): bucket_mb, compression, backward_passes_per_step, algorithm
+{keys}
   batch_size is per data-parallel replica; epochs are counted as step x global_batch / records.
 
-modes: {modes}
+modes:
+{modes}
+
+{mitigations}
 
 run directory: config.yaml (resolved), metrics.jsonl, checkpoints/, curves.png, summary.json
 
@@ -53,9 +55,86 @@ examples:
   ringpipe train --config configs/ddp.yaml --set optimizer.lr=0.003 --set epochs=10
   ringpipe train --mode single --set model.name=cnn --run-dir runs/cnn
   ringpipe train --run-dir runs/cnn --resume --set max_steps=null
+  ringpipe train --config configs/async.yaml --set mitigations=wp,ws --set step_every=2
   torchrun --nproc-per-node 4 -m ringpipe.cli train --config configs/ddp.yaml
   mpirun -n 2 python -m ringpipe.cli train --mode dp
 """
+
+_WIDTH = 100
+
+
+def _choices(annotation: Any) -> tuple[str, ...]:
+    """The values of a ``Literal`` field (also inside ``X | None``), else ()."""
+    if typing.get_origin(annotation) is typing.Literal:
+        return tuple(str(a) for a in typing.get_args(annotation))
+    return tuple(c for a in typing.get_args(annotation) for c in _choices(a))
+
+
+def _fields_help(model: type[BaseModel], skip: Sequence[str] = ()) -> str:
+    """``key, key (a | b), ...`` for the fields of one section, with the values of enumerated ones."""
+    return ", ".join(
+        f"{name} ({' | '.join(_choices(field.annotation))})" if _choices(field.annotation) else name
+        for name, field in model.model_fields.items()
+        if name not in skip
+    )
+
+
+def _variants_help(section: str) -> str:
+    """``name(key, ...) | ...`` for a section whose variant is chosen by ``name``, from the schema."""
+    variants = typing.get_args(TrainConfig.model_fields[section].annotation)
+    fields = [[f for f in v.model_fields if f != "name"] for v in variants]
+    common = [f for f in fields[0] if all(f in fs for fs in fields)] if len(fields) > 1 else []
+    parts = []
+    for variant, names in zip(variants, fields, strict=True):
+        tags = ", ".join(_choices(variant.model_fields["name"].annotation))
+        own = [f for f in names if f not in common]
+        parts.append(f"{tags}({', '.join(own)})" if own else tags)
+    return " | ".join(parts) + (f"; all take {', '.join(common)}" if common else "")
+
+
+def _keys_help() -> str:
+    """Every key of the schema, one line (wrapped) per section."""
+    sections = [n for n, f in TrainConfig.model_fields.items() if _is_section(f.annotation)]
+    rows = [("", _fields_help(TrainConfig, skip=sections))]
+    for name in sections:
+        if name in ("pipeline", "dp"):
+            continue
+        model = TrainConfig.model_fields[name].annotation
+        if isinstance(model, type) and issubclass(model, BaseModel):
+            rows.append((f"{name}: ", _fields_help(model)))
+        else:
+            rows.append((f"{name}.name: ", _variants_help(name)))
+    rows.append(("pipeline (pipeline modes): ", _fields_help(PipelineConfig, skip=ASYNC_KEYS)
+                 + f"; mode async also: {', '.join(ASYNC_KEYS)} (below)"))
+    rows.append(("dp (mode dp): ", _fields_help(DPConfig)))
+    lines = []
+    for head, body in rows:
+        lines.append(textwrap.fill(body, _WIDTH, initial_indent="    " + head,
+                                   subsequent_indent=" " * (4 + len(head)), break_on_hyphens=False))
+    return "\n".join(lines)
+
+
+def _is_section(annotation: Any) -> bool:
+    return any(isinstance(a, type) and issubclass(a, BaseModel) for a in (annotation, *typing.get_args(annotation)))
+
+
+def _modes_help() -> str:
+    """One line per mode, from the mode registry."""
+    from ringpipe.train.modes import MODES
+
+    with contextlib.suppress(ImportError):  # pipeline modes register on import
+        importlib.import_module("ringpipe.train.pipeline_modes")
+    width = max(len(m) for m in MODE_NAMES)
+    lines = []
+    for mode in MODE_NAMES:
+        text = MODES.get(mode).description if mode in MODES else "not available in this build"
+        lines.append(textwrap.fill(text, _WIDTH, initial_indent=f"  {mode:<{width}}  ",
+                                   subsequent_indent=" " * (width + 4), break_on_hyphens=False))
+    return "\n".join(lines)
+
+
+def _epilog() -> str:
+    return _EPILOG.format(keys=_keys_help(), modes=_modes_help(), mitigations=mitigations_help(_WIDTH))
 
 
 def add_train_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -68,7 +147,7 @@ def add_train_parser(subparsers: Any) -> argparse.ArgumentParser:
             "(--nprocs), or on the world of a launcher (torchrun, mpirun, srun, ringpipe launch), "
             "which is detected. Writes everything into the run directory and nowhere else."
         ),
-        epilog=_EPILOG.format(modes=", ".join(MODE_NAMES)),
+        epilog=_epilog(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--config", "-c", metavar="FILE", default=None,
