@@ -20,6 +20,7 @@ from ringpipe.train.config import (
     PipelineConfig,
     TrainConfig,
     apply_overrides,
+    dp_algorithms,
     dump_config,
     load_config,
     parse_override,
@@ -72,6 +73,16 @@ def test_sections_are_read_only_by_their_modes():
     assert cfg.pipeline is not None and cfg.dp is None
     assert "nprocs=3" in _error("mode=single", "nprocs=3")
     assert load_config(overrides=["mode=single"]).nprocs == 1
+
+
+def test_dp_algorithm_is_one_of_the_collectives():
+    from ringpipe.collectives import SUPPORTED
+
+    msg = _error("dp.algorithm=rnig")
+    assert "dp.algorithm" in msg and "'rnig'" in msg
+    for name in SUPPORTED["allreduce"]:
+        assert name in msg
+        assert load_config(overrides=[f"dp.algorithm={name}"]).dp.algorithm == name
 
 
 def test_model_and_data_must_fit():
@@ -156,7 +167,7 @@ def test_help_names_every_key_mode_and_choice():
     assert not missing, f"ringpipe train --help does not mention {missing}"
     values = [*MODE_NAMES, *MITIGATION_DOCS,
               *typing.get_args(DPConfig.model_fields["compression"].annotation),
-              *typing.get_args(PipelineConfig.model_fields["partition"].annotation)]
+              *typing.get_args(PipelineConfig.model_fields["partition"].annotation), *dp_algorithms()]
     assert not [v for v in values if not re.search(rf"\b{v}\b", text)]
     for mode in MODE_NAMES:  # one line per mode, with its description
         assert re.search(rf"^  {mode} +\S", text, re.MULTILINE), mode

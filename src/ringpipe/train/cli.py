@@ -25,6 +25,7 @@ from ringpipe.train.config import (
     DPConfig,
     PipelineConfig,
     TrainConfig,
+    dp_algorithms,
     dump_config,
     load_config,
     mitigations_help,
@@ -70,13 +71,15 @@ def _choices(annotation: Any) -> tuple[str, ...]:
     return tuple(c for a in typing.get_args(annotation) for c in _choices(a))
 
 
-def _fields_help(model: type[BaseModel], skip: Sequence[str] = ()) -> str:
+def _fields_help(model: type[BaseModel], skip: Sequence[str] = (),
+                 choices: dict[str, Sequence[str]] | None = None) -> str:
     """``key, key (a | b), ...`` for the fields of one section, with the values of enumerated ones."""
-    return ", ".join(
-        f"{name} ({' | '.join(_choices(field.annotation))})" if _choices(field.annotation) else name
-        for name, field in model.model_fields.items()
-        if name not in skip
-    )
+    out = []
+    for name, field in model.model_fields.items():
+        values = (choices or {}).get(name) or _choices(field.annotation)
+        if name not in skip:
+            out.append(f"{name} ({' | '.join(values)})" if values else name)
+    return ", ".join(out)
 
 
 def _variants_help(section: str) -> str:
@@ -106,7 +109,7 @@ def _keys_help() -> str:
             rows.append((f"{name}.name: ", _variants_help(name)))
     rows.append(("pipeline (pipeline modes): ", _fields_help(PipelineConfig, skip=ASYNC_KEYS)
                  + f"; mode async also: {', '.join(ASYNC_KEYS)} (below)"))
-    rows.append(("dp (mode dp): ", _fields_help(DPConfig)))
+    rows.append(("dp (mode dp): ", _fields_help(DPConfig, choices={"algorithm": dp_algorithms()})))
     lines = []
     for head, body in rows:
         lines.append(textwrap.fill(body, _WIDTH, initial_indent="    " + head,

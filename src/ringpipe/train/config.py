@@ -43,6 +43,7 @@ __all__ = [
     "GA_STAGE_POLICIES",
     "PIPELINE_SHORT_KEYS",
     "mitigations_help",
+    "dp_algorithms",
     "load_config",
     "default_sections",
     "merge",
@@ -353,7 +354,24 @@ class DPConfig(_Section):
     bucket_mb: float = Field(default=25.0, gt=0.0)
     compression: Literal["none", "fp16", "bf16"] = "none"
     backward_passes_per_step: int = Field(default=1, ge=1)
-    algorithm: str = "native"
+    algorithm: str = Field(default="native", description="allreduce algorithm, one of dp_algorithms()")
+
+    @field_validator("algorithm")
+    @classmethod
+    def _known_algorithm(cls, v: str) -> str:
+        valid = dp_algorithms()
+        if v not in valid:
+            raise ValueError(f"{v!r} is not an allreduce algorithm; valid algorithms: {', '.join(valid)}")
+        return v
+
+
+def dp_algorithms() -> tuple[str, ...]:
+    """The names ``dp.algorithm`` accepts: the allreduce algorithms of ``ringpipe.collectives``."""
+    try:
+        from ringpipe.collectives import SUPPORTED
+    except ImportError:  # a build without the collectives: the backend's own allreduce only
+        return ("native",)
+    return tuple(SUPPORTED["allreduce"])
 
 
 # --------------------------------------------------------------------------------- root
