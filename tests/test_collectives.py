@@ -130,6 +130,59 @@ def _mismatch(comm, kind: str, algo: str):  # noqa: ANN001
     return "no error"
 
 
+def _one_rank_wrong(comm, kind: str):  # noqa: ANN001
+    """Every rank makes the same call but one (two for "two_invalid"); returns what each raised."""
+    p, r = comm.size, comm.rank
+    odd = r == 1
+    n, dtype, root, op, algo, extra = 64, torch.float32, 0, "sum", "auto", 0
+    if kind == "rs_indivisible" and odd:
+        extra = 1
+    if kind in ("ar_bool", "ar_bool_large", "rs_bool") and odd:
+        dtype = torch.bool
+    if kind == "ar_bool_large":
+        n = 300_000  # the others check the header apart from the payload
+    if kind == "ag_dtype" and odd:
+        dtype = torch.float64
+    if kind in ("bc_bad_root", "rd_bad_root") and odd:
+        root = p
+    if kind == "rd_bad_root" and r == p - 1:
+        root = -1
+    if kind in ("bc_root", "rd_root") and odd:
+        root = p - 1
+    if kind == "ag_count" and odd:
+        n = 63
+    if kind == "rd_op" and odd:
+        op = "max"
+    if kind == "ar_op" and odd:
+        op = "mean"
+    if kind == "ar_algo" and odd:
+        algo = "rign"
+    if kind == "two_invalid" and r >= 1:
+        root = p + r
+    x = torch.ones(n * p + extra, dtype=dtype)
+    if kind == "noncontiguous" and odd:
+        x = torch.ones(2, n * p)[:, 0]
+    try:
+        if kind.startswith("rs_"):
+            C.reduce_scatter(comm, x, op, algo)
+        elif kind.startswith("ag_"):
+            C.allgather(comm, x, algo)
+        elif kind.startswith("bc_") or kind in ("two_invalid", "noncontiguous"):
+            C.broadcast(comm, x, root, algo)
+        elif kind.startswith("rd_"):
+            C.reduce(comm, x, root, op, algo)
+        else:
+            C.allreduce(comm, x, op, algo)
+    except Exception as exc:  # noqa: BLE001 - the test compares what every rank raised
+        if not isinstance(exc, MismatchError):
+            return type(exc).__name__, str(exc), []  # the peers of this rank would wait forever
+        # the communicator is still usable after a refused call: nothing was left in flight
+        after = torch.full((3,), float(r))
+        C.allreduce(comm, after)
+        return type(exc).__name__, str(exc), after.tolist()
+    return "no error", "", []
+
+
 # ----------------------------------------------------------------------------- single process
 
 
@@ -222,6 +275,38 @@ def test_mismatch_raises_on_every_rank(nprocs, kind, algo, pattern):
     messages = spawn(_mismatch, nprocs, args=(kind, algo))
     for msg in messages:
         assert re.search(pattern, msg), msg
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(("nprocs", "kind", "error", "pattern"), [
+    (3, "rs_indivisible", "InvalidCallError",
+     r"reduce_scatter #1: rank 1 made an invalid call: reduce_scatter: first dimension \(193,\) "
+     r"must be divisible by the number of ranks 3; pad the tensor"),
+    (2, "rs_bool", "InvalidCallError", r"reduce_scatter #1: rank 1 .*dtype torch.bool is not supported"),
+    (3, "ar_bool", "InvalidCallError", r"allreduce #1: rank 1 .*dtype torch.bool .*bool -> uint8"),
+    (4, "ar_bool_large", "InvalidCallError", r"allreduce #1: rank 1 .*dtype torch.bool"),
+    (3, "ar_op", "InvalidCallError", r"allreduce #1: rank 1 .*unknown reduce op 'mean'"),
+    (4, "ar_algo", "InvalidCallError", r"allreduce #1: rank 1 .*unknown allreduce algorithm 'rign'"),
+    (3, "bc_bad_root", "InvalidCallError", r"broadcast #1: rank 1 .*root 3 is not a rank of world \(size 3\)"),
+    (4, "rd_bad_root", "InvalidCallError", r"reduce #1: rank 1 .*root 4 is not a rank"),
+    (4, "two_invalid", "InvalidCallError", r"broadcast #1: rank 1 .*root 5 is not a rank"),
+    (2, "noncontiguous", "InvalidCallError", r"broadcast #1: rank 1 .*must be contiguous"),
+    (3, "ag_dtype", "MismatchError", r"allgather #1: rank 0 has float32\[192\], rank 1 has float64\[192\]"),
+    (3, "ag_count", "MismatchError", r"allgather #1: rank 0 has float32\[192\], rank 1 has float32\[189\]"),
+    (4, "bc_root", "MismatchError", r"broadcast #1: rank 0 has float32\[256\] root=0, rank 1 has float32\[256\] root=3"),
+    (3, "rd_root", "MismatchError", r"reduce #1: rank 0 has float32\[192\] root=0, rank 1 has float32\[192\] root=2"),
+    (3, "rd_op", "MismatchError", r"reduce #1: rank 0 has float32\[192\] op=sum, rank 1 has float32\[192\] op=max"),
+])
+def test_one_wrong_rank_raises_on_every_rank(nprocs, kind, error, pattern):
+    import re
+
+    out = spawn(_one_rank_wrong, nprocs, args=(kind,))
+    for rank, (name, msg, after) in enumerate(out):
+        assert name == error, (rank, name, msg)
+        assert re.search(pattern, msg), (rank, msg)
+        assert after == [sum(range(nprocs))] * 3
+    if error == "InvalidCallError":
+        assert len({msg for _, msg, _ in out}) == 1  # the same text on every rank
 
 
 @pytest.mark.timeout(90)

@@ -6,6 +6,13 @@ collective with ``algorithm="native"``. Unless ``check=False``, every rank learn
 every other rank is making from a small header carried by the first messages, and all ranks
 raise :class:`MismatchError` if the calls differ (see :mod:`ringpipe.collectives.header`).
 
+Arguments are checked before any message is sent. A rank whose arguments are wrong (an
+unsupported dtype, a bad root, a length the ranks cannot split, an unknown op or algorithm)
+still takes part in the header exchange, marked invalid with its error text, so that every
+rank raises the same :class:`InvalidCallError` naming it instead of the others waiting for it
+forever. ``algorithm="native"`` and ``check=False`` have no header exchange: a bad argument
+there raises on its own rank only.
+
 A communicator must be driven by one thread at a time; after a :class:`MismatchError` it must
 not be used again (messages of the failed call may still be in flight).
 """
@@ -14,6 +21,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import NoReturn
 
 import torch
 
@@ -25,13 +33,20 @@ from ringpipe.collectives import (
     ring,
     tree,
 )
-from ringpipe.collectives.common import Ctx, exchange_headers, finish_average
-from ringpipe.collectives.header import CallInfo, MismatchError, next_seq
+from ringpipe.collectives.common import Ctx, exchange_headers, finish_average, home_device
+from ringpipe.collectives.header import (
+    CallInfo,
+    InvalidCallError,
+    MismatchError,
+    invalid_message,
+    next_seq,
+)
 from ringpipe.comm.base import CommError, Communicator, ReduceOp
 
 __all__ = [
     "ALGORITHMS",
     "SUPPORTED",
+    "InvalidCallError",
     "MismatchError",
     "allreduce",
     "reduce_scatter",
@@ -75,28 +90,56 @@ def resolve(collective: str, algorithm: str, nbytes: int, comm: Communicator) ->
     return auto.choose(collective, nbytes, comm) if algo == "auto" else algo
 
 
-def _flat(tensor: torch.Tensor, what: str) -> torch.Tensor:
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"{what}: expected a torch.Tensor, got {type(tensor).__name__}")
-    if not tensor.is_contiguous():
-        raise CommError(f"{what}: tensor must be contiguous (call .contiguous() first)")
+#: What a refused argument raises (a non-tensor, an unknown op or algorithm, a bad root...).
+_ARGUMENT_ERRORS = (TypeError, ValueError, CommError)
+
+
+def _flat(comm: Communicator, tensor: torch.Tensor, what: str) -> torch.Tensor:
+    # the communicator's own checks (a tensor, contiguous, on a device the backend serves),
+    # made here, before the first message, rather than by the first isend
+    comm._check_tensor(tensor, what)
     return tensor.view(-1)
-
-
-def _start(comm: Communicator, coll: str, op: ReduceOp | None, tensor: torch.Tensor, root: int,
-           requested: str, algo: str, check: bool, seq: int) -> Ctx:
-    call = CallInfo.make(seq, coll, op, tensor.dtype, tensor.numel(), root, requested)
-    return Ctx(comm, coll, seq, op, algo, check, call, tensor.device)
-
-
-def _done(ctx: Ctx, nbytes: int, t0: int) -> None:
-    ctx.comm.log.record(ctx.coll, nbytes, -1, t0, time.perf_counter_ns(), 0, ctx.comm.name,
-                        collective=ctx.coll, cid=ctx.seq, algorithm=ctx.algo)
 
 
 def _check_root(comm: Communicator, root: int, what: str) -> None:
     if not isinstance(root, int) or not 0 <= root < comm.size:
         raise CommError(f"{what}: root {root!r} is not a rank of {comm.name} (size {comm.size})")
+
+
+def _start(comm: Communicator, coll: str, seq: int, tensor: torch.Tensor, op: ReduceOp | None,
+           root: int, requested: str, check: bool) -> tuple[Ctx, torch.Tensor, int]:
+    """Check the tensor and build the call's context: (ctx, flat view, bytes of the input)."""
+    flat = _flat(comm, tensor, coll)
+    nbytes = flat.numel() * flat.element_size()
+    algo = resolve(coll, requested, nbytes, comm)
+    call = CallInfo.make(seq, coll, op, tensor.dtype, tensor.numel(), root, requested)
+    return Ctx(comm, coll, seq, op, algo, check, call, tensor.device), flat, nbytes
+
+
+def _refuse(comm: Communicator, coll: str, seq: int, algorithm: object, check: bool,
+            error: Exception) -> NoReturn:
+    """Raise ``error``'s problem on every rank: take part in the header exchange marked invalid.
+
+    Without a header exchange (``algorithm="native"``, ``check=False``) ``error`` is raised
+    here only: the other ranks cannot learn of it.
+    """
+    if algorithm == "native" or not check:
+        raise error
+    text = invalid_message(comm.rank, coll, seq, str(error))
+    if comm.size == 1:
+        raise InvalidCallError(text) from error
+    ctx = Ctx(comm, coll, seq, None, str(algorithm), check, CallInfo.invalid(seq, coll),
+              home_device(comm))
+    try:
+        exchange_headers(ctx, invalid=text)
+    except MismatchError as exc:
+        raise exc.with_traceback(None) from error
+    raise AssertionError("the header exchange of an invalid call always raises")  # unreachable
+
+
+def _done(ctx: Ctx, nbytes: int, t0: int) -> None:
+    ctx.comm.log.record(ctx.coll, nbytes, -1, t0, time.perf_counter_ns(), 0, ctx.comm.name,
+                        collective=ctx.coll, cid=ctx.seq, algorithm=ctx.algo)
 
 
 def allreduce(
@@ -113,22 +156,24 @@ def allreduce(
     ``algorithm``: one of ``SUPPORTED["allreduce"]``. ``check=False`` skips the header check
     where it would cost a message of its own.
     """
-    rop = ReduceOp.parse(op)
-    flat = _flat(tensor, "allreduce")
     seq = next_seq(comm)
-    requested = _algorithm("allreduce", algorithm)
+    try:
+        rop = ReduceOp.parse(op)
+        requested = _algorithm("allreduce", algorithm)
+        if requested != "native":
+            ctx, flat, nbytes = _start(comm, "allreduce", seq, tensor, rop, -1, requested, check)
+    except _ARGUMENT_ERRORS as exc:
+        _refuse(comm, "allreduce", seq, algorithm, check, exc)
     if requested == "native":
         return comm.allreduce(tensor, rop)
-    nbytes = flat.numel() * flat.element_size()
-    algo = resolve("allreduce", requested, nbytes, comm)
-    ctx = _start(comm, "allreduce", rop, tensor, -1, requested, algo, check, seq)
     if comm.size == 1:
         return tensor
     t0 = time.perf_counter_ns()
-    if algo != "recursive_doubling" and check:
+    rd = ctx.algo == "recursive_doubling"
+    if not rd and check:
         exchange_headers(ctx)  # recursive doubling carries the header in its own messages
-    if flat.numel() or (algo == "recursive_doubling" and check):
-        _ALLREDUCE[algo](ctx, flat)
+    if flat.numel() or (rd and check):
+        _ALLREDUCE[ctx.algo](ctx, flat)
     finish_average(flat, rop, comm.size)
     _done(ctx, nbytes, t0)
     return tensor
@@ -146,20 +191,21 @@ def reduce_scatter(
 
     ``tensor.shape[0]`` must be divisible by the number of ranks; ``tensor`` is not modified.
     """
-    rop = ReduceOp.parse(op)
-    flat = _flat(tensor, "reduce_scatter")
-    if tensor.dim() == 0 or tensor.shape[0] % comm.size:
-        raise CommError(
-            f"reduce_scatter: first dimension {tuple(tensor.shape)[:1]} must be divisible by the "
-            f"number of ranks {comm.size}; pad the tensor"
-        )
     seq = next_seq(comm)
-    requested = _algorithm("reduce_scatter", algorithm)
+    try:
+        rop = ReduceOp.parse(op)
+        requested = _algorithm("reduce_scatter", algorithm)
+        if isinstance(tensor, torch.Tensor) and (tensor.dim() == 0 or tensor.shape[0] % comm.size):
+            raise CommError(
+                f"reduce_scatter: first dimension {tuple(tensor.shape)[:1]} must be divisible by the "
+                f"number of ranks {comm.size}; pad the tensor"
+            )
+        if requested != "native":
+            ctx, flat, nbytes = _start(comm, "reduce_scatter", seq, tensor, rop, -1, requested, check)
+    except _ARGUMENT_ERRORS as exc:
+        _refuse(comm, "reduce_scatter", seq, algorithm, check, exc)
     if requested == "native":
         return comm.reduce_scatter(tensor, rop)
-    nbytes = flat.numel() * flat.element_size()
-    algo = resolve("reduce_scatter", requested, nbytes, comm)
-    ctx = _start(comm, "reduce_scatter", rop, tensor, -1, requested, algo, check, seq)
     out = torch.empty((tensor.shape[0] // comm.size, *tensor.shape[1:]), dtype=tensor.dtype,
                       device=tensor.device)
     if comm.size == 1:
@@ -182,14 +228,15 @@ def allgather(
     check: bool = True,
 ) -> list[torch.Tensor]:
     """Gather every rank's ``tensor`` (same shape on every rank); ``out[j]`` came from rank ``j``."""
-    flat = _flat(tensor, "allgather")
     seq = next_seq(comm)
-    requested = _algorithm("allgather", algorithm)
+    try:
+        requested = _algorithm("allgather", algorithm)
+        if requested != "native":
+            ctx, flat, nbytes = _start(comm, "allgather", seq, tensor, None, -1, requested, check)
+    except _ARGUMENT_ERRORS as exc:
+        _refuse(comm, "allgather", seq, algorithm, check, exc)
     if requested == "native":
         return comm.allgather(tensor)
-    nbytes = flat.numel() * flat.element_size()
-    algo = resolve("allgather", requested, nbytes, comm)
-    ctx = _start(comm, "allgather", None, tensor, -1, requested, algo, check, seq)
     out = torch.empty((comm.size, *tensor.shape), dtype=tensor.dtype, device=tensor.device)
     if comm.size == 1:
         out[0].copy_(tensor)
@@ -212,15 +259,16 @@ def broadcast(
     check: bool = True,
 ) -> torch.Tensor:
     """Copy ``root``'s ``tensor`` into every rank's ``tensor`` (in place); returns it."""
-    flat = _flat(tensor, "broadcast")
-    _check_root(comm, root, "broadcast")
     seq = next_seq(comm)
-    requested = _algorithm("broadcast", algorithm)
+    try:
+        _check_root(comm, root, "broadcast")
+        requested = _algorithm("broadcast", algorithm)
+        if requested != "native":
+            ctx, flat, nbytes = _start(comm, "broadcast", seq, tensor, None, root, requested, check)
+    except _ARGUMENT_ERRORS as exc:
+        _refuse(comm, "broadcast", seq, algorithm, check, exc)
     if requested == "native":
         return comm.broadcast(tensor, root)
-    nbytes = flat.numel() * flat.element_size()
-    algo = resolve("broadcast", requested, nbytes, comm)
-    ctx = _start(comm, "broadcast", None, tensor, root, requested, algo, check, seq)
     if comm.size == 1:
         return tensor
     t0 = time.perf_counter_ns()
@@ -242,16 +290,17 @@ def reduce(
     check: bool = True,
 ) -> torch.Tensor:
     """Reduce into ``root``'s ``tensor``; other ranks' tensors hold partial results afterwards."""
-    rop = ReduceOp.parse(op)
-    flat = _flat(tensor, "reduce")
-    _check_root(comm, root, "reduce")
     seq = next_seq(comm)
-    requested = _algorithm("reduce", algorithm)
+    try:
+        rop = ReduceOp.parse(op)
+        _check_root(comm, root, "reduce")
+        requested = _algorithm("reduce", algorithm)
+        if requested != "native":
+            ctx, flat, nbytes = _start(comm, "reduce", seq, tensor, rop, root, requested, check)
+    except _ARGUMENT_ERRORS as exc:
+        _refuse(comm, "reduce", seq, algorithm, check, exc)
     if requested == "native":
         return comm.reduce(tensor, root, rop)
-    nbytes = flat.numel() * flat.element_size()
-    algo = resolve("reduce", requested, nbytes, comm)
-    ctx = _start(comm, "reduce", rop, tensor, root, requested, algo, check, seq)
     if comm.size == 1:
         return tensor
     t0 = time.perf_counter_ns()

@@ -18,6 +18,7 @@ from ringpipe.collectives.header import (
     EAGER_BYTES,
     HEADER_BYTES,
     HEADER_TAG,
+    TEXT_BYTES,
     CallInfo,
     HeaderState,
     scratch,
@@ -36,6 +37,9 @@ __all__ = [
     "doubling_steps",
     "exchange",
     "exchange_headers",
+    "header_message",
+    "header_state",
+    "home_device",
 ]
 
 #: Chunk size of pipelined messages (gloo's own ring uses segments of up to 1 MiB).
@@ -172,23 +176,45 @@ def real_rank(new: int, size: int) -> int:
     return 2 * new + 1 if new < rem else new + rem
 
 
-def exchange_headers(ctx: Ctx) -> None:
-    """Header-only recursive doubling; raises :class:`MismatchError` on every rank if calls differ."""
+def home_device(comm: Communicator) -> torch.device:
+    """Where ``comm`` takes tensors: its pinned device (CUDA under NCCL), else the CPU."""
+    device = getattr(comm, "device", None)
+    return device if isinstance(device, torch.device) else torch.device("cpu")
+
+
+def header_state(ctx: Ctx, invalid: str | None = None) -> HeaderState:
+    """This rank's header; ``invalid``: the error text of a call this rank cannot run."""
+    hs = HeaderState(ctx.comm.rank, ctx.call)
+    if invalid is not None:
+        hs.invalid = (ctx.comm.rank, invalid)
+    return hs
+
+
+def header_message(ctx: Ctx, hs: HeaderState) -> torch.Tensor:
+    """The header-only message of ``hs`` (with the error text of an invalid call, if known)."""
+    send = ctx.scratch("hdr_send", HEADER_BYTES + TEXT_BYTES)
+    return send[:hs.write(send)]
+
+
+def exchange_headers(ctx: Ctx, invalid: str | None = None) -> None:
+    """Header-only recursive doubling; raises on every rank if calls differ or one is invalid.
+
+    :class:`MismatchError` when calls differ; :class:`InvalidCallError` when some rank passes
+    ``invalid`` (its error text: that rank cannot run its call but still takes part here, so
+    that no peer waits for it forever).
+    """
     comm = ctx.comm
-    hs = HeaderState(comm.rank, ctx.call)
-    send = ctx.scratch("hdr_send", HEADER_BYTES)[:HEADER_BYTES]
+    hs = header_state(ctx, invalid)
     recv = ctx.scratch("hdr_recv", EAGER_BYTES)[:EAGER_BYTES]
     t0 = time.perf_counter_ns()
     for kind, peer, _ in doubling_steps(comm.rank, comm.size):
         if kind in ("send", "send_result"):
-            hs.write(send)
-            comm.isend(send, peer, HEADER_TAG).wait()
+            comm.isend(header_message(ctx, hs), peer, HEADER_TAG).wait()
         elif kind in ("recv", "recv_result"):
             comm.irecv(recv, peer, HEADER_TAG).wait()
             hs.absorb(recv, peer)
         else:
-            hs.write(send)
-            s = comm.isend(send, peer, HEADER_TAG)
+            s = comm.isend(header_message(ctx, hs), peer, HEADER_TAG)
             comm.irecv(recv, peer, HEADER_TAG).wait()
             s.wait()
             hs.absorb(recv, peer)

@@ -1,12 +1,20 @@
 """The consistency header: every collective's first messages say which call each rank is making.
 
-A header is 32 int64 words (256 bytes): a magic word, the sender's rank, a mismatch flag, the
-sender's call ``(seq, collective, op, dtype, count, root, algorithm)`` and, once some rank has
-seen two calls that differ, the two ranks and their calls. Headers travel along the recursive
-doubling pattern (with the payload itself for small allreduces, so the check costs no extra
-message), and every rank merges what it receives: if two calls differ anywhere, every rank
-knows it after ``ceil(lg p)`` steps (induction over the hypercube), and all raise the same
-:class:`MismatchError` instead of hanging or returning garbage.
+A header is 32 int64 words (256 bytes): a magic word, the sender's rank, flags, the sender's
+call ``(seq, collective, op, dtype, count, root, algorithm)``, once some rank has seen two calls
+that differ, the two ranks and their calls, and, once some rank is known to have made an
+invalid call, that rank and the length of its error text, which follows the 32 words (at most
+:data:`TEXT_BYTES`). Headers travel along the recursive doubling pattern (with the payload
+itself for small allreduces, so the check costs no extra message), and every rank merges what
+it receives: if two calls differ anywhere, every rank knows it after ``ceil(lg p)`` steps
+(induction over the hypercube), and all raise the same :class:`MismatchError` instead of
+hanging or returning garbage.
+
+Why an invalid call still sends headers: a rank whose arguments are wrong (a bad root, an
+unsupported dtype, a length the ranks cannot split) cannot run the collective, but if it just
+raised, its peers would wait for it forever. It runs the header exchange instead, marked
+invalid and carrying its error text; every rank then raises :class:`InvalidCallError` with
+the text of the lowest invalid rank (the minimum is associative, so all ranks agree).
 
 Why headers go before payloads: gloo aborts the whole process when a message is longer than
 the receive buffer and silently accepts a shorter one, so a payload receive is only posted
@@ -28,6 +36,7 @@ from ringpipe.comm.base import CommError, Communicator, ReduceOp
 __all__ = [
     "CallInfo",
     "HeaderState",
+    "InvalidCallError",
     "MismatchError",
     "COLLECTIVES",
     "ALGORITHM_CODES",
@@ -35,6 +44,8 @@ __all__ = [
     "EAGER_BYTES",
     "HEADER_BYTES",
     "HEADER_TAG",
+    "TEXT_BYTES",
+    "invalid_message",
     "next_seq",
     "scratch",
 ]
@@ -45,6 +56,8 @@ HEADER_BYTES = HEADER_INTS * 8
 #: that receive them. The same constant on every rank keeps every header message size-safe.
 EAGER_BYTES = 1 << 20
 HEADER_TAG = 7001
+#: The longest error text an invalid call carries after its header (longer texts are cut).
+TEXT_BYTES = 1024
 _MAGIC = 0x52504844  # "RPHD"
 
 COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce")
@@ -61,8 +74,12 @@ class MismatchError(CommError):
     """Ranks called different collectives (or the same one with different arguments)."""
 
 
+class InvalidCallError(MismatchError):
+    """Some rank called a collective with arguments it cannot run; raised on every rank."""
+
+
 class CallInfo(NamedTuple):
-    """One rank's call, as integers that fit in a header."""
+    """One rank's call, as integers that fit in a header (-1 where a refused call has none)."""
 
     seq: int
     coll: int
@@ -85,9 +102,15 @@ class CallInfo(NamedTuple):
         return cls(seq, COLLECTIVES.index(coll), op_code, _DTYPE_CODE[dtype], count, root,
                    ALGORITHM_CODES.index(algo))
 
+    @classmethod
+    def invalid(cls, seq: int, coll: str) -> CallInfo:
+        """The call of a rank whose arguments were refused: only its number and collective."""
+        return cls(seq, COLLECTIVES.index(coll), -1, -1, -1, -1, -1)
+
     def describe(self, other: CallInfo) -> str:
         """This call as text, naming the fields that differ from ``other``."""
-        text = f"{str(DTYPES[self.dtype]).removeprefix('torch.')}[{self.numel}]"
+        dtype = str(DTYPES[self.dtype]).removeprefix("torch.") if self.dtype >= 0 else "?"
+        text = f"{dtype}[{self.numel}]"
         if self.coll != other.coll or self.seq != other.seq:
             text = f"{COLLECTIVES[self.coll]} #{self.seq} of {text}"
         if self.op != other.op:
@@ -95,7 +118,7 @@ class CallInfo(NamedTuple):
         if self.root != other.root:
             text += f" root={self.root}"
         if self.algo != other.algo:
-            text += f" algorithm={ALGORITHM_CODES[self.algo]}"
+            text += f" algorithm={ALGORITHM_CODES[self.algo] if self.algo >= 0 else '?'}"
         return text
 
 
@@ -113,25 +136,67 @@ def mismatch_message(rank_a: int, a: CallInfo, rank_b: int, b: CallInfo) -> str:
     )
 
 
+def invalid_message(rank: int, coll: str, seq: int, problem: str) -> str:
+    """The text every rank raises when ``rank``'s call of ``coll`` was refused for ``problem``."""
+    return (
+        f"{coll} #{seq}: rank {rank} made an invalid call: {problem} "
+        "(raised on every rank; no tensor was modified)"
+    )
+
+
+def _cut(text: str) -> bytes:
+    """``text`` as UTF-8, shortened to at most :data:`TEXT_BYTES` bytes."""
+    raw = text.encode("utf-8")
+    if len(raw) <= TEXT_BYTES:
+        return raw
+    return raw[:TEXT_BYTES - 3].decode("utf-8", "ignore").encode("utf-8") + b"..."
+
+
+# Header layout (int64 words): magic, sender, flags, the sender's call (7 words), the first
+# mismatch known (rank, call, rank, call: 16 words), the lowest invalid rank and its text length.
+_CALL = slice(3, 10)
+_MISMATCH = slice(10, 26)
+_INVALID = slice(26, 28)
+_HAS_MISMATCH = 1
+_HAS_INVALID = 2
+
+
 @dataclass
 class HeaderState:
-    """What one rank knows during a collective: its own call and the first mismatch seen."""
+    """What one rank knows during a collective: its call, the first mismatch, the first invalid call.
+
+    ``invalid`` is the lowest rank known to have made an invalid call, with its error text.
+    """
 
     rank: int
     call: CallInfo
     mismatch: tuple[int, CallInfo, int, CallInfo] | None = None
+    invalid: tuple[int, str] | None = None
 
-    def write(self, buf: torch.Tensor) -> None:
-        """Write the header into the first :data:`HEADER_BYTES` of a uint8 buffer."""
-        words = [_MAGIC, self.rank, 0, *self.call]
+    def write(self, buf: torch.Tensor) -> int:
+        """Write the header (and any error text after it) into a uint8 buffer; return its length.
+
+        ``buf`` must hold :data:`HEADER_BYTES` bytes, plus :data:`TEXT_BYTES` once
+        :attr:`invalid` is set.
+        """
+        words = [_MAGIC, self.rank, 0, *self.call] + [0] * (HEADER_INTS - _CALL.stop)
         if self.mismatch is not None:
             ra, ca, rb, cb = self.mismatch
-            words = [_MAGIC, self.rank, 1, *self.call, ra, *ca, rb, *cb]
-        words += [0] * (HEADER_INTS - len(words))
+            words[2] |= _HAS_MISMATCH
+            words[_MISMATCH] = [ra, *ca, rb, *cb]
+        text = b""
+        if self.invalid is not None:
+            text = _cut(self.invalid[1])
+            words[2] |= _HAS_INVALID
+            words[_INVALID] = [self.invalid[0], len(text)]
         buf[:HEADER_BYTES].view(torch.int64).copy_(torch.tensor(words, dtype=torch.int64))
+        if text:
+            raw = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+            buf[HEADER_BYTES:HEADER_BYTES + len(text)].copy_(raw)
+        return HEADER_BYTES + len(text)
 
     def absorb(self, buf: torch.Tensor, peer: int) -> bool:
-        """Merge a received header; return True while no mismatch is known."""
+        """Merge a received header; return True while no mismatch and no invalid call is known."""
         words = buf[:HEADER_BYTES].view(torch.int64).tolist()
         if words[0] != _MAGIC or words[1] != peer:
             raise MismatchError(
@@ -139,15 +204,30 @@ class HeaderState:
                 f"collective header (magic {words[0]:#x}); another message was sent on tag "
                 f"{HEADER_TAG} or the peer is not running a ringpipe collective"
             )
-        theirs = CallInfo(*words[3:10])
+        flags = words[2]
+        theirs = CallInfo(*words[_CALL])
+        if flags & _HAS_INVALID:
+            bad, length = words[_INVALID]
+            if self.invalid is None or bad < self.invalid[0]:
+                raw = bytes(buf[HEADER_BYTES:HEADER_BYTES + min(max(length, 0), TEXT_BYTES)].tolist())
+                self.invalid = (bad, raw.decode("utf-8", "replace"))
         if self.mismatch is None:
-            if words[2]:
-                self.mismatch = (words[10], CallInfo(*words[11:18]), words[18], CallInfo(*words[19:26]))
+            if flags & _HAS_MISMATCH:
+                m = words[_MISMATCH]
+                self.mismatch = (m[0], CallInfo(*m[1:8]), m[8], CallInfo(*m[9:16]))
             elif theirs != self.call:
                 self.mismatch = (self.rank, self.call, peer, theirs)
-        return self.mismatch is None
+        return self.ok
+
+    @property
+    def ok(self) -> bool:
+        """True while every call seen so far agrees and is valid."""
+        return self.mismatch is None and self.invalid is None
 
     def raise_if_mismatch(self) -> None:
+        """Raise :class:`InvalidCallError` or :class:`MismatchError` if either is known."""
+        if self.invalid is not None:
+            raise InvalidCallError(self.invalid[1])
         if self.mismatch is not None:
             raise MismatchError(mismatch_message(*self.mismatch))
 

@@ -12,7 +12,15 @@ import time
 
 import torch
 
-from ringpipe.collectives.common import Ctx, doubling_steps, exchange, exchange_headers, reduce_into
+from ringpipe.collectives.common import (
+    Ctx,
+    doubling_steps,
+    exchange,
+    exchange_headers,
+    header_message,
+    header_state,
+    reduce_into,
+)
 from ringpipe.collectives.header import EAGER_BYTES, HEADER_BYTES, HEADER_TAG, HeaderState
 
 __all__ = ["allreduce"]
@@ -46,11 +54,19 @@ def _plain(ctx: Ctx, x: torch.Tensor) -> None:
         x.copy_(cur)
 
 
+def _outgoing(ctx: Ctx, hs: HeaderState, sendbuf: torch.Tensor) -> torch.Tensor:
+    """Header + payload; once an invalid call is known, the header and its error text instead."""
+    if hs.invalid is not None:
+        return header_message(ctx, hs)
+    hs.write(sendbuf)
+    return sendbuf
+
+
 def _eager(ctx: Ctx, x: torch.Tensor) -> None:
     comm = ctx.comm
     nb = x.numel() * x.element_size()
     size = HEADER_BYTES + nb
-    hs = HeaderState(comm.rank, ctx.call)
+    hs = header_state(ctx)
     sendbuf = ctx.scratch("rd_eager_send", size)[:size]
     recvbuf = ctx.scratch("rd_eager_recv", EAGER_BYTES)[:EAGER_BYTES]
     mine = sendbuf[HEADER_BYTES:].view(x.dtype)
@@ -60,14 +76,13 @@ def _eager(ctx: Ctx, x: torch.Tensor) -> None:
     for kind, peer, step in doubling_steps(comm.rank, comm.size):
         posted = time.perf_counter_ns()
         if kind in ("send", "send_result"):
-            hs.write(sendbuf)
-            comm.isend(sendbuf, peer, HEADER_TAG).wait()
-            ctx.record(step, peer, size, posted, time.perf_counter_ns())
+            msg = _outgoing(ctx, hs, sendbuf)
+            comm.isend(msg, peer, HEADER_TAG).wait()
+            ctx.record(step, peer, msg.numel(), posted, time.perf_counter_ns())
             continue
         send = None
         if kind == "exchange":
-            hs.write(sendbuf)
-            send = comm.isend(sendbuf, peer, HEADER_TAG)
+            send = comm.isend(_outgoing(ctx, hs, sendbuf), peer, HEADER_TAG)
         comm.irecv(recvbuf, peer, HEADER_TAG).wait()
         if send is not None:
             send.wait()
