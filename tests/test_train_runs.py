@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from ringpipe.train.cli import add_train_parser, run_train
-from ringpipe.train.metrics import read_metrics
+from ringpipe.train.metrics import format_summary, read_metrics, write_json_atomic
 
 TINY = ["epochs=1", "batch_size=32", "log_every=2", "optimizer.scale_lr=false", "optimizer.lr=0.01",
         "schedule.name=constant",
@@ -122,6 +122,38 @@ def test_single_outputs_only_in_run_dir(tmp_path, capsys):
     evals = [r for r in metrics if r["kind"] == "eval"]
     assert [math.floor(r["epoch"]) for r in evals] == [1, 2]
     assert "test_accuracy" in capsys.readouterr().out  # the closing table
+
+
+def _strict_json(path):
+    """Parse ``path`` refusing NaN and Infinity (not JSON, though Python writes them by default)."""
+    def refuse(constant):
+        raise AssertionError(f"{constant} in {path.name}")
+
+    return json.loads(path.read_text(), parse_constant=refuse)
+
+
+def test_non_finite_numbers_are_written_null(tmp_path):
+    write_json_atomic(tmp_path / "s.json", {"loss": math.nan, "rate": math.inf, "xs": [1.0, -math.inf]})
+    assert _strict_json(tmp_path / "s.json") == {"loss": None, "rate": None, "xs": [1.0, None]}
+    assert "| loss | - |" in format_summary({"loss": None})
+
+
+def test_run_shorter_than_log_every(tmp_path):
+    """max_steps < log_every: the open window is logged (partial), summary.json is valid JSON, curves drawn."""
+    run = tmp_path / "run"
+    rc, summary, metrics = _train(run, *_sets([*TINY, "mode=single", "log_every=10", "max_steps=3"]))
+    assert rc == 0 and summary["interrupted"] and summary["steps"] == 3
+    summary = _strict_json(run / "summary.json")
+    assert all(v is not None for v in summary.values()), summary
+    assert math.isfinite(summary["final_loss"])
+    assert [(r["step"], r.get("partial")) for r in metrics if r["kind"] == "train"] == [(3, True)]
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        json.loads(line, parse_constant=lambda c: pytest.fail(f"{c} in metrics.jsonl"))
+    assert (run / "curves.png").stat().st_size > 0
+    # Resuming drops the partial record: the window is logged in full at its end.
+    rc, _, metrics = _train(run, "--resume", "--set", "max_steps=10")
+    assert rc == 0
+    assert [(r["step"], r.get("partial")) for r in metrics if r["kind"] == "train"] == [(10, None)]
 
 
 def test_config_error_exit_code(tmp_path, capsys):

@@ -265,6 +265,10 @@ class _Run:
                         self.save()
             if self.step < self.total_steps and self.step > start_step:
                 self.save()  # stopped by max_steps: resumable from here
+            if window_steps:
+                # Stopped inside a log window: record it (marked partial, dropped on resume) for the
+                # curves and the summary; the checkpoint above keeps the window open.
+                self._log_train(bar, window_steps, time.perf_counter() - window_start_time, partial=True)
         finally:
             bar.close()
         interrupted = self.step < self.total_steps
@@ -289,7 +293,7 @@ class _Run:
             leave=False,
         )
 
-    def _log_train(self, bar: Any, steps: int, seconds: float) -> None:
+    def _log_train(self, bar: Any, steps: int, seconds: float, partial: bool = False) -> None:
         loss, acc, count = self.window.reduce(self.comm)
         rec: dict[str, Any] = {
             "kind": "train",
@@ -300,6 +304,8 @@ class _Run:
             "lr": self.schedule.get_last_lr()[0],
             "samples_per_second": steps * self.global_batch / seconds if seconds > 0 else 0.0,
         }
+        if partial:
+            rec["partial"] = True
         self.last_train = rec
         self.metrics.write(rec)
         bar.set_postfix(loss=f"{loss:.4f}", acc=f"{acc:.3f}", lr=f"{rec['lr']:.2e}", refresh=False)

@@ -12,12 +12,28 @@ from typing import Any
 
 __all__ = [
     "MetricsWriter",
+    "finite",
     "read_metrics",
     "write_json_atomic",
     "plot_curves",
     "format_summary",
     "comm_time",
 ]
+
+
+def finite(obj: Any) -> Any:
+    """``obj`` with every NaN or infinite float replaced by None (JSON has no NaN: it is written null)."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: finite(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [finite(v) for v in obj]
+    return obj
+
+
+def _dumps(obj: Any, **kwargs: Any) -> str:
+    return json.dumps(finite(obj), allow_nan=False, **kwargs)
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
@@ -36,12 +52,16 @@ class MetricsWriter:
         self.records: list[dict[str, Any]] = []
 
     def truncate_after(self, step: int) -> None:
-        """Keep only records up to ``step`` (resuming from a checkpoint taken at that step)."""
+        """Keep only records up to ``step`` (resuming from a checkpoint taken at that step).
+
+        Partial train records (a log window closed early because the run stopped) go too: the
+        resumed run logs that window in full.
+        """
         if not self.enabled:
             return
-        self.records = [r for r in read_metrics(self.path) if r["step"] <= step]
+        self.records = [r for r in read_metrics(self.path) if r["step"] <= step and not r.get("partial")]
         tmp = self.path.with_name(".metrics.jsonl.tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in self.records))
+        tmp.write_text("".join(_dumps(r) + "\n" for r in self.records))
         os.replace(tmp, self.path)
 
     def write(self, record: dict[str, Any]) -> None:
@@ -49,13 +69,13 @@ class MetricsWriter:
             return
         self.records.append(record)
         with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(_dumps(record) + "\n")
 
 
 def write_json_atomic(path: str | Path, obj: Any) -> None:
     p = Path(path)
     tmp = p.with_name(f".{p.name}.tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n")
+    tmp.write_text(_dumps(obj, indent=2, sort_keys=False) + "\n")
     os.replace(tmp, p)
 
 
@@ -81,13 +101,11 @@ def comm_time(windows: Sequence[tuple[int, int]], events: Iterable[tuple[int, in
     return total / 1e9
 
 
-def plot_curves(run_dir: str | Path, records: Sequence[dict[str, Any]]) -> Path | None:
-    """Loss and accuracy against epochs (train and test) as ``<run-dir>/curves.png``; None without data."""
+def plot_curves(run_dir: str | Path, records: Sequence[dict[str, Any]]) -> Path:
+    """Loss and accuracy against epochs (train and test) as ``<run-dir>/curves.png`` (empty axes without data)."""
     run = Path(run_dir)
     train = [r for r in records if r["kind"] == "train"]
     evals = [r for r in records if r["kind"] == "eval"]
-    if not train and not evals:
-        return None
     # matplotlib may build a font cache at first import: keep it inside the run directory
     # (nothing written elsewhere) unless the user chose a place.
     fresh = "matplotlib" not in sys.modules and "MPLCONFIGDIR" not in os.environ
@@ -102,18 +120,24 @@ def plot_curves(run_dir: str | Path, records: Sequence[dict[str, Any]]) -> Path 
         if fresh:
             del os.environ["MPLCONFIGDIR"]
 
+    def series(rows: Sequence[dict[str, Any]], key: str) -> list[float]:
+        return [math.nan if r.get(key) is None else r[key] for r in rows]  # null: a missing point
+
     fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 4))
     if train:
-        ax_loss.plot([r["epoch"] for r in train], [r["loss"] for r in train], label="train", alpha=0.7)
-        ax_acc.plot([r["epoch"] for r in train], [r["accuracy"] for r in train], label="train", alpha=0.7)
+        ax_loss.plot(series(train, "epoch"), series(train, "loss"), ".-", label="train", alpha=0.7)
+        ax_acc.plot(series(train, "epoch"), series(train, "accuracy"), ".-", label="train", alpha=0.7)
     if evals:
-        ax_loss.plot([r["epoch"] for r in evals], [r["test_loss"] for r in evals], "o-", label="test")
-        ax_acc.plot([r["epoch"] for r in evals], [r["test_accuracy"] for r in evals], "o-", label="test")
+        ax_loss.plot(series(evals, "epoch"), series(evals, "test_loss"), "o-", label="test")
+        ax_acc.plot(series(evals, "epoch"), series(evals, "test_accuracy"), "o-", label="test")
     ax_loss.set(xlabel="epoch", ylabel="loss", title="loss")
     ax_acc.set(xlabel="epoch", ylabel="accuracy", title="accuracy", ylim=(0, 1.02))
     for ax in (ax_loss, ax_acc):
         ax.grid(alpha=0.3)
-        ax.legend()
+        if train or evals:
+            ax.legend()
+        else:
+            ax.text(0.5, 0.5, "no records", ha="center", va="center", transform=ax.transAxes)
     fig.tight_layout()
     out = run / "curves.png"
     fig.savefig(out, dpi=100)
@@ -122,6 +146,8 @@ def plot_curves(run_dir: str | Path, records: Sequence[dict[str, Any]]) -> Path 
 
 
 def _fmt(value: Any) -> str:
+    if value is None:
+        return "-"
     if isinstance(value, float):
         if math.isnan(value):
             return "-"
