@@ -80,7 +80,7 @@ def test_mode_two_processes(tmp_path, mode, reference, capsys):
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("mode,nprocs", [("single", 1), ("ddp", 2)])
+@pytest.mark.parametrize("mode,nprocs", [("single", 1), ("ddp", 2), ("dp", 2), ("gpipe", 2)])
 def test_resume_equals_uninterrupted(tmp_path, mode, nprocs):
     cfg = [*TINY, "epochs=2", f"mode={mode}", f"nprocs={nprocs}", "model.dropout=0.2", "checkpoint.keep=2",
            "optimizer.name=sgd", "schedule.name=cosine", "schedule.warmup_epochs=0.5"]
