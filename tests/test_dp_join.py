@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import os
-import pickle
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,7 +10,7 @@ import torch
 from torch import nn
 
 from ringpipe.dp import DistributedOptimizer, join
-from ringpipe.launch import mpirun_command, spawn
+from ringpipe.launch import spawn
 
 HERE = Path(__file__).parent
 HAVE_MPI = shutil.which("mpirun") is not None and __import__("importlib").util.find_spec("mpi4py") is not None
@@ -92,3 +88,114 @@ def test_join_serves_steps_with_the_learning_rate_of_the_ranks_with_data(batches
             assert (got == first).all(), f"rank {rank} differs from rank 0 after join"
         # every rank leaves join with the hyper-parameters of the rank that joined last
         assert lr == pytest.approx(ref_lr), rank
+
+
+# ----------------------------------------------------------------------------- other collectives during join
+
+
+def _bn_model(comm) -> nn.Module:
+    from ringpipe.dp import SyncBatchNorm
+
+    torch.manual_seed(0)
+    bn = SyncBatchNorm(8, comm=comm) if comm is not None else nn.BatchNorm1d(8)
+    return nn.Sequential(nn.Linear(6, 8), bn, nn.Tanh(), nn.Linear(8, 3))
+
+
+def _flat(nested) -> list[float]:
+    return [x for item in nested for x in (_flat(item) if isinstance(item, list) else [item])]
+
+
+def _uneven_syncbn_and_metrics(comm, batches):
+    """SyncBatchNorm in every forward and metric reductions after every step, with uneven shards."""
+    import ringpipe.api as hvd
+
+    hvd.init(comm=comm)
+    try:
+        model = _bn_model(comm)
+        opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9),
+                                   model.named_parameters(), bucket_bytes=100, comm=comm)
+        xs, ys = _batches()
+        metrics = []
+        for i in _mine(comm.rank, batches):
+            opt.zero_grad()
+            loss = nn.functional.mse_loss(model(xs[i]), ys[i])
+            loss.backward()
+            opt.step()
+            mine = torch.tensor([float(i), 1.0])
+            metrics.append([
+                hvd.allreduce(mine).tolist(),  # Average over the ranks with data
+                hvd.allreduce(mine, op=hvd.Sum).tolist(),
+                hvd.allreduce(mine, op=hvd.Min).tolist(),
+                hvd.allreduce(mine, op=hvd.Max).tolist(),
+                hvd.synchronize(hvd.allreduce_async_(mine.clone(), op=hvd.Product)).tolist(),
+                [t.tolist() for t in hvd.grouped_allreduce_([mine.clone(), mine[:1].clone()])],
+            ])
+            hvd.barrier()
+        last = join(comm)
+        return last, [_np(p) for p in model.parameters()], metrics
+    finally:
+        hvd.shutdown()
+
+
+def _syncbn_reference(batches):
+    model = _bn_model(None)
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    xs, ys = _batches()
+    n = len(batches)
+    metrics = {}
+    for k in range(max(batches)):
+        opt.zero_grad()
+        idx = [k * n + r for r in range(n) if batches[r] > k]
+        # one batch norm over the samples of every rank with data; the loss is the mean of their losses
+        out = model(torch.cat([xs[i] for i in idx]))
+        losses = [nn.functional.mse_loss(o, ys[i]) for o, i in zip(out.split(4), idx, strict=True)]
+        torch.stack(losses).mean().backward()
+        opt.step()
+        m = torch.tensor([[float(i), 1.0] for i in idx])
+        metrics[k] = [m.mean(0).tolist(), m.sum(0).tolist(), m.min(0).values.tolist(), m.max(0).values.tolist(),
+                      m.prod(0).tolist(), [m.mean(0).tolist(), m.mean(0)[:1].tolist()]]
+    return [p.detach() for p in model.parameters()], metrics
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("batches", [(3, 1), (1, 2, 4)])
+def test_joined_ranks_take_part_in_syncbatchnorm_and_allreduce(batches):
+    results = spawn(_uneven_syncbn_and_metrics, len(batches), args=(batches,))
+    ref, ref_metrics = _syncbn_reference(batches)
+    for rank, (_, params, metrics) in enumerate(results):
+        for got, want in zip(params, ref, strict=True):
+            assert torch.allclose(torch.as_tensor(got), want, atol=1e-5), rank
+        assert len(metrics) == batches[rank]
+        for k, got in enumerate(metrics):
+            assert _flat(got) == pytest.approx(_flat(ref_metrics[k])), (rank, k)
+
+
+def _unservable(comm, op):
+    """Rank 1 joins at once; rank 0 calls a collective a joined rank cannot take part in."""
+    import ringpipe.api as hvd
+
+    hvd.init(comm=comm)
+    try:
+        if comm.rank == 1:
+            join(comm)
+        elif op == "broadcast":
+            hvd.broadcast(torch.ones(3), root_rank=0)
+        elif op == "allgather":
+            hvd.allgather(torch.ones(3))
+        elif op == "broadcast_object":
+            hvd.broadcast_object({"a": 1})
+    except Exception as exc:  # noqa: BLE001 - the message is the result
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        hvd.shutdown()
+    return None
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("op", ["broadcast", "allgather", "broadcast_object"])
+def test_collective_a_joined_rank_cannot_serve_is_an_error_on_every_rank(op):
+    on_data_rank, on_joined_rank = spawn(_unservable, 2, args=(op,))
+    assert on_data_rank is not None and on_joined_rank is not None
+    assert "JoinError" in on_data_rank and "JoinError" in on_joined_rank
+    assert op in on_data_rank and "rank 1" in on_data_rank and "joined" in on_data_rank
+    assert op in on_joined_rank and "rank 0" in on_joined_rank

@@ -17,6 +17,7 @@ import torch
 
 from ringpipe.comm.base import Communicator, ReduceOp
 from ringpipe.dp import ops
+from ringpipe.dp.announce import JoinError, announce, finish, run_announced, wire_op
 from ringpipe.dp.broadcast import broadcast_optimizer_state, broadcast_parameters
 from ringpipe.dp.checkpoint import load_checkpoint, save_checkpoint
 from ringpipe.dp.compression import Compression
@@ -34,6 +35,7 @@ __all__ = [
     "DistributedSampler",
     "GradualWarmup",
     "Handle",
+    "JoinError",
     "Max",
     "Min",
     "NotInitializedError",
@@ -294,12 +296,16 @@ def allreduce_async_(
     if not tensor.is_contiguous():
         raise ValueError("allreduce_async_: the tensor must be contiguous for an in-place reduction")
 
+    notes = []
+
     def task() -> Any:
+        notes.append(announce(comm, "allreduce", tensor, rop))
         if prescale_factor != 1.0:
             tensor.mul_(prescale_factor)
-        return comm.iallreduce(tensor, rop)
+        return comm.iallreduce(tensor, wire_op(rop, notes[0]))
 
     def then(out: torch.Tensor) -> torch.Tensor:
+        finish(tensor, rop, notes[0])
         if postscale_factor != 1.0:
             tensor.mul_(postscale_factor)
         return tensor
@@ -338,12 +344,16 @@ def grouped_allreduce_async_(
         raise ValueError(f"grouped_allreduce needs tensors of one dtype and device, got {sorted(map(str, dtypes))}")
     flat = torch.cat([t.detach().reshape(-1) for t in items])
 
+    notes = []
+
     def task() -> Any:
+        notes.append(announce(comm, "allreduce", flat, rop))
         if prescale_factor != 1.0:
             flat.mul_(prescale_factor)
-        return comm.iallreduce(flat, rop)
+        return comm.iallreduce(flat, wire_op(rop, notes[0]))
 
     def then(out: torch.Tensor) -> list[torch.Tensor]:
+        finish(flat, rop, notes[0])
         if postscale_factor != 1.0:
             flat.mul_(postscale_factor)
         offset = 0
@@ -391,7 +401,11 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None) -> Handle:
     def then(parts: list[torch.Tensor]) -> torch.Tensor:
         return torch.stack(parts) if x.dim() == 0 else torch.cat(parts, 0)
 
-    return world.engine.submit(lambda: comm.allgather(x), then, name=name or "allgather")
+    def task() -> list[torch.Tensor]:
+        announce(comm, "allgather")
+        return comm.allgather(x)
+
+    return world.engine.submit(task, then, name=name or "allgather")
 
 
 def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> torch.Tensor:
@@ -402,7 +416,11 @@ def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> 
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> Handle:
     world = _world()
     comm = world.comm
-    return world.engine.submit(lambda: comm.broadcast(tensor, root_rank), name=name or "broadcast")
+    def task() -> torch.Tensor:
+        announce(comm, "broadcast")
+        return comm.broadcast(tensor, root_rank)
+
+    return world.engine.submit(task, name=name or "broadcast")
 
 
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> torch.Tensor:
@@ -452,7 +470,7 @@ def alltoall_async(tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | 
 
 def barrier() -> None:
     world = _world()
-    world.engine.run(world.comm.barrier, name="barrier")
+    run_announced(world.comm, "barrier", world.comm.barrier)
 
 
 def join(device: int = -1) -> int:
@@ -462,9 +480,9 @@ def join(device: int = -1) -> int:
 
 def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None) -> Any:
     world = _world()
-    return world.engine.run(lambda: world.comm.broadcast_object(obj, root_rank), name=name or "broadcast_object")
+    return run_announced(world.comm, "broadcast_object", lambda: world.comm.broadcast_object(obj, root_rank), name)
 
 
 def allgather_object(obj: Any, name: str | None = None) -> list[Any]:
     world = _world()
-    return world.engine.run(lambda: world.comm.allgather_object(obj), name=name or "allgather_object")
+    return run_announced(world.comm, "allgather_object", lambda: world.comm.allgather_object(obj), name)

@@ -1,5 +1,6 @@
 """Data parallelism: background engine, DistributedOptimizer, broadcasts, sharding, join, SyncBatchNorm, LR warmup."""
 
+from ringpipe.dp.announce import JoinError
 from ringpipe.dp.broadcast import broadcast_optimizer_state, broadcast_parameters
 from ringpipe.dp.checkpoint import load_checkpoint, save_checkpoint
 from ringpipe.dp.compression import Compression, Compressor
@@ -20,6 +21,7 @@ __all__ = [
     "EngineError",
     "GradualWarmup",
     "Handle",
+    "JoinError",
     "SyncBatchNorm",
     "broadcast_optimizer_state",
     "broadcast_parameters",

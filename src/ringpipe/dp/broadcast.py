@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from ringpipe.comm.base import Communicator
+from ringpipe.dp.announce import announce
 from ringpipe.dp.engine import Engine
 
 __all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_tensors"]
@@ -22,12 +23,19 @@ def _comm(comm: Communicator | None) -> Communicator:
     return _world().comm
 
 
-def broadcast_tensors(tensors: list[torch.Tensor], root_rank: int, comm: Communicator) -> None:
-    """Overwrite ``tensors`` in place with the root's values: one fused broadcast per dtype and device."""
+def broadcast_tensors(
+    tensors: list[torch.Tensor], root_rank: int, comm: Communicator, announced: bool = False
+) -> None:
+    """Overwrite ``tensors`` in place with the root's values: one fused broadcast per dtype and device.
+
+    ``announced``: the caller already announced this broadcast (:mod:`ringpipe.dp.announce`).
+    """
     groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for t in tensors:
         groups.setdefault((t.dtype, t.device), []).append(t)
     engine = Engine.of(comm)
+    if not announced:
+        engine.run(lambda: announce(comm, "broadcast"), name="broadcast-tensors")
     for members in groups.values():
         flat = torch.cat([t.detach().reshape(-1) for t in members]) if members else None
         if flat is None or flat.numel() == 0:
@@ -56,7 +64,11 @@ def broadcast_parameters(
             raise TypeError(f"broadcast_parameters: {name!r} is a {type(t).__name__}, not a tensor")
     layout = [(str(n), tuple(t.shape), str(t.dtype)) for n, t in items]
     engine = Engine.of(comm)
-    every = engine.run(lambda: comm.allgather_object(layout), name="broadcast-layout")
+    def gather_layouts() -> list[Any]:
+        announce(comm, "broadcast")
+        return comm.allgather_object(layout)
+
+    every = engine.run(gather_layouts, name="broadcast-layout")
     root_layout = every[root_rank]
     for rank, theirs in enumerate(every):
         if theirs == root_layout:
@@ -70,7 +82,7 @@ def broadcast_parameters(
             f"broadcast_parameters: rank {rank} does not hold the same tensors as rank {root_rank} ({diff}); "
             "every rank must build the same model before broadcasting"
         )
-    broadcast_tensors([t for _, t in items], root_rank, comm)
+    broadcast_tensors([t for _, t in items], root_rank, comm, announced=True)
 
 
 class _TensorRef:
@@ -121,7 +133,11 @@ def broadcast_optimizer_state(
     engine = Engine.of(comm)
     tensors: list[torch.Tensor] = []
     skeleton = _strip(inner.state_dict(), tensors) if comm.rank == root_rank else None
-    skeleton = engine.run(lambda: comm.broadcast_object(skeleton, root_rank), name="broadcast-optimizer")
+    def send_skeleton() -> Any:
+        announce(comm, "broadcast")
+        return comm.broadcast_object(skeleton, root_rank)
+
+    skeleton = engine.run(send_skeleton, name="broadcast-optimizer")
     if comm.rank != root_rank:
         refs: list[_TensorRef] = []
         _collect_refs(skeleton, refs)
@@ -132,7 +148,7 @@ def broadcast_optimizer_state(
         ]
     else:
         tensors = [t.clone() for t in tensors]
-    broadcast_tensors(tensors, root_rank, comm)
+    broadcast_tensors(tensors, root_rank, comm, announced=True)
     if comm.rank != root_rank:
         ours = len(inner.param_groups), [len(g["params"]) for g in inner.param_groups]
         theirs = len(skeleton["param_groups"]), [len(g["params"]) for g in skeleton["param_groups"]]

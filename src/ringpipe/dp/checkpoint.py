@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from ringpipe.comm.base import Communicator
-from ringpipe.dp.engine import Engine
+from ringpipe.dp.announce import run_announced
 
 __all__ = ["save_checkpoint", "load_checkpoint"]
 
@@ -49,7 +49,7 @@ def save_checkpoint(path: str | os.PathLike[str], state: dict[str, Any], comm: C
             Path(tmp).unlink(missing_ok=True)
             raise
     if comm.size > 1:
-        Engine.of(comm).run(comm.barrier, name="checkpoint-barrier")
+        run_announced(comm, "barrier", comm.barrier, "checkpoint-barrier")
 
 
 def load_checkpoint(path: str | os.PathLike[str], comm: Communicator | None = None, root_rank: int | None = 0,
@@ -58,4 +58,4 @@ def load_checkpoint(path: str | os.PathLike[str], comm: Communicator | None = No
     if root_rank is None or comm is None or comm.size == 1:
         return torch.load(path, map_location=map_location, weights_only=False)
     state = torch.load(path, map_location=map_location, weights_only=False) if comm.rank == root_rank else None
-    return Engine.of(comm).run(lambda: comm.broadcast_object(state, root_rank), name="load-checkpoint")
+    return run_announced(comm, "broadcast_object", lambda: comm.broadcast_object(state, root_rank), "load-checkpoint")

@@ -63,6 +63,8 @@ class Handle:
         """Finish the in-flight work and run ``then`` exactly once (thread-safe)."""
         with self._lock:
             if not self._finished:
+                if isinstance(self._error, EngineError):
+                    raise self._error  # already names the collective and the fix
                 if self._error is not None:
                     raise EngineError(f"collective {self.name!r} failed: {self._error}") from self._error
                 value = self._value

@@ -1,12 +1,13 @@
-"""Join: a rank that has run out of data keeps serving the others' gradient reductions until all are done.
+"""Join: a rank that has run out of data keeps serving the others' collectives until all are done.
 
-A joined rank repeats the collectives of one optimizer step with zero gradients and a zero
-"has data" count in the first bucket, and applies the averaged gradients of the ranks that
-still have data, with their hyper-parameters (a learning-rate scheduler on the joined rank
-no longer advances, so the learning rate of each served step is taken from a rank with data),
-so its parameters stay equal to theirs. When the count it receives is zero, every rank has
-joined and all of them return together, with the hyper-parameters of the rank that joined last. While some rank is joined, the others
-may run only DistributedOptimizer steps (no other collective) until they join too.
+Every data-parallel collective is announced by a small header (:mod:`ringpipe.dp.announce`).
+A joined rank repeats header exchanges with a zero contribution and acts on what the ranks with
+data announce: for an optimizer step it reduces zero gradients and then applies the averaged
+gradients of the ranks with data, with their hyper-parameters (its own learning-rate scheduler
+no longer advances), so its parameters stay equal to theirs; for an allreduce (SyncBatchNorm's
+statistics, a metric) it contributes the identity of the reduce op; it takes part in barriers.
+Any other collective raises :class:`~ringpipe.dp.announce.JoinError` on every rank. When a
+header shows no rank with data, every rank has joined and all of them return together.
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ from __future__ import annotations
 import logging
 
 from ringpipe.comm.base import Communicator
+from ringpipe.dp.announce import JoinError, Note, exchange, identity, refuse, wire_op
 from ringpipe.dp.engine import Engine
 
-__all__ = ["join"]
+__all__ = ["join", "JoinError"]
 
 log = logging.getLogger(__name__)
 
@@ -24,23 +26,44 @@ log = logging.getLogger(__name__)
 def join(comm: Communicator) -> int:
     """Block until every rank has called ``join``; return the rank that joined last.
 
-    Serves the optimizer steps of ranks with data meanwhile, using the most recently created
-    :class:`~ringpipe.dp.optimizer.DistributedOptimizer` on ``comm`` (none: a plain barrier),
-    with the hyper-parameters of a rank with data. On return every rank's optimizer has the
-    hyper-parameters of the rank that joined last. A learning-rate scheduler keeps its own step
-    count, which on an early rank missed the served steps: to continue with it, load the last
-    rank's state, e.g. ``sched.load_state_dict(broadcast_object(sched.state_dict(), last))``.
+    Meanwhile serves the collectives of the ranks with data (see the module docstring); their
+    optimizer steps go through the most recently created
+    :class:`~ringpipe.dp.optimizer.DistributedOptimizer` on ``comm``. On return every rank's
+    optimizer has the hyper-parameters of the rank that joined last. A learning-rate scheduler
+    keeps its own step count, which on an early rank missed the served steps: to continue with
+    it, load the last rank's state, e.g. ``sched.load_state_dict(broadcast_object(sched.state_dict(), last))``.
     """
     engine = Engine.of(comm)
-    optimizers = sorted(engine.optimizers, key=id)
-    served = 0
+    optimizers = list(engine.optimizers)
     optimizer = None
     if optimizers:
         if len(optimizers) > 1:
             log.warning("join: %d DistributedOptimizers on %s; serving the newest one", len(optimizers), comm.name)
         optimizer = max(optimizers, key=lambda o: o._created)
-        while optimizer._join_step():
-            served += 1
+    served = 0
+    while True:
+        note = engine.run(lambda: exchange(comm, None), name="join")
+        if not note.have_data:
+            break
+        served += 1
+        if note.op in ("step", "bucket", "apply"):
+            if optimizer is None:
+                raise JoinError(
+                    f"join on rank {comm.rank}: rank {note.have_data[0]} ran an optimizer step but this rank has no "
+                    "DistributedOptimizer to serve it with; build the same DistributedOptimizer on every rank"
+                )
+            if note.op == "step":
+                optimizer._serve_step(note)
+            elif note.op == "bucket":
+                optimizer._serve_bucket()
+            else:
+                optimizer._serve_update(note)
+        elif note.op == "allreduce":
+            _serve_allreduce(comm, engine, note)
+        elif note.op == "barrier":
+            engine.run(comm.barrier, name="join-barrier")
+        else:
+            raise refuse(comm, note)
     mine = (served, optimizer.hyperparameters() if optimizer is not None else None)
     every = engine.run(lambda: comm.allgather_object(mine), name="join")
     fewest = min(c for c, _ in every)
@@ -48,3 +71,11 @@ def join(comm: Communicator) -> int:
     if optimizer is not None and every[last][1] is not None:
         optimizer.load_hyperparameters(every[last][1])
     return last
+
+
+def _serve_allreduce(comm: Communicator, engine: Engine, note: Note) -> None:
+    if note.reduce_op is None or note.dtype is None:
+        raise refuse(comm, note)
+    rop = note.reduce_op
+    contribution = identity(rop, note.dtype, note.numel, comm._object_device())
+    engine.run(lambda: comm.allreduce(contribution, wire_op(rop, note)), name="join-allreduce")

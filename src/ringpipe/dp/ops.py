@@ -4,7 +4,8 @@ Gradients follow from what each collective computes, taking the training objecti
 sum of every rank's loss: the gradient of an allreduce is the same allreduce of the output
 gradients (Sum or Average), of an allgather the summed gradient of this rank's slice, of a
 broadcast the summed gradient on the root (zero elsewhere), of a reduce-scatter an allgather,
-and of an alltoall the reverse alltoall.
+and of an alltoall the reverse alltoall. Every collective is announced
+(:mod:`ringpipe.dp.announce`), so ranks inside ``join()`` take part in allreduces.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 import torch
 
 from ringpipe.comm.base import Communicator, ReduceOp
+from ringpipe.dp.announce import announce, finish, run_announced, wire_op
 from ringpipe.dp.engine import Engine
 
 __all__ = [
@@ -33,9 +35,11 @@ def allreduce_inplace(
     """Reduce ``tensor`` in place (on the engine thread), with Horovod's pre/post scale factors."""
 
     def task() -> torch.Tensor:
+        note = announce(comm, "allreduce", tensor, op)
         if prescale != 1.0:
             tensor.mul_(prescale)
-        comm.allreduce(tensor, op)
+        comm.allreduce(tensor, wire_op(op, note))
+        finish(tensor, op, note)
         if postscale != 1.0:
             tensor.mul_(postscale)
         return tensor
@@ -67,7 +71,7 @@ def allreduce(
 
 
 def _gather(comm: Communicator, tensor: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
-    parts = Engine.of(comm).run(lambda: comm.allgather(tensor.contiguous()), name="allgather")
+    parts = run_announced(comm, "allgather", lambda: comm.allgather(tensor.contiguous()))
     sizes = [int(p.shape[0]) if p.dim() else 1 for p in parts]
     if tensor.dim() == 0:
         return torch.stack(parts), sizes
@@ -99,7 +103,7 @@ class _Broadcast(torch.autograd.Function):
     def forward(ctx: Any, tensor: torch.Tensor, comm: Communicator, root: int) -> torch.Tensor:
         ctx.comm, ctx.root = comm, root
         out = tensor.detach().clone().contiguous()
-        return Engine.of(comm).run(lambda: comm.broadcast(out, root), name="broadcast")
+        return run_announced(comm, "broadcast", lambda: comm.broadcast(out, root))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
@@ -124,12 +128,11 @@ def reducescatter_blocks(comm: Communicator, tensor: torch.Tensor, op: ReduceOp)
     if tensor.dim() == 0:
         raise ValueError("reducescatter needs a tensor with at least one dimension")
     sizes = _split_sizes(tensor.shape[0], comm.size)
-    engine = Engine.of(comm)
     x = tensor.detach().contiguous()
     if len(set(sizes)) == 1:
-        return engine.run(lambda: comm.reduce_scatter(x, op), name="reducescatter")
+        return run_announced(comm, "reducescatter", lambda: comm.reduce_scatter(x, op))
     full = x.clone()
-    engine.run(lambda: comm.allreduce(full, op), name="reducescatter")
+    run_announced(comm, "reducescatter", lambda: comm.allreduce(full, op))
     start = sum(sizes[: comm.rank])
     return full[start : start + sizes[comm.rank]].clone()
 
@@ -163,7 +166,7 @@ def _alltoall_raw(comm: Communicator, tensor: torch.Tensor, splits: list[int]) -
         )
     engine = Engine.of(comm)
     counts = [torch.tensor([s], dtype=torch.int64) for s in splits]
-    received = [int(c) for c in engine.run(lambda: comm.alltoall(counts), name="alltoall-splits")]
+    received = [int(c) for c in run_announced(comm, "alltoall", lambda: comm.alltoall(counts), "alltoall-splits")]
     longest = torch.tensor([max(splits + received)], dtype=torch.int64)
     engine.run(lambda: comm.allreduce(longest, ReduceOp.MAX), name="alltoall-splits")
     pad = int(longest)

@@ -9,9 +9,11 @@ earlier buckets have been launched, the bucket is handed to the communicator's b
 :class:`~ringpipe.dp.engine.Engine`. Buckets are therefore launched in the same order on every
 rank whatever order the hooks fire in, and ``step()`` waits only for what is still in flight.
 
-The first bucket carries one extra element, the number of ranks that still have data; ranks
-that called :func:`ringpipe.dp.join.join` contribute zeros and a zero count, and averages are
-taken over the ranks with data.
+The first bucket's reduction is announced (:mod:`ringpipe.dp.announce`), which tells every rank
+how many ranks still have data; ranks that called :func:`ringpipe.dp.join.join` take part with
+zeros, and averages are taken over the ranks with data. While a rank is joined, every bucket is
+announced (other collectives, such as SyncBatchNorm's in backward, may come between two
+buckets), and ``step()`` announces the update and sends the joined ranks its hyper-parameters.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any
 import torch
 
 from ringpipe.comm.base import Communicator, ReduceOp
+from ringpipe.dp.announce import Note, announce
 from ringpipe.dp.compression import Compression, Compressor
 from ringpipe.dp.engine import Engine, Handle
 
@@ -54,16 +57,15 @@ class _Slot:
 class _Bucket:
     """A flat buffer holding the gradients of several parameters of one dtype and device."""
 
-    __slots__ = ("index", "slots", "buffer", "numel", "pending", "handle", "wire", "flag", "bitmap")
+    __slots__ = ("index", "slots", "buffer", "numel", "pending", "handle", "wire", "bitmap")
 
-    def __init__(self, index: int, slots: list[_Slot], flag: bool, bitmap: int) -> None:
+    def __init__(self, index: int, slots: list[_Slot], bitmap: int) -> None:
         self.index = index
         self.slots = slots
         first = slots[0].param
         self.numel = sum(s.param.numel() for s in slots)
-        self.flag = flag  # last element: number of ranks with data (first bucket)
         self.bitmap = bitmap  # after the gradients: per parameter, ranks that had a gradient (last bucket)
-        self.buffer = torch.zeros(self.numel + bitmap + int(flag), dtype=first.dtype, device=first.device)
+        self.buffer = torch.zeros(self.numel + bitmap, dtype=first.dtype, device=first.device)
         offset = 0
         for s in slots:
             n = s.param.numel()
@@ -179,8 +181,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._next_launch = 0
         self._synchronized = False
         self._should_synchronize = True
-        self._active = float(comm.size)
-        self._peers_joined = False  # some rank had joined at the last reduction
+        self._active = float(comm.size)  # ranks with data at the last reduction
+        self._peers_joined = False
         self._unused: list[int] = []
         self._hooks = [s.param.register_post_accumulate_grad_hook(self._make_hook(s)) for s in self._slots]
         self._created = next(_CREATED)
@@ -191,7 +193,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _check_same_parameters(self, named: Sequence[tuple[str, torch.Tensor]]) -> None:
         mine = [(n, tuple(p.shape), str(p.dtype)) for n, p in named]
-        every = self.engine.run(lambda: self.comm.allgather_object(mine), name="check-parameters")
+        def gather() -> list[Any]:
+            announce(self.comm, "allgather_object")
+            return self.comm.allgather_object(mine)
+
+        every = self.engine.run(gather, name="check-parameters")
         ref = every[0]
         for rank, theirs in enumerate(every):
             if theirs == ref:
@@ -230,7 +236,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if sizes[key] >= cap:
                 del open_[key]
         last = len(groups) - 1
-        return [_Bucket(i, g, flag=(i == 0), bitmap=len(slots) if i == last else 0) for i, g in enumerate(groups)]
+        return [_Bucket(i, g, bitmap=len(slots) if i == last else 0) for i, g in enumerate(groups)]
 
     def _make_hook(self, slot: _Slot) -> Callable[[torch.Tensor], None]:
         passes = self.backward_passes_per_step
@@ -278,7 +284,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._launch(buckets[self._next_launch])
             self._next_launch += 1
 
-    def _launch(self, bucket: _Bucket, flag: float = 1.0) -> None:
+    def _launch(self, bucket: _Bucket, contribute: bool = True) -> None:
         # Average divides before the sum, on the engine thread while backward continues:
         # by the predivide factor, and by the world size too when there is no predivide factor.
         average = self.op is ReduceOp.AVERAGE
@@ -306,15 +312,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 buffer.mul_(prescale)
             if used is not None:
                 wire[bucket.numel : bucket.numel + bucket.bitmap] = used
-            if bucket.flag:
-                wire[-1] = flag
+            if contribute:  # a joined rank learnt of this bucket from join's announcement
+                if bucket.index == 0:
+                    self._active = float(announce(self.comm, "step").count)
+                elif self._active < size:
+                    announce(self.comm, "bucket")
             return reduce(wire)
 
         def then(wire: torch.Tensor) -> None:
             if wire is not buffer:
                 buffer.copy_(wire)
-            if bucket.flag:
-                self._active = float(buffer[-1].item())
             if bucket.bitmap:
                 nobody = buffer[bucket.numel : bucket.numel + bucket.bitmap] == 0
                 self._unused = nobody.nonzero().flatten().tolist() if bool(nobody.any()) else []
@@ -326,10 +333,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
         bucket.handle = self.engine.submit(task, then, name=f"bucket{bucket.index}")
 
-    def _launch_all(self, flag: float = 1.0) -> None:
+    def _launch_all(self, contribute: bool = True) -> None:
         """Launch every bucket not launched yet, with zeros for parameters that got no gradient."""
         passes = self.backward_passes_per_step
-        contribute = flag != 0.0
         for bucket in self._buckets[self._next_launch :]:
             if bucket.pending:
                 for slot in bucket.slots:
@@ -337,7 +343,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                         slot.used = contribute and (slot.count > 0 or slot.param.grad is not None)
                         self._take_grad(slot)
                 bucket.pending = 0
-            self._launch(bucket, flag)
+            self._launch(bucket, contribute)
         self._next_launch = len(self._buckets)
 
     def _wait_all(self) -> None:
@@ -387,7 +393,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 self.synchronize()
         self._synchronized = False
         if self._peers_joined:
-            self._share_hyperparameters(have_data=True)
+            self._announce_update()
         return self.optimizer.step(closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -421,8 +427,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ join
 
-    def _join_step(self) -> bool:
-        """One step of a rank that has no data left: contribute zeros; False once every rank joined."""
+    def _serve_step(self, note: Note) -> None:
+        """Take part in an announced reduction from a rank that has joined: contribute zeros."""
         for slot in self._slots:
             slot.count, slot.used = 0, False
             assert slot.view is not None
@@ -430,19 +436,38 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for bucket in self._buckets:
             bucket.buffer.zero_()
             bucket.pending = 0
-        first = self._buckets[0]
-        self._launch(first, flag=0.0)
-        assert first.handle is not None
-        first.handle.wait()
-        if self._active == 0.0:
+        self._active = float(note.count)
+        self._next_launch = 0
+        self._serve_bucket()
+
+    def _serve_bucket(self) -> None:
+        """Take part in the next announced bucket from a rank that has joined."""
+        self._launch(self._buckets[self._next_launch], contribute=False)
+        self._next_launch += 1
+        if self._next_launch == len(self._buckets):
             self._wait_all()
-            return False
-        self._next_launch = 1
-        self._launch_all(flag=0.0)
-        self._wait_all()
-        self._share_hyperparameters(have_data=False)
+
+    def _serve_update(self, note: Note) -> None:
+        """Apply the reduced gradients on a joined rank, with the hyper-parameters of a rank with data."""
+        root = note.have_data[0]
+        groups = self.engine.run(lambda: self.comm.broadcast_object(None, root), name="update")
+        self.load_hyperparameters(groups)
         self.optimizer.step()
-        return True
+
+    def _announce_update(self) -> None:
+        """Tell joined ranks to apply this step, and send them its hyper-parameters.
+
+        A joined rank no longer runs the training loop, so its learning-rate scheduler stands
+        still; without this its steps would use a stale learning rate and its parameters would
+        drift away from those of the ranks still training.
+        """
+        mine = self.hyperparameters()
+
+        def task() -> Any:
+            note = announce(self.comm, "apply")
+            return self.comm.broadcast_object(mine, note.have_data[0])
+
+        self.engine.run(task, name="update")
 
     def hyperparameters(self) -> list[dict[str, Any]]:
         """Every parameter group's settings (learning rate, momentum, ...) without its parameters."""
@@ -457,20 +482,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
             )
         for group, theirs in zip(self.param_groups, groups, strict=True):
             group.update({k: v for k, v in theirs.items() if k != "params"})
-
-    def _share_hyperparameters(self, have_data: bool) -> None:
-        """Give ranks that joined the hyper-parameters of the first rank with data, for this step.
-
-        A joined rank no longer runs the training loop, so its learning-rate scheduler stands
-        still; without this its served steps would use a stale learning rate and its
-        parameters would drift away from those of the ranks still training.
-        """
-        mine = self.hyperparameters() if have_data else None
-        every = self.engine.run(lambda: self.comm.allgather_object(mine), name="join-hyperparameters")
-        if not have_data:
-            source = next((g for g in every if g is not None), None)
-            if source is not None:
-                self.load_hyperparameters(source)
 
 
 def _reducer(comm: Communicator, algorithm: str) -> Callable[[torch.Tensor], Any]:
