@@ -64,3 +64,40 @@ def test_single_process_errors():
         DistributedOptimizer(object())  # type: ignore[arg-type]
     assert Compression.fp16.compress(torch.ones(2))[0].dtype == torch.float16
     assert Compression.fp16.compress(torch.ones(2, dtype=torch.int64))[0].dtype == torch.int64
+
+
+# Per setting: the value on rank 0 and on rank 1 (the algorithm "carrier-pigeon" is invalid: the
+# mismatch is still reported on every rank instead of rank 1 alone raising and rank 0 hanging).
+DIFFERENT = {
+    "bucket_bytes": (1024, 2048),
+    "first_bucket_bytes": (256, 512),
+    "compression": ("none", "fp16"),
+    "algorithm": ("native", "carrier-pigeon"),
+    "backward_passes_per_step": (1, 2),
+    "op": ("average", "sum"),
+    "gradient_predivide_factor": (1.0, 2.0),
+}
+SHOWN = {"compression": ("none", "fp16"), "op": ("average", "sum")}
+
+
+def _different_settings(comm):
+    out = {}
+    for setting, values in DIFFERENT.items():
+        model = nn.Linear(3, 2)
+        out[setting] = _catch(lambda m=model, kw={setting: values[comm.rank]}: DistributedOptimizer(
+            torch.optim.SGD(m.parameters(), lr=0.1), m.named_parameters(), comm=comm, **kw))
+    # still usable afterwards: equal settings build an optimizer on every rank
+    model = nn.Linear(3, 2)
+    DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), bucket_bytes=64, comm=comm)
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_settings_that_differ_across_ranks_are_an_error_on_every_rank():
+    for out in spawn(_different_settings, 2):
+        for setting, (a, b) in DIFFERENT.items():
+            msg = out[setting]
+            assert msg is not None and msg.startswith("ValueError"), (setting, msg)
+            a, b = SHOWN.get(setting, (a, b))
+            assert f"{setting} differs across ranks" in msg, msg
+            assert f"rank 0: {a!r}" in msg and f"rank 1: {b!r}" in msg, msg

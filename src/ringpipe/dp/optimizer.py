@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from ringpipe.comm.base import Communicator, ReduceOp
+from ringpipe.dp.agreement import agree, comparable, layout_of
 from ringpipe.dp.announce import Note, announce
 from ringpipe.dp.compression import Compression, Compressor
 from ringpipe.dp.engine import Engine, Handle
@@ -77,6 +78,32 @@ class _Bucket:
         self.wire: torch.Tensor | None = None
 
 
+def _validate(
+    op: ReduceOp | str,
+    gradient_predivide_factor: float,
+    backward_passes_per_step: int,
+    bucket_bytes: int,
+    first_bucket_bytes: int,
+) -> ReduceOp:
+    """Check the settings that need no communicator; return the reduce op."""
+    rop = ReduceOp.parse(op)
+    if rop not in (ReduceOp.AVERAGE, ReduceOp.SUM):
+        raise ValueError(f"DistributedOptimizer supports op Average or Sum for gradients, got {rop.value}")
+    if gradient_predivide_factor != 1.0 and rop is not ReduceOp.AVERAGE:
+        raise ValueError(
+            f"gradient_predivide_factor={gradient_predivide_factor} only applies with op=Average "
+            f"(got op={rop.value}); use op=Average or leave gradient_predivide_factor at 1.0"
+        )
+    if gradient_predivide_factor <= 0:
+        raise ValueError(f"gradient_predivide_factor must be > 0, got {gradient_predivide_factor}")
+    if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
+        raise ValueError(f"backward_passes_per_step must be an integer >= 1, got {backward_passes_per_step!r}")
+    if bucket_bytes <= 0 or first_bucket_bytes <= 0:
+        raise ValueError(f"bucket sizes must be > 0, got bucket_bytes={bucket_bytes}, "
+                         f"first_bucket_bytes={first_bucket_bytes}")
+    return rop
+
+
 def _name_parameters(
     optimizer: torch.optim.Optimizer,
     named_parameters: Iterable[tuple[str, torch.Tensor]] | None,
@@ -118,6 +145,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         first_bucket_bytes: the smaller cap of the first bucket, so reduction starts early in backward.
         algorithm: ``"native"`` (the backend's allreduce) or a name from ``ringpipe.collectives.ALGORITHMS``.
         comm: the communicator (default: the one of ``ringpipe.init()``).
+
+    Construction is collective: every rank must pass the same settings and parameters (names,
+    shapes, dtypes); otherwise every rank raises a ``ValueError`` naming what differs.
     """
 
     def __init__(
@@ -137,26 +167,43 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise TypeError("the optimizer is already a DistributedOptimizer; wrap the plain torch optimizer once")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        rop = ReduceOp.parse(op)
-        if rop not in (ReduceOp.AVERAGE, ReduceOp.SUM):
-            raise ValueError(f"DistributedOptimizer supports op Average or Sum for gradients, got {rop.value}")
-        if gradient_predivide_factor != 1.0 and rop is not ReduceOp.AVERAGE:
-            raise ValueError(
-                f"gradient_predivide_factor={gradient_predivide_factor} only applies with op=Average "
-                f"(got op={rop.value}); use op=Average or leave gradient_predivide_factor at 1.0"
-            )
-        if gradient_predivide_factor <= 0:
-            raise ValueError(f"gradient_predivide_factor must be > 0, got {gradient_predivide_factor}")
-        if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
-            raise ValueError(f"backward_passes_per_step must be an integer >= 1, got {backward_passes_per_step!r}")
-        if bucket_bytes <= 0 or first_bucket_bytes <= 0:
-            raise ValueError(f"bucket sizes must be > 0, got bucket_bytes={bucket_bytes}, "
-                             f"first_bucket_bytes={first_bucket_bytes}")
+        settings = {
+            "bucket_bytes": bucket_bytes,
+            "first_bucket_bytes": first_bucket_bytes,
+            "compression": compression,
+            "algorithm": algorithm,
+            "backward_passes_per_step": backward_passes_per_step,
+            "op": op,
+            "gradient_predivide_factor": gradient_predivide_factor,
+        }
+        # Invalid settings are raised only after every rank compared its settings (agree()), so
+        # that a setting wrong on one rank does not leave the others waiting for it.
+        problem: Exception | None = None
+        try:
+            rop = _validate(op, gradient_predivide_factor, backward_passes_per_step, bucket_bytes, first_bucket_bytes)
+            compressor = Compression.parse(compression)
+        except ValueError as exc:
+            problem = exc
         if comm is None:
-            from ringpipe.api import _world
+            from ringpipe.api import NotInitializedError, _world
 
-            comm = _world().comm
-        self._reduce = _reducer(comm, algorithm)
+            try:
+                comm = _world().comm
+            except NotInitializedError:
+                if problem is not None:
+                    raise problem from None
+                raise
+        try:
+            self._reduce = _reducer(comm, algorithm)
+        except ValueError as exc:
+            problem = problem or exc
+        named: list[tuple[str, torch.nn.Parameter]] = []
+
+        def layout() -> list[tuple[str, tuple[int, ...], str]]:
+            named.extend((n, p) for n, p in _name_parameters(optimizer, named_parameters) if p.requires_grad)
+            return layout_of(named)
+
+        agree(comm, {k: comparable(k, v) for k, v in settings.items()}, layout, problem)
 
         # Share the wrapped optimizer's groups and state so schedulers and checkpoints see one object.
         super().__init__(optimizer.param_groups, optimizer.defaults)
@@ -166,7 +213,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
         self.comm = comm
         self.engine = Engine.of(comm)
-        self.compression = Compression.parse(compression)
+        self.compression = compressor
         self.backward_passes_per_step = backward_passes_per_step
         self.op = rop
         self.gradient_predivide_factor = float(gradient_predivide_factor)
@@ -174,8 +221,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.first_bucket_bytes = min(int(first_bucket_bytes), self.bucket_bytes)
         self.algorithm = algorithm
 
-        named = [(n, p) for n, p in _name_parameters(optimizer, named_parameters) if p.requires_grad]
-        self._check_same_parameters(named)
         self._slots = [_Slot(p, n) for n, p in named]
         self._buckets = self._make_buckets(self._slots)
         self._next_launch = 0
@@ -190,29 +235,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         log.debug("DistributedOptimizer: %d parameters in %d buckets", len(self._slots), len(self._buckets))
 
     # ------------------------------------------------------------------ set-up
-
-    def _check_same_parameters(self, named: Sequence[tuple[str, torch.Tensor]]) -> None:
-        mine = [(n, tuple(p.shape), str(p.dtype)) for n, p in named]
-        def gather() -> list[Any]:
-            announce(self.comm, "allgather_object")
-            return self.comm.allgather_object(mine)
-
-        every = self.engine.run(gather, name="check-parameters")
-        ref = every[0]
-        for rank, theirs in enumerate(every):
-            if theirs == ref:
-                continue
-            if len(theirs) != len(ref):
-                raise ValueError(
-                    f"rank {rank} has {len(theirs)} parameters to reduce but rank 0 has {len(ref)}: every rank "
-                    "must build the same model and optimizer before DistributedOptimizer"
-                )
-            for a, b in zip(ref, theirs, strict=True):
-                if a != b:
-                    raise ValueError(
-                        f"parameter mismatch across ranks: rank 0 has {a[0]!r} {a[1]} {a[2]} where rank {rank} "
-                        f"has {b[0]!r} {b[1]} {b[2]}; every rank must build the same model in the same order"
-                    )
 
     def _make_buckets(self, slots: list[_Slot]) -> list[_Bucket]:
         """Group parameters, last registered first, into buckets closed once they reach their cap.
