@@ -1,4 +1,4 @@
-"""The check at construction that every rank built the same DistributedOptimizer: settings and parameters.
+"""DistributedOptimizer settings: validated, and compared with every other rank's at construction.
 
 Why: buckets are laid out from the parameters and the settings (bucket sizes, compression,
 algorithm, ...) on each rank alone. If two ranks differ, their buckets differ in length or
@@ -20,7 +20,7 @@ from ringpipe.dp.announce import announce
 from ringpipe.dp.compression import Compressor
 from ringpipe.dp.engine import Engine
 
-__all__ = ["comparable", "agree"]
+__all__ = ["agree", "comparable", "layout_of", "validate"]
 
 Layout = list[tuple[str, tuple[int, ...], str]]
 
@@ -105,3 +105,29 @@ def _compare_layouts(every: Sequence[Layout]) -> None:
 def layout_of(named: Sequence[tuple[str, torch.Tensor]]) -> Layout:
     """Name, shape and dtype of every parameter to reduce, in order."""
     return [(n, tuple(p.shape), str(p.dtype)) for n, p in named]
+
+
+def validate(
+    op: ReduceOp | str,
+    gradient_predivide_factor: float,
+    backward_passes_per_step: int,
+    bucket_bytes: int,
+    first_bucket_bytes: int,
+) -> ReduceOp:
+    """Check the settings that need no communicator; return the reduce op."""
+    rop = ReduceOp.parse(op)
+    if rop not in (ReduceOp.AVERAGE, ReduceOp.SUM):
+        raise ValueError(f"DistributedOptimizer supports op Average or Sum for gradients, got {rop.value}")
+    if gradient_predivide_factor != 1.0 and rop is not ReduceOp.AVERAGE:
+        raise ValueError(
+            f"gradient_predivide_factor={gradient_predivide_factor} only applies with op=Average "
+            f"(got op={rop.value}); use op=Average or leave gradient_predivide_factor at 1.0"
+        )
+    if gradient_predivide_factor <= 0:
+        raise ValueError(f"gradient_predivide_factor must be > 0, got {gradient_predivide_factor}")
+    if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
+        raise ValueError(f"backward_passes_per_step must be an integer >= 1, got {backward_passes_per_step!r}")
+    if bucket_bytes <= 0 or first_bucket_bytes <= 0:
+        raise ValueError(f"bucket sizes must be > 0, got bucket_bytes={bucket_bytes}, "
+                         f"first_bucket_bytes={first_bucket_bytes}")
+    return rop

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from ringpipe.comm.base import Communicator, ReduceOp
-from ringpipe.dp.agreement import agree, comparable, layout_of
+from ringpipe.dp.agreement import agree, comparable, layout_of, validate
 from ringpipe.dp.announce import Note, announce
 from ringpipe.dp.compression import Compression, Compressor
 from ringpipe.dp.engine import Engine, Handle
@@ -76,32 +76,6 @@ class _Bucket:
         self.pending = len(slots)
         self.handle: Handle | None = None
         self.wire: torch.Tensor | None = None
-
-
-def _validate(
-    op: ReduceOp | str,
-    gradient_predivide_factor: float,
-    backward_passes_per_step: int,
-    bucket_bytes: int,
-    first_bucket_bytes: int,
-) -> ReduceOp:
-    """Check the settings that need no communicator; return the reduce op."""
-    rop = ReduceOp.parse(op)
-    if rop not in (ReduceOp.AVERAGE, ReduceOp.SUM):
-        raise ValueError(f"DistributedOptimizer supports op Average or Sum for gradients, got {rop.value}")
-    if gradient_predivide_factor != 1.0 and rop is not ReduceOp.AVERAGE:
-        raise ValueError(
-            f"gradient_predivide_factor={gradient_predivide_factor} only applies with op=Average "
-            f"(got op={rop.value}); use op=Average or leave gradient_predivide_factor at 1.0"
-        )
-    if gradient_predivide_factor <= 0:
-        raise ValueError(f"gradient_predivide_factor must be > 0, got {gradient_predivide_factor}")
-    if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
-        raise ValueError(f"backward_passes_per_step must be an integer >= 1, got {backward_passes_per_step!r}")
-    if bucket_bytes <= 0 or first_bucket_bytes <= 0:
-        raise ValueError(f"bucket sizes must be > 0, got bucket_bytes={bucket_bytes}, "
-                         f"first_bucket_bytes={first_bucket_bytes}")
-    return rop
 
 
 def _name_parameters(
@@ -180,7 +154,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # that a setting wrong on one rank does not leave the others waiting for it.
         problem: Exception | None = None
         try:
-            rop = _validate(op, gradient_predivide_factor, backward_passes_per_step, bucket_bytes, first_bucket_bytes)
+            rop = validate(op, gradient_predivide_factor, backward_passes_per_step, bucket_bytes, first_bucket_bytes)
             compressor = Compression.parse(compression)
         except ValueError as exc:
             problem = exc
