@@ -8,7 +8,9 @@ from torch import nn
 
 from ringpipe.launch import spawn
 from ringpipe.pipeline import PipelineTrainer
+from ringpipe.pipeline.executor import staleness_of
 from ringpipe.pipeline.partition import split_layers
+from ringpipe.pipeline.schedules import async_1f1b, async_1f1b_window, async_staleness
 from ringpipe.pipeline.simulator import simulate_async
 
 ATOL = 1e-5
@@ -44,7 +46,7 @@ def configs():
     return out
 
 
-def _run(comm, balance, cfgs):
+def _run(comm, balance, cfgs, driver="train_stream"):
     data = make_data()
     out = {}
     for names, rec, k, opt in cfgs:
@@ -54,7 +56,14 @@ def _run(comm, balance, cfgs):
             recompute=rec, mitigations=names, step_every=k,
         )
         batches = [(x if t.is_first else None, y if t.is_last else None) for x, y in data]
-        t.train_stream(batches, len(batches))
+        if driver == "train_stream":
+            t.train_stream(batches, len(batches))
+        else:  # batch by batch, as mode async of ringpipe train does
+            for x, y in batches:
+                t.stream_step(x, y)
+            assert t.streaming
+            t.drain()
+            assert not t.streaming and t.in_flight == 0
         got = t.model_state_dict()
         if comm.rank == 0:
             # compared here: results travel back through a pipe, so keep them small
@@ -85,6 +94,31 @@ def test_async_matches_simulator(balance):
         assert moved > 1e-3, f"{cfg}: the weights did not move"
 
 
+@pytest.mark.timeout(60)
+def test_stream_steps_match_simulator():
+    """Batch by batch (stream_step, then drain) equals one stream: in flight across batch boundaries."""
+    cfgs = [("wp+ws", False, 2, "sgd"), ("stale", True, 1, "sgd"), ("ws+ga", False, 1, "sgd")]
+    errors = spawn(_run, 3, args=([3, 2, 2], cfgs, "stream_step"))[0]
+    for cfg, (err, moved) in errors.items():
+        assert err <= ATOL, f"{cfg}: stream_step run differs from the simulator by {err}"
+        assert moved > 1e-3, f"{cfg}: the weights did not move"
+
+
+@pytest.mark.parametrize(("stages", "micro", "k", "batches"), [(2, 2, 2, 3), (3, 2, 1, 4), (4, 3, 3, 2), (3, 4, 2, 1)])
+def test_stream_windows_concatenate_to_the_async_schedule(stages, micro, k, batches):
+    total = micro * batches
+    for stage in range(stages):
+        got = []
+        for b in range(batches):
+            got += async_1f1b_window(stages, stage, b * micro, (b + 1) * micro, k)
+        got += async_1f1b_window(stages, stage, total, total, k, total=total)
+        assert got == async_1f1b(stages, total, stage, k)
+        expected = staleness_of(got)
+        assert {mb: async_staleness(stages, stage, mb, k) for mb in range(total)} == expected
+    # a trailing partial group gets its step in the drain, after the last window
+    assert [str(a) for a in async_1f1b_window(2, 1, 3, 3, 2, total=3)] == ["S"]
+
+
 def _stale_differs(comm):
     # With staleness the async run must differ from the synchronous one (it is not a flush).
     data = make_data()
@@ -107,6 +141,14 @@ def test_async_is_not_a_flush_and_bad_options_refused():
     with pytest.raises(ValueError, match="step_every=2 applies to the asynchronous schedule only"):
         PipelineTrainer(_FakeComm(), make_layers(), balance=[7], schedule="1f1b", step_every=2,
                         optimizer_factory=make_opt("sgd"), loss_fn=nn.functional.cross_entropy)
+    sync = PipelineTrainer(_FakeComm(), make_layers(), balance=[7], schedule="1f1b",
+                           optimizer_factory=make_opt("sgd"), loss_fn=nn.functional.cross_entropy)
+    with pytest.raises(ValueError, match="stream_step needs schedule 'async_1f1b'"):
+        sync.stream_step(*make_data()[0])
+    uneven = PipelineTrainer(_FakeComm(), make_layers(), balance=[7], schedule="async", microbatches=3,
+                             step_every=2, optimizer_factory=make_opt("sgd"), loss_fn=nn.functional.cross_entropy)
+    with pytest.raises(ValueError, match="step_every=2 to divide microbatches=3"):
+        uneven.stream_step(*make_data()[0])
 
 
 class _FakeComm:

@@ -11,6 +11,8 @@ import torch
 import yaml
 
 from ringpipe.launch import spawn
+from ringpipe.pipeline.partition import split_layers
+from ringpipe.pipeline.simulator import simulate_async
 from ringpipe.pipeline.staleness import GA_STAGE_POLICIES as FACTORY_GA_STAGES
 from ringpipe.pipeline.staleness import MITIGATIONS
 from ringpipe.train.cli import add_train_parser, run_train
@@ -27,6 +29,7 @@ from ringpipe.train.datasets import load_dataset
 from ringpipe.train.metrics import read_metrics
 from ringpipe.train.models import build_model
 from ringpipe.train.modes import ModeContext, build_engine
+from ringpipe.train.optimizers import build_optimizer
 from ringpipe.train.schedules import build_schedule
 
 TINY = ["epochs=1", "batch_size=32", "log_every=2", "optimizer.scale_lr=false", "optimizer.lr=0.01",
@@ -78,21 +81,93 @@ def test_command_line_runs_end_to_end(tmp_path, capsys):
     assert "mitigations" not in yaml.safe_load((run / "config.yaml").read_text())  # stored nested only
 
 
-@pytest.mark.timeout(180)
+def _strip(metrics):
+    return [{k: v for k, v in r.items() if k not in TIMING} for r in metrics]
+
+
+@pytest.mark.timeout(240)
 def test_resume_restores_each_stage_schedule(tmp_path):
-    """Interrupted and resumed equals uninterrupted: the stages' own schedules are checkpointed."""
-    cfg = [*TINY, "mode=async", "mitigations=wp,ws", "step_every=2", "optimizer.name=sgd",
-           "schedule.name=cosine", "schedule.warmup_epochs=0.5"]
+    """Interrupted at an epoch's end and resumed equals uninterrupted: the stages' own schedules
+    are checkpointed, and the pipeline drains at every epoch's end in both runs."""
+    cfg = [*TINY, "epochs=2", "batch_size=64", "mode=async", "mitigations=wp,ws", "step_every=2",
+           "optimizer.name=sgd", "schedule.name=cosine", "schedule.warmup_epochs=0.5"]
     rc, full, full_metrics = _train(tmp_path / "full", *_sets(cfg))
-    assert rc == 0
+    assert rc == 0 and full["steps"] == 45  # 1438 records / 64: epoch 1 ends at step 23
     part = tmp_path / "part"
-    rc, cut, _ = _train(part, *_sets([*cfg, "max_steps=17"]))
-    assert rc == 0 and cut["interrupted"] and cut["steps"] == 17
+    rc, cut, _ = _train(part, *_sets([*cfg, "max_steps=23"]))
+    assert rc == 0 and cut["interrupted"] and cut["steps"] == 23
     rc, resumed, resumed_metrics = _train(part, "--resume", "--set", "max_steps=null")
     assert rc == 0 and resumed["steps"] == full["steps"]
-    strip = [{k: v for k, v in r.items() if k not in TIMING} for r in full_metrics]
-    assert [{k: v for k, v in r.items() if k not in TIMING} for r in resumed_metrics] == strip
+    assert _strip(resumed_metrics) == _strip(full_metrics)
     assert resumed["test_loss"] == full["test_loss"] and resumed["final_lr"] == full["final_lr"]
+    # Mid-epoch, the checkpoint drains the pipeline: the run resumes and completes, equal up to the cut.
+    mid = tmp_path / "mid"
+    rc, cut, _ = _train(mid, *_sets([*cfg, "max_steps=17"]))
+    assert rc == 0 and cut["interrupted"] and cut["steps"] == 17
+    rc, resumed, resumed_metrics = _train(mid, "--resume", "--set", "max_steps=null")
+    assert rc == 0 and resumed["steps"] == full["steps"] and not resumed["interrupted"]
+    assert [(r["kind"], r["step"]) for r in resumed_metrics] == [(r["kind"], r["step"]) for r in full_metrics]
+    assert [r for r in _strip(resumed_metrics) if r["step"] <= 17] == [r for r in _strip(full_metrics)
+                                                                       if r["step"] <= 17]
+    assert resumed["test_loss"] == pytest.approx(full["test_loss"], rel=0.05)
+
+
+# ------------------------------------------------------------------------------ streaming
+
+#: step_every == microbatches: one step per batch, so only streaming across batches makes weights stale
+STREAM = ["nprocs=2", "pipeline.microbatches=2", "batch_size=16", "model.hidden=[16]", "optimizer.name=sgd",
+          "optimizer.lr=0.1", "optimizer.scale_lr=false", "schedule.name=constant", "schedule.warmup_epochs=0"]
+
+
+def _stream_worker(comm, batches):
+    torch.set_num_threads(1)
+    states, in_flight = {}, {}
+    for mode, extra in (("async", ["mitigations=stale", "step_every=2"]), ("1f1b", [])):
+        cfg = load_config(overrides=[f"mode={mode}", *STREAM, *extra])
+        data = load_dataset(cfg.data)
+
+        def make_model(cfg=cfg, data=data):
+            torch.manual_seed(cfg.seed)
+            return build_model(cfg.model, data)
+
+        engine = build_engine(ModeContext(cfg, comm, data, make_model))
+        for b in range(batches):
+            engine.train_step(data.train.x[16 * b: 16 * (b + 1)], data.train.y[16 * b: 16 * (b + 1)])
+        in_flight[mode] = engine.trainer.in_flight
+        engine.state_dict()  # a checkpoint drains the pipeline
+        assert engine.trainer.in_flight == 0
+        states[mode] = engine.trainer.model_state_dict()
+        balance = list(engine.trainer.balance)
+        steps = engine.trainer.executor.steps_taken
+    out = {"stage": engine.trainer.stage, "in_flight": in_flight, "steps": steps}
+    if comm.rank == 0:
+        cfg = load_config(overrides=["mode=async", *STREAM, "step_every=2"])
+        data = load_dataset(cfg.data)
+        torch.manual_seed(cfg.seed)
+        stages = split_layers(list(build_model(cfg.model, data)), balance)
+        opts = [build_optimizer(s.parameters(), cfg.optimizer, cfg.optimizer.lr) for s in stages]
+        micro = [(x, y) for b in range(batches)
+                 for x, y in zip(data.train.x[16 * b: 16 * (b + 1)].tensor_split(2),
+                                 data.train.y[16 * b: 16 * (b + 1)].tensor_split(2), strict=True)]
+        simulate_async(stages, opts, torch.nn.functional.cross_entropy, micro, "stale", step_every=2)
+        sim = {k: v.detach() for k, v in torch.nn.Sequential(*[m for s in stages for m in s]).state_dict().items()}
+        out["vs_simulator"] = max(float((states["async"][k] - v).abs().max()) for k, v in sim.items())
+        out["vs_1f1b"] = max(float((states["async"][k] - v).abs().max()) for k, v in states["1f1b"].items())
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_async_mode_streams_across_batches():
+    """Mode async keeps micro-batches in flight across batches: stale weights even with one step per batch."""
+    batches = 4
+    results = spawn(_stream_worker, 2, args=(batches,))
+    by_stage = {r["stage"]: r for r in results}
+    assert by_stage[0]["in_flight"] == {"async": 1, "1f1b": 0}  # the first stage's last forward waits
+    assert by_stage[1]["in_flight"] == {"async": 0, "1f1b": 0}
+    assert all(r["steps"] == batches for r in results)
+    root = results[0]
+    assert root["vs_1f1b"] > 1e-4, "mode async equals 1f1b: no staleness"
+    assert root["vs_simulator"] <= 1e-5, root
 
 
 # ------------------------------------------------------------------------------ per-stage LR
@@ -119,7 +194,9 @@ def _lr_worker(comm, overrides):
         x, y = data.train.x[32 * b: 32 * (b + 1)], data.train.y[32 * b: 32 * (b + 1)]
         engine.train_step(x, y)
         loop_schedule.step()
-        at_batch_end.append((trainer.optimizer.param_groups[0]["lr"], loop_schedule.get_last_lr()[0]))
+        at_batch_end.append((trainer.optimizer.param_groups[0]["lr"], loop_schedule.get_last_lr()[0],
+                             trainer.executor.steps_taken))
+    trainer.drain()
     predictor = getattr(trainer.policy, "predictor", None)
     return {
         "stage": trainer.stage,
@@ -148,8 +225,14 @@ def test_lr_advances_per_optimizer_step_of_each_stage():
         expected = [lr * (start + (1 - start) * (s / steps_per_epoch) / warmup) for s in range(6)]
         assert r["used"] == pytest.approx(expected, rel=1e-12), r["stage"]
         assert all(b > a for a, b in zip(r["used"], r["used"][1:], strict=False))  # changes within a batch
-        for stage_lr, loop_lr in r["at_batch_end"]:  # the logged rate is the stage's at batch ends
-            assert stage_lr == pytest.approx(loop_lr, rel=1e-12)
+        for b, (stage_lr, loop_lr, steps) in enumerate(r["at_batch_end"]):
+            # the last stage's rate is the logged one at batch ends; the first one's lags by the
+            # micro-batch it still has in flight (its step comes with the next batch)
+            assert steps == steps_per_batch * (b + 1) - (1 if r["stage"] == 0 else 0)
+            assert stage_lr == pytest.approx(lr * (start + (1 - start) * (steps / steps_per_epoch) / warmup),
+                                             rel=1e-12)
+            if r["stage"] == 1:
+                assert stage_lr == pytest.approx(loop_lr, rel=1e-12)
         assert r["predictor_reads_schedule"]
 
 

@@ -9,12 +9,18 @@ clears the gradients. Receives are posted one action ahead so transfers overlap 
 
 Each micro-batch's staleness (optimizer steps between its forward and its backward on this
 stage, 0 for flushing schedules) is given to the weight policy at forward time.
+
+A run may also be one window of a longer stream (``keep_open``): micro-batches forwarded in
+it are backwarded by a later run, micro-batch numbers go on from window to window, and the
+sends of a window are not waited for at its end (their receives are posted by the neighbour's
+next window). Only the run that closes the stream waits for them and checks that nothing is
+left in flight.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,7 +37,7 @@ from ringpipe.pipeline.channel import (
 from ringpipe.pipeline.recompute import microbatch_seed
 from ringpipe.pipeline.replicas import average_gradients
 from ringpipe.pipeline.schedules import Action
-from ringpipe.pipeline.stage import StageRuntime, as_tensors
+from ringpipe.pipeline.stage import StageError, StageRuntime, as_tensors
 
 __all__ = ["PipelineExecutor", "RunResult", "staleness_of"]
 
@@ -119,6 +125,8 @@ class PipelineExecutor:
         self.grad_out = GradSender(comm, prev_rank) if prev_rank is not None else None
         self.steps_taken = 0
         self.microbatches_seen = 0
+        self._metas: dict[int, Meta] = {}  # output shapes of micro-batches in flight (for their gradients)
+        self._stream_base: int | None = None  # microbatches_seen when the open stream began
 
     # ------------------------------------------------------------------ step
 
@@ -143,20 +151,33 @@ class PipelineExecutor:
         targets: InputFn | None = None,
         weights: Callable[[int], float] | None = None,
         run_length: Callable[[int], int] | None = None,
+        *,
+        staleness: Mapping[int, int] | None = None,
+        keep_open: bool = False,
     ) -> RunResult:
         """Run one stage's ``actions``.
 
         ``inputs(m)`` (first stage) and ``targets(m)`` (last stage) give micro-batch ``m``'s data;
         they are called in forward order. ``weights(m)`` scales micro-batch ``m``'s loss (e.g.
         its share of the batch). ``run_length(m)`` (first stage): how many micro-batches from
-        ``m`` on have the same input shapes (default 1: a shape header with every micro-batch).
+        ``m`` on have the same input shapes (default 1: a shape header with every micro-batch);
+        a run of shapes must not go past the end of ``actions``' forwards.
+
+        ``staleness`` (micro-batch -> steps between its forward and its backward) defaults to
+        what ``actions`` imply; a window of a stream passes the stream's values. ``keep_open``:
+        ``actions`` are one window of a stream and micro-batches may stay in flight until a
+        later run; the stream's last window is run with ``keep_open=False``.
         """
         self.rt.module.train()
-        staleness = staleness_of(actions)
+        if staleness is None:
+            staleness = staleness_of(actions)
+        if self._stream_base is None:
+            self._stream_base = self.microbatches_seen
+        base = self._stream_base
         fwd_order = [a.mb for a in actions if a.kind == "F"]
         bwd_order = [a.mb for a in actions if a.kind == "B"]
         f_pos = b_pos = 0
-        metas: dict[int, Meta] = {}
+        metas = self._metas
         result = RunResult()
         self._reset_channels()
         if self.act_in is not None and fwd_order:
@@ -180,7 +201,7 @@ class PipelineExecutor:
                             raise ValueError(f"stage {self.stage} is the last stage and needs targets")
                         target = targets(mb)
                     w = weights(mb) if weights is not None else 1.0
-                    seed = None if self.seed is None else microbatch_seed(self.seed, self.stage, self.microbatches_seen + mb)
+                    seed = None if self.seed is None else microbatch_seed(self.seed, self.stage, base + mb)
                     out, loss, metrics = self.rt.forward(mb, x, staleness.get(mb, 0), target, w, seed)
                     if self.act_out is not None:
                         metas[mb] = Meta.of(out)
@@ -205,9 +226,20 @@ class PipelineExecutor:
                     result.steps += 1
         except BaseException:
             self.rt.clear()
+            self._metas.clear()
+            self._stream_base = None
             raise
-        self._wait_sends()
         self.microbatches_seen += len(fwd_order)
+        if keep_open:
+            return result
+        self._stream_base = None
+        self._metas.clear()
+        self._wait_sends()
+        if self.rt.in_flight:
+            raise StageError(
+                f"stage {self.stage}: {self.rt.in_flight} micro-batches are still in flight at the end of "
+                "the run; a run that closes a stream must hold the backward of every forward"
+            )
         return result
 
     def evaluate(
@@ -241,7 +273,8 @@ class PipelineExecutor:
                         result.metrics[mb] = metrics
         finally:
             self.rt.module.train()
-        self._wait_sends()
+        if self.act_out is not None:
+            self.act_out.wait()  # not the gradient sends of an open stream: a later window receives them
         return result
 
     # ------------------------------------------------------------------ helpers

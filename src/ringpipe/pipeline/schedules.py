@@ -37,6 +37,8 @@ __all__ = [
     "gpipe",
     "one_f_one_b",
     "async_1f1b",
+    "async_1f1b_window",
+    "async_staleness",
     "get_schedule",
     "validate",
     "validate_pipeline",
@@ -143,6 +145,69 @@ def async_1f1b(num_stages: int, num_microbatches: int, stage: int, step_every: i
             if done_b % step_every == 0 or done_b == num_microbatches:
                 out.append(Action("S"))
     return out
+
+
+def async_1f1b_window(
+    num_stages: int,
+    stage: int,
+    start: int,
+    stop: int,
+    step_every: int = 1,
+    total: int | None = None,
+) -> list[Action]:
+    """One window of the asynchronous 1F1B stream: its actions from ``F start`` up to ``F stop``.
+
+    A stream whose length is not known in advance (training batch after batch, draining only
+    at the end of an epoch) runs window by window: the window holds the forwards of
+    micro-batches ``start .. stop-1`` and the backwards (with their steps) that the 1F1B order
+    places among them; the last ``stages - stage - 1`` of its micro-batches stay in flight.
+    ``total`` (the stream's length, equal to ``stop``) closes the stream: the cool-down
+    backwards follow, and a final step for a trailing partial group. With ``total=T`` on the
+    last window, the windows ``[0, s1), [s1, s2), ..., [sn, T)`` concatenate to
+    ``async_1f1b(num_stages, T, stage, step_every)``; ``[T, T)`` alone is the drain.
+    """
+    if num_stages < 1:
+        raise ScheduleError(f"num_stages must be >= 1, got {num_stages}")
+    if not 0 <= stage < num_stages:
+        raise ScheduleError(f"stage {stage} is not in [0, {num_stages})")
+    if step_every < 1:
+        raise ScheduleError(f"step_every must be >= 1, got {step_every}")
+    if not 0 <= start <= stop or (total is not None and total != stop):
+        raise ScheduleError(
+            f"window [{start}, {stop}) with total={total}: need 0 <= start <= stop, and total (if given) == stop"
+        )
+    warmup = num_stages - stage - 1
+    out: list[Action] = []
+    last_backward = False
+
+    def backward(mb: int) -> None:
+        nonlocal last_backward
+        out.append(Action("B", mb))
+        last_backward = total is not None and mb == total - 1
+        if (mb + 1) % step_every == 0 or last_backward:
+            out.append(Action("S"))
+
+    for mb in range(start, stop):
+        out.append(Action("F", mb))
+        if mb >= warmup:
+            backward(mb - warmup)
+    if total is not None:
+        for mb in range(max(0, stop - warmup), total):
+            backward(mb)
+        if total % step_every and not last_backward and total > 0:
+            out.append(Action("S"))  # the last backward ran in an earlier window, before the end was known
+    return out
+
+
+def async_staleness(num_stages: int, stage: int, mb: int, step_every: int = 1) -> int:
+    """Optimizer steps between micro-batch ``mb``'s forward and its backward in the asynchronous 1F1B stream.
+
+    The forward of ``mb`` follows ``max(0, mb - (stages - stage - 1))`` backwards, and a step
+    follows every backward of a micro-batch ``x`` with ``(x + 1) % step_every == 0``. The
+    length of the stream does not matter: a final partial step comes after every backward.
+    """
+    done_backwards = max(0, mb - (num_stages - stage - 1))
+    return mb // step_every - done_backwards // step_every
 
 
 ScheduleFn = Callable[[int, int, int], list[Action]]

@@ -10,6 +10,10 @@ never travel through the pipeline), every other rank passes ``None``. Example::
                               loss_fn=torch.nn.functional.cross_entropy)
     loss = trainer.train_step(x if trainer.is_first else None, y if trainer.is_last else None)
 
+With ``async_1f1b``, :meth:`stream_step` feeds batch after batch into a pipeline that never
+flushes between them (micro-batches of one batch are still in flight when the next arrives,
+the PipeDream steady state); :meth:`drain` finishes them, e.g. at the end of an epoch.
+
 Batches are split along dimension 0 into ``microbatches`` chunks with ``torch.tensor_split``;
 when the count does not divide the batch, the first chunks are one sample larger and each
 micro-batch's loss is weighted by its share of the batch, so a step still follows the gradient
@@ -35,6 +39,8 @@ from ringpipe.pipeline.schedules import (
     ASYNC_SCHEDULES,
     Action,
     async_1f1b,
+    async_1f1b_window,
+    async_staleness,
     get_schedule,
 )
 from ringpipe.pipeline.stage import LossFn, MetricsFn, StageRuntime
@@ -173,6 +179,7 @@ class PipelineTrainer:
         )
         self.last_metrics: dict[str, float] = {}
         self._warned_uneven = False
+        self._streamed = 0  # micro-batches fed into the open stream (0: no stream open)
 
     def _make_policy(self, mitigations: Any, recompute: bool, options: dict[str, Any]) -> WeightPolicy:
         if isinstance(mitigations, WeightPolicy):
@@ -219,15 +226,7 @@ class PipelineTrainer:
 
     # ------------------------------------------------------------------ training
 
-    def train_step(self, inputs: Any = None, targets: Any = None) -> float | None:
-        """Train on one batch (inputs on the first stage, targets on the last, ``None`` elsewhere).
-
-        Synchronous schedules take one optimizer step; ``async_1f1b`` runs the batch's
-        micro-batches without flush between them, stepping every ``step_every`` backwards
-        (the pipeline fills and drains within the call; use :meth:`train_stream` to keep it
-        full across batches). Returns the batch loss on the last stage (every rank with
-        ``loss_on="all"``), else ``None``.
-        """
+    def _split(self, inputs: Any, targets: Any) -> tuple[list[Any] | None, list[Any] | None]:
         m = self.microbatches
         x_chunks = split_microbatches(inputs, m) if self.is_first else None
         y_chunks = split_microbatches(targets, m) if self.is_last else None
@@ -235,6 +234,20 @@ class PipelineTrainer:
             raise ValueError(f"rank {self.comm.rank} holds the last stage and needs the targets")
         if self.is_first and x_chunks is None:
             raise ValueError(f"rank {self.comm.rank} holds the first stage and needs the inputs")
+        return x_chunks, y_chunks
+
+    def train_step(self, inputs: Any = None, targets: Any = None) -> float | None:
+        """Train on one batch (inputs on the first stage, targets on the last, ``None`` elsewhere).
+
+        Synchronous schedules take one optimizer step; ``async_1f1b`` runs the batch's
+        micro-batches without flush between them, stepping every ``step_every`` backwards
+        (the pipeline fills and drains within the call, after draining an open stream; use
+        :meth:`stream_step` or :meth:`train_stream` to keep it full across batches). Returns
+        the batch loss on the last stage (every rank with ``loss_on="all"``), else ``None``.
+        """
+        m = self.microbatches
+        self.drain()
+        x_chunks, y_chunks = self._split(inputs, targets)
         runs = _run_lengths(x_chunks) if x_chunks is not None else None
         weights: Callable[[int], float] | None = None
         if self.is_async:
@@ -262,6 +275,7 @@ class PipelineTrainer:
             losses = [self.train_step(x, y) for x, y in itertools.islice(batches, num_batches)]
             vals = [v for v in losses if v is not None]
             return sum(vals) / len(vals) if vals else None
+        self.drain()
         m = self.microbatches
         it = iter(batches)
         cache: dict[str, Any] = {"index": -1, "x": None, "y": None, "runs": None}
@@ -297,6 +311,68 @@ class PipelineTrainer:
         )
         return self._finish(result)
 
+    @property
+    def streaming(self) -> bool:
+        """Whether a stream fed by :meth:`stream_step` is open (micro-batches may be in flight)."""
+        return self._streamed > 0
+
+    @property
+    def in_flight(self) -> int:
+        """Micro-batches this stage forwarded and has not yet backwarded."""
+        return self.runtime.in_flight
+
+    def stream_step(self, inputs: Any = None, targets: Any = None) -> float | None:
+        """Feed one batch into the asynchronous pipeline without draining it (``async_1f1b`` only).
+
+        Arguments and return value as in :meth:`train_step`. The stage runs its window of the
+        1F1B stream (:func:`~ringpipe.pipeline.schedules.async_1f1b_window`): the forwards of
+        this batch's micro-batches and the backwards and steps between them; its last
+        ``stages - stage - 1`` micro-batches stay in flight into the next call, so no batch
+        boundary flushes the pipeline and every stage but the last trains on stale weights,
+        as in one :meth:`train_stream` over all the batches fed. Call :meth:`drain` (on every
+        rank) to finish them before a checkpoint or whenever the weights must be final.
+        ``step_every`` must divide ``microbatches``: the stream's length is not known in
+        advance, so no optimizer step may straddle a batch boundary.
+        """
+        if not self.is_async:
+            raise ValueError(
+                f"stream_step needs schedule 'async_1f1b'; schedule {self.schedule!r} flushes every batch: "
+                "use train_step"
+            )
+        m, k = self.microbatches, self.step_every
+        if m % k:
+            raise ValueError(
+                f"stream_step needs step_every={k} to divide microbatches={m}, so that every optimizer step "
+                "ends with a batch; change one of them, or use train_stream for a stream of known length"
+            )
+        x_chunks, y_chunks = self._split(inputs, targets)
+        start, stop = self._streamed, self._streamed + m
+        runs = _run_lengths(x_chunks) if x_chunks is not None else None
+        result = self.executor.run(
+            async_1f1b_window(self.num_stages, self.stage, start, stop, k),
+            inputs=(lambda i: x_chunks[i - start]) if x_chunks is not None else None,
+            targets=(lambda i: y_chunks[i - start]) if y_chunks is not None else None,
+            weights=lambda i: 1.0 / k,
+            run_length=(lambda i: runs[i - start]) if runs is not None else None,
+            staleness={mb: async_staleness(self.num_stages, self.stage, mb, k) for mb in range(start, stop)},
+            keep_open=True,
+        )
+        self._streamed = stop
+        return self._finish(result)
+
+    def drain(self) -> None:
+        """Finish the stream fed by :meth:`stream_step`: the backwards in flight and their steps.
+
+        Every rank calls it at the same point (it exchanges gradients with the neighbour
+        stages); without an open stream it does nothing.
+        """
+        total, self._streamed = self._streamed, 0
+        if total:
+            self.executor.run(
+                async_1f1b_window(self.num_stages, self.stage, total, total, self.step_every, total=total),
+                staleness={},
+            )
+
     def _finish(self, result: RunResult) -> float | None:
         loss = result.mean_loss()
         self.last_metrics = result.mean_metrics()
@@ -326,12 +402,22 @@ class PipelineTrainer:
     # ------------------------------------------------------------------ state
 
     def state_dict(self) -> dict[str, Any]:
-        """This stage's state: its layers (local names), optimizer, scheduler and place."""
+        """This stage's state: its layers (local names), optimizer, scheduler and place.
+
+        Refused while a stream is open: the micro-batches in flight (their activations and
+        stashed weights) are not part of the state; :meth:`drain` first.
+        """
+        if self.streaming:
+            raise ValueError(
+                f"stage {self.stage}: state_dict while {self.in_flight} micro-batches of an open stream are in "
+                "flight would lose them; call drain() on every rank first"
+            )
         return {
             "stage": self.stage,
             "balance": list(self.balance),
             "schedule": self.schedule,
             "steps": self.executor.steps_taken,
+            "microbatches": self.executor.microbatches_seen,
             "module": self.module.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
@@ -348,6 +434,7 @@ class PipelineTrainer:
         if self.scheduler is not None and state.get("scheduler") is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         self.executor.steps_taken = int(state.get("steps", 0))
+        self.executor.microbatches_seen = int(state.get("microbatches", 0))
 
     def model_state_dict(self) -> dict[str, torch.Tensor]:
         """The full model's state dict (keys of ``nn.Sequential(*layers)``) on every rank. Collective."""

@@ -7,16 +7,24 @@ and accuracy are known on the last stage only (other ranks report zeros, which t
 sum over ranks ignores).
 
 The synchronous modes step once per batch, and the loop's LR schedule drives their optimizer.
-Mode ``async`` steps each stage every ``step_every`` micro-batches, so each stage owns its
-schedule (given to PipelineTrainer, which steps it after every optimizer step and lets
-scheduler-aware weight prediction read the rates to come); it counts epochs as
-``optimizer steps / (steps per batch x batches per epoch)``, so at every batch boundary it
-agrees with the loop's per-batch schedule, which then only drives a stand-in optimizer for
-the logged rate.
+
+Mode ``async`` streams: each batch is fed into a pipeline that does not flush between batches
+(:meth:`PipelineTrainer.stream_step`), so the micro-batches of one batch are still in flight
+on the earlier stages when the next batch arrives, as in PipeDream. The pipeline drains at
+the end of every epoch and of the run (where the loop evaluates and checkpoints), and before
+any evaluation or checkpoint; a run interrupted mid-epoch therefore drains where it stops,
+and its resumption starts a fresh stream there. Each stage steps every ``step_every``
+micro-batches and owns its LR schedule (given to PipelineTrainer, which steps it after every
+optimizer step and lets scheduler-aware weight prediction read the rates to come); the
+schedule counts epochs as ``optimizer steps / (steps per batch x batches per epoch)``, so the
+last stage agrees with the loop's per-batch schedule at every batch boundary, and an earlier
+stage, whose latest micro-batches are still in flight, at every drain. The loop's schedule
+then only drives a stand-in optimizer for the logged rate.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -133,6 +141,18 @@ class PipelineEngine(Engine):
         self.lr_scale = scales[0] if scales else 1.0
         self.replicas = replicas
         self.replica_rank = self.trainer.grid.replica
+        self.streams = mode == "async"
+        self.batches = 0  # batches trained (the loop's step), to drain at the loop's epoch ends
+        self.records = len(ctx.data.train)
+        self.global_batch = ctx.cfg.batch_size * replicas
+        self.total_batches = ctx.cfg.total_steps(self.records, replicas)
+
+    def _epoch_ends(self, step: int) -> bool:
+        """Whether the loop's step ``step`` crosses an epoch boundary or ends the run (the loop's rule)."""
+        def epoch(s: int) -> int:
+            return math.floor(s * self.global_batch / self.records + 1e-9)
+
+        return step >= self.total_batches or epoch(step) > epoch(step - 1)
 
     def _tally(self, loss: float | None, y: torch.Tensor) -> torch.Tensor:
         if not self.trainer.is_last or loss is None:
@@ -143,11 +163,19 @@ class PipelineEngine(Engine):
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         t = self.trainer
-        loss = t.train_step(x if t.is_first else None, y if t.is_last else None)
-        return self._tally(loss, y)
+        self.batches += 1
+        if not self.streams:
+            loss = t.train_step(x if t.is_first else None, y if t.is_last else None)
+            return self._tally(loss, y)
+        loss = t.stream_step(x if t.is_first else None, y if t.is_last else None)
+        tally = self._tally(loss, y)  # the batch's losses are known on the last stage: its forwards ran
+        if self._epoch_ends(self.batches):
+            t.drain()
+        return tally
 
     def eval_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         t = self.trainer
+        t.drain()  # evaluate the weights of every batch trained so far
         m = t.microbatches
         t.microbatches = max(1, min(m, len(x)))  # a short last batch gets fewer micro-batches
         try:
@@ -158,10 +186,12 @@ class PipelineEngine(Engine):
         return self._tally(loss, y)
 
     def state_dict(self) -> dict[str, Any]:
-        return self.trainer.state_dict()
+        self.trainer.drain()  # a checkpoint holds no micro-batch in flight
+        return {**self.trainer.state_dict(), "batches": self.batches}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.trainer.load_state_dict(state)
+        self.batches = int(state.get("batches", 0))
 
 
 def _register(mode: str, description: str) -> None:
