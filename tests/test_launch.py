@@ -39,6 +39,21 @@ def test_ringpipe_launch_agent_prefixes_ranks(tmp_path):
 
 
 @pytest.mark.timeout(120)
+def test_ringpipe_launch_writes_nothing_in_the_working_directory(tmp_path):
+    """The agent's log files live in the system temporary folder while the ranks run, then go."""
+    work, temp = tmp_path / "work", tmp_path / "temp"
+    work.mkdir()
+    temp.mkdir()
+    script = tmp_path / "list_cwd.py"
+    script.write_text("import os\nprint('cwd-holds', sorted(os.listdir('.')))\n")
+    out = subprocess.run([*RINGPIPE, "launch", "-n", "2", str(script)], cwd=work, capture_output=True,
+                         text=True, timeout=90, env=dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(temp)))
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert out.stdout.count("cwd-holds []") == 2, out.stdout
+    assert list(work.iterdir()) == [] and list(temp.iterdir()) == []
+
+
+@pytest.mark.timeout(120)
 def test_ringpipe_launch_module():
     out = subprocess.run([*RINGPIPE, "launch", "-n", "2", "-m", "scripts.comm_checks", "--flag-for-script"],
                          capture_output=True, text=True, timeout=90, cwd=SCRIPTS.parent,

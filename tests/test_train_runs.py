@@ -112,16 +112,40 @@ def test_failed_resume_keeps_saved_config(tmp_path, capsys):
     assert rc == 0 and resumed["mode"] == "single" and not resumed["interrupted"]
 
 
-def test_single_outputs_only_in_run_dir(tmp_path, capsys):
+def _isolated(tmp_path) -> tuple[dict[str, str], dict[str, object]]:
+    """An environment whose working directory, home and temporary folder are fresh folders of tmp_path."""
+    dirs = {name: tmp_path / name for name in ("cwd", "home", "tmp")}
+    for d in dirs.values():
+        d.mkdir()
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MPLCONFIGDIR", "XDG_CACHE_HOME", "XDG_CONFIG_HOME", "TORCH_HOME", "RINGPIPE_BACKEND")}
+    env.update(OMP_NUM_THREADS="1", HOME=str(dirs["home"]), TMPDIR=str(dirs["tmp"]))
+    return env, dirs
+
+
+def _left_behind(d) -> list[str]:
+    # torch itself creates its compiler cache folder in the temporary folder at the first optimizer
+    # step (also in a plain torch script); anything else there would come from ringpipe.
+    return sorted(p.name for p in d.iterdir() if not p.name.startswith("torchinductor_"))
+
+
+@pytest.mark.timeout(120)
+def test_single_outputs_only_in_run_dir(tmp_path):
+    """Nothing is written outside the run directory: not the working directory, home or temp folder."""
+    env, dirs = _isolated(tmp_path)
     run = tmp_path / "out"
-    rc, summary, metrics = _train(run, *_sets([*TINY, "mode=single", "epochs=2"]))
-    assert rc == 0
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    proc = subprocess.run([sys.executable, "-m", "ringpipe.cli", "train", "--no-progress", "--run-dir", str(run),
+                           *_sets([*TINY, "mode=single", "epochs=2"])],
+                          cwd=dirs["cwd"], env=env, capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cwd", "home", "out", "tmp"]
+    assert list(dirs["cwd"].iterdir()) == [] and list(dirs["home"].iterdir()) == []
+    assert _left_behind(dirs["tmp"]) == []
     names = {p.name for p in run.iterdir()}
     assert {"config.yaml", "metrics.jsonl", "summary.json", "curves.png", "checkpoints"} <= names
-    evals = [r for r in metrics if r["kind"] == "eval"]
+    evals = [r for r in read_metrics(run / "metrics.jsonl") if r["kind"] == "eval"]
     assert [math.floor(r["epoch"]) for r in evals] == [1, 2]
-    assert "test_accuracy" in capsys.readouterr().out  # the closing table
+    assert "test_accuracy" in proc.stdout  # the closing table
 
 
 def _strict_json(path):
@@ -167,12 +191,13 @@ def test_config_error_exit_code(tmp_path, capsys):
 @pytest.mark.timeout(120)
 def test_default_run_reaches_accuracy(tmp_path):
     """``ringpipe train`` with no arguments: MLP, digits, dp on 2 processes, >= 0.95 test accuracy."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "ringpipe.cli", "train", "--no-progress"], cwd=tmp_path,
+    env, dirs = _isolated(tmp_path)
+    proc = subprocess.run([sys.executable, "-m", "ringpipe.cli", "train", "--no-progress"], cwd=dirs["cwd"],
                           env=env, capture_output=True, text=True, timeout=110)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert [p.name for p in tmp_path.iterdir()] == ["runs"]
-    (run,) = (tmp_path / "runs").iterdir()
+    assert [p.name for p in dirs["cwd"].iterdir()] == ["runs"]
+    assert list(dirs["home"].iterdir()) == [] and _left_behind(dirs["tmp"]) == []
+    (run,) = (dirs["cwd"] / "runs").iterdir()
     summary = json.loads((run / "summary.json").read_text())
     assert summary["mode"] == "dp" and summary["world_size"] == 2 and summary["model"] == "mlp"
     assert summary["test_accuracy"] >= 0.95

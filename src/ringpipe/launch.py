@@ -251,11 +251,11 @@ def _run_torchrun(args: Any) -> int:
     os.environ["RINGPIPE_BACKEND"] = args.backend
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", "[${rank}]:")
-    # torchrun tees worker output through log files; keep them out of /tmp by using a
-    # directory that is removed when the run ends.
+    # torchrun tees worker output through log files: put them in a directory of the system's
+    # temporary folder (never the working directory) that is removed when the run ends.
     import tempfile
 
-    with tempfile.TemporaryDirectory(prefix="ringpipe-launch-", dir=os.getcwd()) as logdir:
+    with tempfile.TemporaryDirectory(prefix="ringpipe-launch-") as logdir:
         cmd = [f"--log-dir={logdir}", *cmd]
         try:
             torchrun.main(cmd)
