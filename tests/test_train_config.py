@@ -6,6 +6,7 @@ import argparse
 import json
 import re
 import typing
+from pathlib import Path
 
 import pytest
 import yaml
@@ -171,3 +172,10 @@ def test_help_names_every_key_mode_and_choice():
     assert not [v for v in values if not re.search(rf"\b{v}\b", text)]
     for mode in MODE_NAMES:  # one line per mode, with its description
         assert re.search(rf"^  {mode} +\S", text, re.MULTILINE), mode
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).parents[1] / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_loads(path):
+    cfg = load_config(path)
+    assert cfg.mode in MODE_NAMES
+    assert load_config(base=dump_config(cfg)) == cfg  # and its resolved form loads back the same

@@ -188,6 +188,24 @@ def test_config_error_exit_code(tmp_path, capsys):
     assert not (tmp_path / "x").exists()
 
 
+def test_mpi_backend_without_mpirun_is_a_clear_error(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no mpirun, no mpiexec
+    rc, _, _ = _train(tmp_path / "x", "--backend", "mpi", "--nprocs", "2")
+    err = capsys.readouterr().err
+    assert rc == 1 and "mpirun/mpiexec not found" in err and "--backend gloo" in err
+    assert "Traceback" not in err
+
+
+def test_incomplete_launcher_environment_is_a_clear_error(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    rc, _, _ = _train(tmp_path / "x", "--mode", "single")
+    err = capsys.readouterr().err
+    assert rc == 2 and "LOCAL_RANK is not" in err and "Traceback" not in err
+    assert not (tmp_path / "x").exists()
+
+
 @pytest.mark.timeout(120)
 def test_default_run_reaches_accuracy(tmp_path):
     """``ringpipe train`` with no arguments: MLP, digits, dp on 2 processes, >= 0.95 test accuracy."""

@@ -242,10 +242,22 @@ def run_train(args: argparse.Namespace) -> int:
     raw = dump_config(cfg)
     progress = not args.no_progress
 
-    if _in_launched_world():
+    from ringpipe.env import EnvironmentError_
+
+    try:
+        launched = _in_launched_world()
+    except EnvironmentError_ as exc:
+        print(f"ringpipe train: {exc}", file=sys.stderr)
+        return 2
+    if launched:
         return _run_in_world(cfg, raw, args, progress, verbose)
     if cfg.backend == "mpi" and cfg.nprocs > 1:
-        return _reexec_mpirun(cfg, run_dir, args)
+        try:
+            return _reexec_mpirun(cfg, run_dir, args)
+        except FileNotFoundError as exc:  # no mpirun: say so, and what else would work
+            print(f"ringpipe train: backend mpi with nprocs={cfg.nprocs} starts the ranks under mpirun: {exc}; "
+                  "or use --backend gloo", file=sys.stderr)
+            return 1
 
     from ringpipe.train.registry import RegistryError
 
