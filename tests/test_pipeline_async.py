@@ -12,6 +12,7 @@ from ringpipe.pipeline.executor import staleness_of
 from ringpipe.pipeline.partition import split_layers
 from ringpipe.pipeline.schedules import async_1f1b, async_1f1b_window, async_staleness
 from ringpipe.pipeline.simulator import simulate_async
+from ringpipe.pipeline.stage import StageRuntime
 
 ATOL = 1e-5
 MICRO = 2  # micro-batches per batch
@@ -155,3 +156,35 @@ class _FakeComm:
     """Argument checks happen before any communication: a stand-in that is never used."""
 
     size, rank, backend = 1, 0, "gloo"
+
+
+class _DoubleInPlace(nn.Module):
+    def forward(self, x):
+        return x.mul_(2)
+
+
+@pytest.mark.parametrize("live", [False, True], ids=["sync", "async"])
+def test_in_place_on_a_saved_activation_raises_with_kept_graphs(live):
+    """Kept graphs read parameters live, but an overwritten activation is still an error, not a wrong gradient."""
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), _DoubleInPlace())
+    rt = StageRuntime(module, stage=0, num_stages=2, live_weights=live)
+    rt.forward(0, (torch.randn(3, 4),))
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        rt.backward(0, (torch.ones(3, 4),))
+
+
+def test_kept_graph_reads_the_current_weights():
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 2))
+    rt = StageRuntime(module, stage=1, num_stages=3, live_weights=True)
+    x, g = torch.randn(3, 4), torch.randn(3, 2)
+    rt.forward(0, (x,))
+    h = torch.tanh(module[0](x)).detach()  # the forward-time activation
+    with torch.no_grad():
+        for p in module.parameters():
+            p.mul_(0.5)  # an optimizer step between forward and backward
+    (dx,) = rt.backward(0, (g,))
+    dh = (g @ module[2].weight) * (1 - h**2)  # current weights carry the gradient, saved activations stay
+    torch.testing.assert_close(dx, dh @ module[0].weight)
+    torch.testing.assert_close(module[2].weight.grad, g.t() @ h)

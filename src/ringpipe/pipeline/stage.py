@@ -42,21 +42,57 @@ def as_tensors(value: Any, stage: int, what: str = "output") -> tuple[torch.Tens
     )
 
 
-def _same(t: torch.Tensor) -> torch.Tensor:
-    return t
+class _Checked:
+    """A saved tensor and its version when saved: autograd's in-place check, done by hand."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        self.version = tensor._version
+
+    def unpack(self) -> torch.Tensor:
+        if self.tensor._version != self.version:
+            kind = f"{self.tensor.type()} {list(self.tensor.shape)}"
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an inplace "
+                f"operation: [{kind}] is at version {self.tensor._version}; expected version {self.version} "
+                "instead. The stage keeps its graph until an asynchronous backward: make that operation "
+                "out of place (or use recomputation)"
+            )
+        return self.tensor
 
 
-def live_weights() -> Any:
-    """Context in which autograd keeps saved tensors by reference, without version checks.
+def _storage(t: torch.Tensor) -> int:
+    try:
+        return t.untyped_storage().data_ptr() if t.numel() else 0
+    except (RuntimeError, NotImplementedError):  # tensors without plain storage (sparse, nested, ...)
+        return 0
+
+
+def live_weights(module: nn.Module) -> Any:
+    """Context in which autograd keeps ``module``'s parameters by reference, without version checks.
 
     A graph kept from a forward then reads, at backward time, whatever the parameter storage
     holds *then* (the current weights, or the stash a policy loaded), while its saved
     activations stay the forward-time ones; in-place weight updates between the forward and
-    the backward no longer invalidate it. Same semantics as
+    the backward no longer invalidate it. Every other saved tensor (activations, inputs, a
+    parameter's copy) keeps autograd's check: an in-place operation that overwrites an
+    activation the backward needs still raises, as it does without this context. A saved
+    tensor counts as a parameter when it lives in a parameter's storage (``W.t()`` saved by a
+    linear layer is a view of ``W``). Same semantics as
     :func:`ringpipe.pipeline.staleness.live_forward`, without re-binding every parameter on
     each call (a quarter of a small stage's compute time).
     """
-    return torch.autograd.graph.saved_tensors_hooks(_same, _same)
+    weights = frozenset(_storage(p) for p in module.parameters()) - {0}
+
+    def pack(t: torch.Tensor) -> Any:
+        return t if _storage(t) in weights else _Checked(t)
+
+    def unpack(saved: Any) -> torch.Tensor:
+        return saved.unpack() if isinstance(saved, _Checked) else saved
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
 
 def _call(module: nn.Module, inputs: tuple[torch.Tensor, ...]) -> Any:
@@ -176,7 +212,7 @@ class StageRuntime:
             else:
                 rec.inputs = self._leaves(inputs)
                 renew_buffers(self.module)
-                live = live_weights() if self.live else contextlib.nullcontext()
+                live = live_weights(self.module) if self.live else contextlib.nullcontext()
                 with seeded(seed, self.device), live:
                     out = as_tensors(_call(self.module, rec.inputs), self.stage)
                 rec.outputs = out
