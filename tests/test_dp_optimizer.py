@@ -13,6 +13,7 @@ import pickle
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -209,3 +210,111 @@ def test_mpi_two_ranks_equal_one_process(tmp_path):
     loaded = [pickle.loads((tmp_path / f"rank{r}.pkl").read_bytes()) for r in range(2)]
     cfgs = loaded[0][0]
     check([res for _, res in loaded], cfgs, 2)
+
+
+# ----------------------------------------------------------------------------- synchronize, clipping
+
+MAX_NORM = 0.05
+
+
+def _clipped(comm) -> list:
+    """synchronize(), clip the averaged gradients, then step() inside skip_synchronize()."""
+    model = make_model("mlp")
+    opt = DistributedOptimizer(make_opt("sgd", model), model.named_parameters(), bucket_bytes=256, comm=comm)
+    n = comm.size
+    x_all, y_all = data(STEPS * n * B)
+    norms = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        lo = (step * n + comm.rank) * B
+        nn.functional.mse_loss(model(x_all[lo : lo + B]), y_all[lo : lo + B]).backward()
+        opt.synchronize()
+        norms.append(float(nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
+        with opt.skip_synchronize():
+            opt.step()
+    return [p.detach().clone().numpy() for p in model.parameters()], norms
+
+
+@pytest.mark.timeout(60)
+def test_clipping_after_synchronize_equals_one_process_with_clipping():
+    results = spawn(_clipped, 2)
+    model = make_model("mlp")
+    opt = make_opt("sgd", model)
+    x_all, y_all = data(STEPS * 2 * B)
+    ref_norms = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        lo, hi = step * 2 * B, (step + 1) * 2 * B
+        nn.functional.mse_loss(model(x_all[lo:hi]), y_all[lo:hi]).backward()
+        ref_norms.append(float(nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
+        opt.step()
+    assert min(ref_norms) > MAX_NORM  # clipping changed every step
+    for params, norms in results:
+        # the norm is that of the averaged gradient, so equal on every rank and to one process
+        assert norms == pytest.approx(ref_norms, rel=1e-5)
+        for got, want in zip(params, model.parameters(), strict=True):
+            assert torch.allclose(torch.as_tensor(got), want.detach(), atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- overlap with backward
+
+PAUSE_S = 0.3
+
+
+class _Pause(torch.autograd.Function):
+    """Identity whose backward records when it runs and takes PAUSE_S (releasing the GIL)."""
+
+    marks: list[int] = []
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        _Pause.marks.append(time.perf_counter_ns())
+        time.sleep(PAUSE_S)
+        _Pause.marks.append(time.perf_counter_ns())
+        return grad
+
+
+class _Halves(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.bottom = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh())
+        self.top = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+
+    def forward(self, x):
+        return self.top(_Pause.apply(self.bottom(x)))
+
+
+def _overlap(comm):
+    from ringpipe.comm.events import default_log
+
+    model = _Halves()
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                               bucket_bytes=1, comm=comm)  # one bucket per parameter
+    x, y = data(B)
+    log = default_log()
+    log.clear()
+    _Pause.marks.clear()
+    nn.functional.mse_loss(model(x), y).backward()
+    backward_end = time.perf_counter_ns()
+    opt.step()
+    header = (comm.size + 4) * 8  # announcements are allreduces too; only bucket reductions count
+    assert all(b.buffer.numel() * 4 != header for b in opt._buckets)
+    starts = sorted(e.start_ns for e in log.events()
+                    if e.op == "allreduce" and e.comm == comm.name and e.nbytes != header)
+    return len(opt._buckets), starts, _Pause.marks, backward_end
+
+
+@pytest.mark.timeout(60)
+def test_buckets_are_reduced_while_backward_runs():
+    for buckets, starts, (pause_start, pause_end), backward_end in spawn(_overlap, 2):
+        assert buckets == 8 and len(starts) == buckets
+        # The top half's 4 buckets are reduced while backward is still in the pause between
+        # the halves; the bottom half's gradients, and so their buckets, come after it.
+        assert starts[0] < starts[3] < pause_end < starts[4]
+        assert starts[3] < backward_end
+        assert pause_end - pause_start >= PAUSE_S * 1e9
