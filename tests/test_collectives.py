@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -16,10 +18,21 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import ringpipe.collectives as C
-from ringpipe.collectives.common import doubling_steps, segments
-from ringpipe.collectives.header import CallInfo, HeaderState, MismatchError
+from ringpipe.collectives.common import DATA_TAG, MAX_CHUNKS, Ctx, doubling_steps, segments
+from ringpipe.collectives.header import (
+    ALGORITHM_CODES,
+    COLLECTIVES,
+    HEADER_BYTES,
+    TEXT_BYTES,
+    CallInfo,
+    HeaderState,
+    MismatchError,
+)
+from ringpipe.collectives.header import DTYPES as HEADER_DTYPES
 from ringpipe.collectives.tree import tree_links
 from ringpipe.comm import ReduceOp, default_log
 from ringpipe.launch import mpirun_command, spawn
@@ -32,9 +45,19 @@ DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16,
           torch.int32, torch.int64, torch.int8, torch.uint8]
 
 
-def _sizes(p: int) -> list[int]:
-    """0, 1, world-1, primes and 2^k +- 1 (and one length past the chunk size)."""
-    return sorted({0, 1, p - 1, p + 1, 2, 3, 7, 13, 31, 33, 63, 65, 127, 129, 1009, 140_001})
+#: Sizes that break segmentations: 0, 1, primes, 2^k +- 1 (the world size and its neighbours
+#: are added per world).
+SPECIAL = (0, 1, 2, 3, 5, 7, 13, 31, 33, 63, 65, 127, 129)
+# No deadline: a shared host makes single examples slow now and then.
+PURE = settings(deadline=None)
+
+
+def _sizes(p: int) -> tuple[list[int], list[int]]:
+    """(sizes tried with every dtype and op, sizes tried with a few): 0, 1, world-1, primes,
+    2^k +- 1 and one length past the chunk size."""
+    full = sorted({0, 1, p - 1, p + 1, 7, 65, 1009})
+    lean = sorted({2, 3, 13, 31, 33, 63, 127, 129, 140_001} - set(full))
+    return full, lean
 
 
 def _data(rank: int, n: int, dtype: torch.dtype, op: str, seed: int) -> torch.Tensor:
@@ -49,11 +72,12 @@ def check_everything(comm) -> int:  # noqa: ANN001 - a ringpipe Communicator
     p, r = comm.size, comm.rank
     done = 0
     seed = 0
-    for n in _sizes(p):
-        for dtype in DTYPES:
+    full, lean = _sizes(p)
+    for n in full + lean:
+        for dtype in DTYPES if n in full else [torch.float32, torch.int64]:
             ops = OPS if dtype in (torch.float32, torch.int32) else ["sum", "max"]
-            if n > 2000 and dtype not in (torch.float32, torch.int64):
-                continue
+            if n in lean:
+                ops = ["sum", "average"] if dtype.is_floating_point else ["max"]
             for op in ops:
                 seed += 1
                 ref = _data(r, n, dtype, op, seed)
@@ -87,6 +111,59 @@ def check_everything(comm) -> int:  # noqa: ANN001 - a ringpipe Communicator
     m = torch.full((3, 5), float(r + 1))
     assert C.allreduce(comm, m, algorithm="ring") is m and torch.all(m == p * (p + 1) / 2)
     return done
+
+
+def check_shapes(comm, cases: list[tuple[tuple[int, ...], int]]) -> int:  # noqa: ANN001
+    """Every collective on tensors of the given shapes (with a root each) against the native one.
+
+    Results keep the caller's shape: allreduce, broadcast and reduce in place, reduce_scatter a
+    block of dim 0, allgather one tensor of the input's shape per rank.
+    """
+    p, r = comm.size, comm.rank
+    done = 0
+    for i, (shape, root) in enumerate(cases):
+        n = math.prod(shape)
+        for dtype, op in ((torch.float32, "sum"), (torch.int32, "max")):
+            ref = _data(r, n, dtype, op, i).view(shape)
+            comm.allreduce(ref, op)
+            for algo in C.SUPPORTED["allreduce"]:
+                x = _data(r, n, dtype, op, i).view(shape)
+                assert C.allreduce(comm, x, op, algo) is x
+                assert x.shape == shape and torch.equal(x, ref), (algo, shape, dtype)
+                done += 1
+        big = (shape[0] * p, *shape[1:])
+        x = _data(r, n * p, torch.float32, "sum", i).view(big)
+        got = C.reduce_scatter(comm, x, "sum")
+        assert got.shape == shape and torch.equal(got, comm.reduce_scatter(x, "sum")), shape
+        y = _data(r, n, torch.int64, "sum", i).view(shape)
+        got_g, want_g = C.allgather(comm, y), comm.allgather(y)
+        assert all(a.shape == shape and torch.equal(a, b) for a, b in zip(got_g, want_g, strict=True))
+        z = _data(r, n, torch.float64, "sum", i).view(shape)
+        want_b = comm.broadcast(z.clone(), root)
+        assert torch.equal(C.broadcast(comm, z, root), want_b) and z.shape == shape
+        z = _data(r, n, torch.int32, "max", i).view(shape)
+        want_r = comm.reduce(z.clone(), root, "max")
+        got_r = C.reduce(comm, z, root, "max")
+        assert got_r.shape == shape and (r != root or torch.equal(got_r, want_r))
+        done += 4
+    return done
+
+
+def _hierarchical(comm, hosts: list[str], shapes: list[tuple[int, ...]]) -> list[tuple[bool, int]]:  # noqa: ANN001
+    """Hierarchical allreduce (sum and max) on fake hosts against the native allreduce; for
+    every call, whether it matched and the most chunks one of its messages was cut into."""
+    comm.topology = comm.topology.with_hostnames(hosts)
+    out = []
+    for i, shape in enumerate(shapes):
+        n = math.prod(shape)
+        for op in ("sum", "max"):
+            x = _data(comm.rank, n, torch.float32, op, i).view(shape)
+            ref = comm.allreduce(x.clone(), op)
+            default_log().clear()
+            C.allreduce(comm, x, op, "hierarchical")
+            tags = {e.tag for e in default_log().events() if e.op == "isend" and e.tag >= DATA_TAG}
+            out.append((torch.equal(x, ref), len({(t - DATA_TAG) % MAX_CHUNKS for t in tags})))
+    return out
 
 
 def _trace_and_hierarchy(comm) -> dict:  # noqa: ANN001
@@ -218,6 +295,147 @@ def test_binomial_tree_reaches_everyone(size):
         assert sum(len(c) for _, c in links.values()) == size - 1
 
 
+@PURE
+@given(n=st.integers(0, 10**7), parts=st.integers(1, 512))
+def test_segments_cover_any_length(n, parts):
+    segs = segments(n, parts)
+    assert len(segs) == parts and sum(ln for _, ln in segs) == n
+    assert all(off == prev_off + prev_ln for (prev_off, prev_ln), (off, _) in zip(segs, segs[1:], strict=False))
+    assert segs[0][0] == 0
+    lengths = [ln for _, ln in segs]
+    assert lengths == sorted(lengths, reverse=True) and lengths[0] - lengths[-1] <= 1
+
+
+def _ctx(chunk_bytes: int) -> Ctx:
+    call = CallInfo.make(1, "allreduce", ReduceOp.SUM, torch.float32, 0, -1, "auto")
+    ctx = Ctx(None, "allreduce", 1, ReduceOp.SUM, "ring", True, call, torch.device("cpu"))  # type: ignore[arg-type]
+    ctx.chunk_bytes = chunk_bytes
+    return ctx
+
+
+@PURE
+@given(length=st.integers(0, 10**8), itemsize=st.sampled_from([1, 2, 4, 8]),
+       chunk_bytes=st.integers(1, 1 << 22))
+def test_chunks_tile_a_message(length, itemsize, chunk_bytes):
+    chunks = _ctx(chunk_bytes).chunks(length, itemsize)
+    assert sum(ln for _, ln in chunks) == length and all(ln > 0 for _, ln in chunks)
+    assert all(a[0] + a[1] == b[0] for a, b in zip(chunks, chunks[1:], strict=False))
+    want = min(MAX_CHUNKS, math.ceil(length * itemsize / chunk_bytes), length)
+    assert len(chunks) == max(want, 1 if length else 0)
+    if len(chunks) < MAX_CHUNKS:  # the size limit holds (to an element) unless there are too many
+        assert all(ln * itemsize < chunk_bytes + itemsize for _, ln in chunks)
+    # tags of one step are distinct and never collide with those of the next step
+    tags = [[Ctx.tag(step, j) for j in range(len(chunks))] for step in (0, 1)]
+    assert len(set(tags[0] + tags[1])) == 2 * len(chunks)
+
+
+def _run_doubling(states: list[HeaderState]) -> None:
+    """Deliver headers along doubling_steps, step by step, as exchange_headers does."""
+    size = len(states)
+    plans = [doubling_steps(r, size) for r in range(size)]
+    buf_bytes = HEADER_BYTES + TEXT_BYTES
+    for step in sorted({s for plan in plans for _, _, s in plan}):
+        sent = []
+        for r, plan in enumerate(plans):
+            for kind, peer, s in plan:
+                if s == step and kind in ("send", "send_result", "exchange"):
+                    buf = torch.zeros(buf_bytes, dtype=torch.uint8)
+                    states[r].write(buf)
+                    sent.append((r, peer, buf))
+        for src, dst, buf in sent:
+            states[dst].absorb(buf, src)
+
+
+@PURE
+@given(size=st.integers(1, 300))
+def test_doubling_pattern_pairs_up_for_any_size(size):
+    plans = [doubling_steps(r, size) for r in range(size)]
+    mate = {"send": "recv", "send_result": "recv_result", "exchange": "exchange",
+            "recv": "send", "recv_result": "send_result"}
+    for r, plan in enumerate(plans):
+        assert [s for _, _, s in plan] == sorted({s for _, _, s in plan})  # one message a step
+        for kind, peer, step in plan:
+            assert peer != r and (mate[kind], r, step) in plans[peer]
+    # what every rank knows after the pattern (as a set of ranks): everything
+    known = [{r} for r in range(size)]
+    for step in sorted({s for plan in plans for _, _, s in plan}):
+        sent = [(peer, set(known[r])) for r, plan in enumerate(plans)
+                for kind, peer, s in plan if s == step and kind in ("send", "send_result", "exchange")]
+        for dst, got in sent:
+            known[dst] |= got
+    assert all(k == set(range(size)) for k in known)
+    assert max(len(plan) for plan in plans) <= math.ceil(math.log2(size)) + 2 if size > 1 else True
+
+
+@PURE
+@given(size=st.integers(1, 200), data=st.data())
+def test_binomial_tree_spans_any_size(size, data):
+    root = data.draw(st.integers(0, size - 1))
+    links = {r: tree_links(r, size, root) for r in range(size)}
+    depth = {root: 0}
+    frontier = [root]
+    while frontier:
+        r = frontier.pop()
+        for c in links[r][1]:
+            assert links[c][0] == r and c not in depth
+            depth[c] = depth[r] + 1
+            frontier.append(c)
+    assert len(depth) == size and max(depth.values()) <= math.ceil(math.log2(size))
+
+
+_calls = st.builds(
+    CallInfo,
+    seq=st.integers(1, 2**40), coll=st.integers(0, len(COLLECTIVES) - 1), op=st.integers(-1, 4),
+    dtype=st.integers(0, len(HEADER_DTYPES) - 1), numel=st.integers(0, 2**50),
+    root=st.integers(-1, 2**20), algo=st.integers(0, len(ALGORITHM_CODES) - 1),
+)
+
+
+@PURE
+@given(call=_calls, mismatch=st.none() | st.tuples(st.integers(0, 999), _calls, st.integers(0, 999), _calls),
+       invalid=st.none() | st.tuples(st.integers(0, 999), st.text(max_size=600)),
+       sender=st.integers(0, 999), same=st.booleans(), other=_calls)
+def test_header_roundtrip(call, mismatch, invalid, sender, same, other):
+    hs = HeaderState(sender, call, mismatch, invalid)
+    buf = torch.zeros(HEADER_BYTES + TEXT_BYTES, dtype=torch.uint8)
+    length = hs.write(buf)
+    mine = HeaderState(sender + 1, call if same else other)
+    ok = mine.absorb(buf[:length], sender)
+    assert ok == (mismatch is None and invalid is None and (same or other == call))
+    if mismatch is not None:
+        assert mine.mismatch == mismatch
+    elif not same and other != call:
+        assert mine.mismatch == (sender + 1, other, sender, call)
+    if invalid is None:
+        assert mine.invalid is None and length == HEADER_BYTES
+    else:
+        raw = invalid[1].encode()
+        assert mine.invalid is not None and mine.invalid[0] == invalid[0]
+        got = mine.invalid[1].encode()
+        assert length - HEADER_BYTES == len(got) <= TEXT_BYTES
+        assert got == raw if len(raw) <= TEXT_BYTES else raw.startswith(got[:-3]) and got.endswith(b"...")
+
+
+@PURE
+@given(data=st.data(), size=st.integers(2, 24))
+def test_every_rank_learns_the_same_verdict(data, size):
+    """Headers along the doubling pattern: every rank sees a mismatch if any two calls differ,
+    and every rank names the same (lowest) invalid rank."""
+    base = CallInfo.make(3, "reduce", ReduceOp.SUM, torch.float32, 100, 0, "auto")
+    odd = data.draw(st.sets(st.integers(0, size - 1), max_size=size))
+    bad = data.draw(st.sets(st.integers(0, size - 1), max_size=3))
+    states = []
+    for r in range(size):
+        call = base._replace(numel=101) if r in odd else base
+        states.append(HeaderState(r, CallInfo.invalid(3, "reduce") if r in bad else call,
+                                  invalid=(r, f"rank {r} is wrong") if r in bad else None))
+    _run_doubling(states)
+    calls = {st_.call for st_ in states}
+    for st_ in states:
+        assert (st_.mismatch is not None) == (len(calls) > 1)
+        assert st_.invalid == ((min(bad), f"rank {min(bad)} is wrong") if bad else None)
+
+
 def test_unknown_algorithm_lists_the_valid_ones():
     with pytest.raises(ValueError, match="valid algorithms: auto, ring, rabenseifner"):
         C.resolve("allreduce", "bogus", 4, None)  # type: ignore[arg-type]
@@ -249,6 +467,41 @@ def test_equal_to_native_over_gloo(nprocs):
     assert all(c == counts[0] and c > 500 for c in counts)
 
 
+@st.composite
+def _cases(draw, p: int) -> list[tuple[tuple[int, ...], int]]:
+    """A few (shape, root) pairs: 1 to 4 dimensions of special or random sizes, at most 6,000
+    elements each."""
+    cases = []
+    for _ in range(draw(st.integers(3, 5))):
+        shape: list[int] = []
+        for _ in range(draw(st.integers(1, 4))):
+            room = 6000 // max(1, math.prod(shape))
+            dim = st.sampled_from(sorted({*SPECIAL, p - 1, p, p + 1})) | st.integers(0, 90)
+            shape.append(draw(dim.filter(lambda d, room=room: d <= room)))
+        cases.append((tuple(shape), draw(st.integers(0, p - 1))))
+    return cases
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("nprocs", [3, 4])
+@settings(PURE, max_examples=3)
+@given(data=st.data())
+def test_random_shapes_equal_to_native(nprocs, data):
+    cases = data.draw(_cases(nprocs), label="cases")
+    done = spawn(check_shapes, nprocs, args=(cases,))
+    assert done == [len(cases) * (2 * len(C.SUPPORTED["allreduce"]) + 4)] * nprocs
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("hosts", [["a", "a", "b", "b"], ["a", "a", "a", "b"]])
+def test_hierarchical_on_fake_nodes_large(hosts):
+    # a few thousand elements (recursive doubling among leaders) and 1.2 MB, three chunks of
+    # every message (the ring among leaders)
+    out = spawn(_hierarchical, 4, args=(hosts, [(7, 643), (300_001,)]))
+    assert all(equal for per_rank in out for equal, _ in per_rank), out
+    assert [chunks for _, chunks in out[0]] == [1, 1, 3, 3]
+
+
 @pytest.mark.timeout(60)
 def test_step_trace_and_hierarchical_over_two_fake_nodes():
     out = spawn(_trace_and_hierarchy, 4)
@@ -270,8 +523,6 @@ def test_step_trace_and_hierarchical_over_two_fake_nodes():
     (3, "collective", "auto", r"collective #1: rank 0 has allreduce #1 of float32\[1024\]"),
 ])
 def test_mismatch_raises_on_every_rank(nprocs, kind, algo, pattern):
-    import re
-
     messages = spawn(_mismatch, nprocs, args=(kind, algo))
     for msg in messages:
         assert re.search(pattern, msg), msg
@@ -298,8 +549,6 @@ def test_mismatch_raises_on_every_rank(nprocs, kind, algo, pattern):
     (3, "rd_op", "MismatchError", r"reduce #1: rank 0 has float32\[192\] op=sum, rank 1 has float32\[192\] op=max"),
 ])
 def test_one_wrong_rank_raises_on_every_rank(nprocs, kind, error, pattern):
-    import re
-
     out = spawn(_one_rank_wrong, nprocs, args=(kind,))
     for rank, (name, msg, after) in enumerate(out):
         assert name == error, (rank, name, msg)
