@@ -177,13 +177,15 @@ def test_sync_reference_equals_plain_training_on_three_stages():
         torch.testing.assert_close(p, q, rtol=0, atol=1e-12)
 
 
-def test_weight_stashing_is_the_same_with_and_without_recompute():
-    """With stashing the backward sees the forward's weights whether or not the graph was kept."""
+@pytest.mark.parametrize("step_every", [1, 2])
+def test_weight_stashing_is_the_same_with_and_without_recompute(step_every):
+    """With stashing the backward sees the forward's weights whether or not the graph was kept
+    (with step_every=2, one stash per step: forward and backward of the whole step on it)."""
     results = []
     for recompute in (False, True):
         stages = _mlp_stages(3)
         opts = [torch.optim.SGD(s.parameters(), lr=0.1, momentum=0.9) for s in stages]
-        simulate_async(stages, opts, _mse, _data(8), "ws", recompute=recompute)
+        simulate_async(stages, opts, _mse, _data(8), "ws", recompute=recompute, step_every=step_every)
         results.append(torch.cat([p.detach().flatten() for s in stages for p in s.parameters()]))
     torch.testing.assert_close(results[0], results[1], rtol=0, atol=1e-12)
     stale = []

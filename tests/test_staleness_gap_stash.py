@@ -132,7 +132,7 @@ def test_stash_is_a_copy_and_memory_returns_to_zero():
     stash.pop(0)
     stash.pop(1)
     assert len(stash) == 0 and stash.nbytes == 0
-    with pytest.raises(KeyError, match="no stash for micro-batch 0"):
+    with pytest.raises(KeyError, match="no stash for 0"):
         stash.load(0)
 
 
@@ -169,3 +169,37 @@ def test_wp_ws_stashes_the_predicted_weights():
     assert p.item() == pytest.approx(0.85)  # the stash holds the predicted weights, not a reference
     pol.after_backward(7)
     assert p.item() == pytest.approx(0.9) and pol.stash_count == 0
+
+
+def test_one_stash_serves_every_microbatch_of_a_step():
+    """step_every=2: micro-batches 2 and 3 form one step; the stash taken by 2 serves 3 as well."""
+    p = _param([1.0])
+    opt = torch.optim.SGD([p], lr=1.0)
+    pol = make_policy("ws", [p], opt, stage=0, num_stages=2, step_every=2)
+    seen = []
+    pol.before_forward(2, 1)  # stale: stashes the weights 1.0 for its step
+    seen.append(p.item())
+    pol.after_forward(2)
+    with torch.no_grad():
+        p.sub_(0.5)  # the step closing micro-batches 0 and 1
+    pol.before_forward(3, 0)  # same step: runs on the stash, not on the newer weights
+    seen.append(p.item())
+    pol.after_forward(3)
+    assert seen == [1.0, 1.0] and p.item() == 0.5
+    assert pol.stash_count == 1 and pol.stashed_bytes == 8  # one stash for the step
+    for mb in (2, 3):
+        pol.before_backward(mb)
+        assert p.item() == 1.0  # both backwards on the step's weights
+        pol.after_backward(mb)
+        assert p.item() == 0.5
+    assert pol.stash_count == 0  # released once the whole step is done
+    # a shorter last group is released by its step
+    pol.before_forward(4, 1)
+    pol.after_forward(4)
+    pol.before_backward(4)
+    pol.after_backward(4)
+    assert pol.stash_count == 1
+    pol.before_step()
+    opt.step()
+    pol.after_step()
+    assert pol.stash_count == 0

@@ -36,3 +36,6 @@ class WeightPolicy:
 
     def after_step(self) -> None:
         """Called right after ``optimizer.step()`` (and the LR scheduler step, if any)."""
+
+    def clear(self) -> None:
+        """Forget every micro-batch in flight (after an error); the true weights stay in place."""

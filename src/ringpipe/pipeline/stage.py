@@ -293,5 +293,6 @@ class StageRuntime:
         )
 
     def clear(self) -> None:
-        """Drop every micro-batch in flight (after an error)."""
+        """Drop every micro-batch in flight (after an error), and the weight policy's state for them."""
         self._records.clear()
+        self.policy.clear()

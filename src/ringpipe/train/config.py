@@ -64,8 +64,9 @@ MITIGATION_DOCS = {
     "stale": "no mitigation. The forward uses the weights current at forward time, the backward those "
     "current at backward time; with recompute=true the forward is replayed on the current weights, "
     "without it the saved activations keep the old weights and only the parameter gradients use the new ones",
-    "ws": "weight stashing (PipeDream): each backward runs on the weights its forward used "
-    "(one stash per optimizer step with step_every > 1)",
+    "ws": "weight stashing (PipeDream): each backward runs on the weights its forward used; with "
+    "step_every > 1 one stash per optimizer step, taken by the step's first stale forward: every "
+    "micro-batch of the step runs its forward and backward on it",
     "wp": "weight prediction: each forward uses the weights predicted d steps ahead from the optimizer "
     "state and the LR schedule; msnag for step_every=1, aggmsnag for step_every>1",
     "msnag": "weight prediction from the optimizer state alone (future gradients taken as zero)",

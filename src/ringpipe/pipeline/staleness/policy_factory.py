@@ -18,7 +18,7 @@ __all__ = ["MITIGATIONS", "parse_mitigations", "make_policy"]
 
 MITIGATIONS: dict[str, str] = {
     "stale": "no mitigation: forward and backward use whatever weights the stage holds",
-    "ws": "weight stashing (PipeDream): backward on the weights its forward used",
+    "ws": "weight stashing (PipeDream): backward on the weights its forward used (one stash per step)",
     "wp": "weight prediction: msnag for step_every=1, aggmsnag for step_every>1",
     "msnag": "weight prediction ignoring the partially accumulated gradient",
     "aggmsnag": "weight prediction using the partially accumulated gradient (step_every>1)",
@@ -140,5 +140,6 @@ def make_policy(
         gap_aware=gap,
         just_for_loss=ga_name == "ga_jfl" and gap is not None,
         requires_recompute="ga_jfl" in chosen,
+        step_every=step_every,
         name=name,
     )

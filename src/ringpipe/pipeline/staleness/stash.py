@@ -1,7 +1,7 @@
 """Weight stashing (PipeDream): keep the weights a forward used until its backward.
 
-At forward time the stage's parameters (after any prediction) are cloned under the
-micro-batch's key. At backward time the true weights are put aside, the stash is copied into
+At forward time the stage's parameters (after any prediction) are cloned under a key: the
+micro-batch's, or its optimizer step's when one stash serves every micro-batch of a step. At backward time the true weights are put aside, the stash is copied into
 the parameters (in place), the backward runs, and the true weights come back before the
 optimizer steps on them. Stashes are clones, never references, so later updates of the
 parameters do not change them (and they stay correct together with weight prediction).
@@ -17,7 +17,7 @@ __all__ = ["WeightStash"]
 
 
 class WeightStash:
-    """Clones of a stage's parameters keyed by micro-batch, and the load/restore around backward."""
+    """Clones of a stage's parameters keyed by micro-batch (or step), and the load/restore around backward."""
 
     def __init__(self, params: list[torch.Tensor]) -> None:
         self.params = list(params)
@@ -44,7 +44,7 @@ class WeightStash:
     def stash(self, key: Hashable) -> None:
         """Clone the current parameters under ``key``."""
         if key in self._stashes:
-            raise KeyError(f"micro-batch {key!r} is already stashed; pop it after its backward")
+            raise KeyError(f"{key!r} is already stashed; pop it after its backward")
         self._stashes[key] = [p.detach().clone() for p in self.params]
 
     def get(self, key: Hashable) -> list[torch.Tensor]:
@@ -52,7 +52,7 @@ class WeightStash:
         try:
             return self._stashes[key]
         except KeyError:
-            raise KeyError(f"no stash for micro-batch {key!r}; stashed: {sorted(map(str, self._stashes))}") from None
+            raise KeyError(f"no stash for {key!r}; stashed: {sorted(map(str, self._stashes))}") from None
 
     def pop(self, key: Hashable) -> list[torch.Tensor]:
         """Remove and return the stash of ``key``."""
