@@ -576,6 +576,50 @@ def test_bench_cli_under_torchrun(tmp_path):
     assert png.stat().st_size > 1000
 
 
+class _DeviceComm:
+    """Just enough of a communicator for bench's native and p2p paths: notes where tensors live."""
+
+    backend, name, size, rank = "fake", "fake", 2, 0
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.seen: list[torch.device] = []
+
+    def allreduce(self, tensor: torch.Tensor, op: object) -> torch.Tensor:
+        self.seen.append(tensor.device)
+        return tensor
+
+    def send(self, tensor: torch.Tensor, peer: int) -> None:
+        self.seen.append(tensor.device)
+
+    recv = send
+
+
+def test_bench_allocates_on_the_communicators_device():
+    from ringpipe.observe.bench import _runner
+
+    comm = _DeviceComm(torch.device("meta"))  # stands for the pinned GPU of an NCCL communicator
+    for collective in ("allreduce", "p2p"):
+        call, _, _ = _runner(comm, collective, "native", 4096, torch.float32, True)  # type: ignore[arg-type]
+        call()
+    assert comm.seen == [torch.device("meta")] * 3
+
+
+def _bench_nccl(comm) -> list[dict]:  # noqa: ANN001
+    from ringpipe.observe.bench import run_bench
+
+    return run_bench(comm, "allreduce", [4096, 1 << 20], ["ring", "recursive_doubling", "native"],
+                     iters=2, warmup=1)
+
+
+@pytest.mark.cuda
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_bench_over_nccl():
+    rows = spawn(_bench_nccl, min(2, torch.cuda.device_count()), backend="nccl")[0]
+    assert len(rows) == 6 and all(r["wrong"] == 0 and r["backend"] == "nccl" for r in rows)
+
+
 def _port() -> int:
     from ringpipe.comm.world import free_port
 

@@ -7,6 +7,9 @@ for every size and algorithm it reports the time per call (min / avg / max over 
 allreduce, ``(p-1)/p`` for allgather and reduce-scatter, 1 for broadcast and p2p, where ``S``
 is the whole buffer: the gathered output for allgather, the input for reduce-scatter) and the
 number of wrong elements in a checked call.
+
+Buffers live where the communicator takes tensors (the pinned GPU under NCCL, the CPU under
+gloo and MPI), and CUDA work is synchronised before the clock is read.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from typing import Any
 import torch
 
 from ringpipe import collectives
+from ringpipe.collectives.common import home_device
 from ringpipe.comm.base import Communicator
 
 __all__ = ["add_parser", "bench_main", "run_bench", "parse_size", "bus_factor", "COLLECTIVES"]
@@ -65,9 +69,10 @@ def _runner(comm: Communicator, collective: str, algo: str, nbytes: int, dtype: 
     """(one call, a checked call returning the number of wrong elements, element count)."""
     p, r = comm.size, comm.rank
     item = torch.empty((), dtype=dtype).element_size()
+    device = home_device(comm)
     if collective == "p2p":
         count = max(1, nbytes // item)
-        buf = torch.ones(count, dtype=dtype)
+        buf = torch.ones(count, dtype=dtype, device=device)
 
         def pingpong() -> None:
             if r == 0:
@@ -90,7 +95,7 @@ def _runner(comm: Communicator, collective: str, algo: str, nbytes: int, dtype: 
     if per_rank:
         count -= count % p
     local = count // p if collective == "allgather" else count
-    x = torch.ones(local, dtype=dtype)
+    x = torch.ones(local, dtype=dtype, device=device)
     kw: dict[str, Any] = {"algorithm": algo}
     if algo != "native":
         kw["check"] = check
@@ -111,6 +116,13 @@ def _runner(comm: Communicator, collective: str, algo: str, nbytes: int, dtype: 
         return sum(int((blk != j + 1).sum()) for j, blk in enumerate(out))
 
     return call, checked, count
+
+
+def _sync(comm: Communicator) -> None:
+    """Wait for queued GPU work (NCCL returns before the transfer is done)."""
+    device = home_device(comm)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def run_bench(
@@ -143,10 +155,12 @@ def run_bench(
             call, checked, count = _runner(comm, collective, algo, nbytes, dtype, check)
             for _ in range(warmup):
                 call()
+            _sync(comm)
             comm.barrier()
             t0 = time.perf_counter()
             for _ in range(iters):
                 call()
+            _sync(comm)
             dt = (time.perf_counter() - t0) / max(1, iters)
             if collective == "p2p":
                 dt /= 2  # one way of a ping-pong
