@@ -8,7 +8,12 @@ import pytest
 import torch
 
 from ringpipe.pipeline.policy import WeightPolicy
-from ringpipe.pipeline.staleness import MitigationPolicy, make_policy, parse_mitigations
+from ringpipe.pipeline.staleness import (
+    MitigationPolicy,
+    WeightStash,
+    make_policy,
+    parse_mitigations,
+)
 
 
 def _sgd():
@@ -84,3 +89,32 @@ def test_optimizer_and_stage_errors():
     with pytest.raises(ValueError, match=r"not in the optimizer's param groups"):
         make_policy("wp", [other], torch.optim.SGD([p], lr=0.1), stage=0, num_stages=2)
     assert make_policy("stale", [p], torch.optim.RMSprop([p]), stage=0, num_stages=2).__class__ is WeightPolicy
+
+
+@pytest.mark.parametrize("names", ["ws+ga_jfl", "wp+ws+ga_jfl"])
+def test_ga_jfl_backward_runs_on_current_weights_on_every_stage(names):
+    """ga_jfl never switches to weight stashing: outside ga_stages there is just no gap to measure."""
+    for stage in range(4):
+        p = torch.nn.Parameter(torch.ones(2))
+        opt = torch.optim.SGD([p], lr=0.1, momentum=0.9)
+        pol = make_policy(names, [p], opt, stage=stage, num_stages=4, ga_stages="almost_last_partition",
+                          recompute=True)
+        assert pol.just_for_loss and pol.uses_recompute()
+        gap_here = stage == 2
+        assert (pol.gap_aware is not None) == gap_here
+        assert (pol.stash is not None) == gap_here  # the stash only sizes the gap
+        pol.before_forward(1, 3 - stage)
+        pol.after_forward(1)
+        with torch.no_grad():
+            p.sub_(0.5)  # a step between forward and backward
+        pol.before_backward(1)
+        assert torch.equal(p.detach(), torch.full((2,), 0.5)), stage  # current weights, not a stash
+        pol.after_backward(1)
+        assert pol.stash_count == 0
+
+
+def test_ga_jfl_policy_needs_stash_and_gap_together():
+    p = torch.nn.Parameter(torch.zeros(2))
+    with pytest.raises(ValueError, match="both a weight stash and a Gap Aware object, or neither"):
+        MitigationPolicy(stash=WeightStash([p]), just_for_loss=True)
+    assert MitigationPolicy(just_for_loss=True).stash is None

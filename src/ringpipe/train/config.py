@@ -74,7 +74,8 @@ MITIGATION_DOCS = {
     "ga": "Gap Aware (Barkai et al. 2020): stale gradients divided by 1 + Gap/C on the stages of ga_stages; "
     "Adam and AdamW need ws with it",
     "ga_jfl": "Gap Aware just for loss: backward on the current weights, the stash only sizes the gap "
-    "(needs ws and recompute=true)",
+    "(needs ws and recompute=true); on stages outside ga_stages the backward also runs on the current "
+    "weights, with no penalty and no stash",
 }
 #: Which stages Gap Aware applies to (``ringpipe.pipeline.staleness.GA_STAGE_POLICIES``).
 GA_STAGE_POLICIES = ("almost_last_partition", "all_except_last", "all_except_last_two")

@@ -41,7 +41,13 @@ __all__ = ["MitigationPolicy"]
 
 
 class MitigationPolicy(WeightPolicy):
-    """Weight prediction, weight stashing and Gap Aware composed for one pipeline stage."""
+    """Weight prediction, weight stashing and Gap Aware composed for one pipeline stage.
+
+    ``just_for_loss`` (``ga_jfl``): every backward runs on the current weights, never on a
+    stash. With Gap Aware, a stash then only measures the gap; without it (a stage outside
+    the Gap-Aware stages) no stash is kept at all, and the stage behaves as ``stale`` apart
+    from any weight prediction of its forwards.
+    """
 
     def __init__(
         self,
@@ -54,8 +60,11 @@ class MitigationPolicy(WeightPolicy):
         step_every: int = 1,
         name: str = "",
     ) -> None:
-        if just_for_loss and (stash is None or gap_aware is None):
-            raise ValueError("ga_jfl needs both a weight stash and a Gap Aware object")
+        if just_for_loss and (stash is None) != (gap_aware is None):
+            raise ValueError(
+                "ga_jfl's stash only measures the Gap-Aware gap: give both a weight stash and a Gap Aware "
+                f"object, or neither (got stash={stash is not None}, gap_aware={gap_aware is not None})"
+            )
         self.predictor = predictor
         self.stash = stash
         self.gap_aware = gap_aware

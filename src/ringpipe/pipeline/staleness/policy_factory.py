@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from typing import Any
 
@@ -16,6 +17,8 @@ from ringpipe.pipeline.staleness.stash import WeightStash
 
 __all__ = ["MITIGATIONS", "parse_mitigations", "make_policy"]
 
+log = logging.getLogger(__name__)
+
 MITIGATIONS: dict[str, str] = {
     "stale": "no mitigation: forward and backward use whatever weights the stage holds",
     "ws": "weight stashing (PipeDream): backward on the weights its forward used (one stash per step)",
@@ -23,7 +26,8 @@ MITIGATIONS: dict[str, str] = {
     "msnag": "weight prediction ignoring the partially accumulated gradient",
     "aggmsnag": "weight prediction using the partially accumulated gradient (step_every>1)",
     "ga": "Gap Aware: divide stale gradients by 1 + Gap/C",
-    "ga_jfl": "Gap Aware just for loss: backward on current weights, stash only sizes the gap",
+    "ga_jfl": "Gap Aware just for loss: backward on current weights, stash only sizes the gap "
+    "(outside ga_stages: backward on current weights, no penalty, no stash)",
 }
 """Valid mitigation names and what each does; combine with ``+`` (``"wp+ws+ga"``)."""
 
@@ -97,7 +101,12 @@ def make_policy(
     ``all_except_last_two``. ``stale`` returns the no-op base :class:`WeightPolicy`.
 
     Gap Aware with stashing measures the gap against the stash; without stashing (SGD only)
-    it uses the staleness-1 estimate ``Gap = eta |g|`` on every chosen stage. The caller
+    it uses the staleness-1 estimate ``Gap = eta |g|`` on every chosen stage. On a stage
+    outside ``ga_stages``, ``ga`` is simply absent (``ws+ga`` there is ``ws``), while
+    ``ga_jfl`` keeps what its name promises everywhere: the backward runs on the current
+    weights (as ``stale`` with recomputation). Since no gap is measured there, the stage keeps
+    no stash (``ws+ga_jfl`` stashes only on the Gap-Aware stages); a predictor still shapes its
+    forwards. With ``step_every > 1`` one stash serves every micro-batch of a step. The caller
     clears gradients only after ``after_step`` (the SGD statistics read ``p.grad`` when there
     is no momentum buffer), and ``aggmsnag`` expects ``p.grad`` cleared after every step.
     """
@@ -129,16 +138,23 @@ def make_policy(
             aggregate="aggmsnag" in chosen,
             nag_with_predictor=nag_with_predictor,
         )
-    stash = WeightStash(params) if "ws" in chosen else None
+    just_for_loss = ga_name == "ga_jfl"
     gap = None
     if ga_name and ga_here:
         gap = gap_aware_for(params, optimizer, big_gamma=ga_big_gamma, eps=ga_eps)
+    elif ga_name:
+        log.info(
+            "stage %d of %d is outside ga_stages=%s: no Gap Aware%s", stage, num_stages, ga_stages,
+            "; ga_jfl: backward on the current weights, no stash" if just_for_loss else "",
+        )
+    # Under ga_jfl the stash only sizes the gap: none where no gap is measured.
+    stash = WeightStash(params) if "ws" in chosen and (gap is not None or not just_for_loss) else None
     name = "+".join(sorted(chosen))
     return MitigationPolicy(
         predictor=predictor,
         stash=stash,
         gap_aware=gap,
-        just_for_loss=ga_name == "ga_jfl" and gap is not None,
+        just_for_loss=just_for_loss,
         requires_recompute="ga_jfl" in chosen,
         step_every=step_every,
         name=name,
