@@ -436,6 +436,22 @@ def test_every_rank_learns_the_same_verdict(data, size):
         assert st_.invalid == ((min(bad), f"rank {min(bad)} is wrong") if bad else None)
 
 
+@pytest.mark.parametrize(("nbytes", "hosts", "want"), [
+    (4096, ["h"] * 4, "recursive_doubling"),
+    (256 * 1024, ["h"] * 4, "recursive_doubling"),  # faster than Rabenseifner in every record
+    (256 * 1024 + 4, ["h"] * 4, "ring"),
+    (64 << 20, ["h"] * 4, "ring"),
+    (1 << 20, ["a", "a", "b", "b"], "hierarchical"),
+    (1 << 20, ["a", "b", "c", "d"], "ring"),
+])
+def test_auto_follows_the_recorded_measurements(nbytes, hosts, want):
+    from types import SimpleNamespace
+
+    comm = SimpleNamespace(size=4, global_ranks=[0, 1, 2, 3], topology=SimpleNamespace(hostnames=hosts))
+    assert C.resolve("allreduce", "auto", nbytes, comm) == want  # type: ignore[arg-type]
+    assert C.resolve("broadcast", "auto", nbytes, comm) == "tree"  # type: ignore[arg-type]
+
+
 def test_unknown_algorithm_lists_the_valid_ones():
     with pytest.raises(ValueError, match="valid algorithms: auto, ring, rabenseifner"):
         C.resolve("allreduce", "bogus", 4, None)  # type: ignore[arg-type]

@@ -1,13 +1,19 @@
 """The ``auto`` algorithm: pick one from message size, world size and topology.
 
 Thresholds come from ``ringpipe bench`` / ``benchmarks/collectives.py`` runs recorded in
-``benchmarks/RESULTS.md`` (gloo and Open MPI over loopback on a 2-core host, 2 and 4 ranks):
+``benchmarks/RESULTS.md`` (gloo and Open MPI over loopback on a 2-core host, 2 and 4 ranks,
+4 KiB to 64 MiB by factors of 4):
 
 - allreduce up to :data:`SMALL_BYTES`: recursive doubling (fewest latencies; the consistency
-  header rides in the data message);
+  header rides in the data message). It was the fastest ringpipe algorithm, or tied, at every
+  recorded size from 4 to 256 KiB;
 - more than one node and more than one rank on some node: hierarchical;
-- up to :data:`MEDIUM_BYTES` on a power-of-two world: Rabenseifner (``lg p`` latencies);
 - otherwise the ring (bandwidth-optimal, pipelined).
+
+Rabenseifner is never picked: it was slower than recursive doubling at every recorded size up
+to 256 KiB and never faster than the ring above it over gloo; it beat both only in some MPI
+runs (4 ranks at 1, 4 and 64 MiB; 2 ranks at 64 MiB), within the runs' 2x spread. Its
+``lg p`` latencies may pay off on worlds larger than those measured: ask for it by name.
 
 Reduce-scatter and allgather use the ring; broadcast and reduce the binomial tree.
 """
@@ -16,10 +22,9 @@ from __future__ import annotations
 
 from ringpipe.comm.base import Communicator
 
-__all__ = ["SMALL_BYTES", "MEDIUM_BYTES", "choose", "num_nodes"]
+__all__ = ["SMALL_BYTES", "choose", "num_nodes"]
 
-SMALL_BYTES = 64 * 1024
-MEDIUM_BYTES = 512 * 1024
+SMALL_BYTES = 256 * 1024
 
 _DEFAULTS = {
     "reduce_scatter": "ring",
@@ -46,6 +51,4 @@ def choose(collective: str, nbytes: int, comm: Communicator) -> str:
     nodes = num_nodes(comm)
     if 1 < nodes < comm.size:
         return "hierarchical"
-    if nbytes <= MEDIUM_BYTES and comm.size & (comm.size - 1) == 0:
-        return "rabenseifner"
     return "ring"
