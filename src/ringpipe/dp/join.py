@@ -78,4 +78,5 @@ def _serve_allreduce(comm: Communicator, engine: Engine, note: Note) -> None:
         raise refuse(comm, note)
     rop = note.reduce_op
     contribution = identity(rop, note.dtype, note.numel, comm._object_device())
-    engine.run(lambda: comm.allreduce(contribution, wire_op(rop, note)), name="join-allreduce")
+    # Every announced allreduce is non-blocking: MPI does not match a blocking one with it.
+    engine.run(lambda: comm.iallreduce(contribution, wire_op(rop, note)).wait(), name="join-allreduce")

@@ -38,7 +38,7 @@ def allreduce_inplace(
         note = announce(comm, "allreduce", tensor, op)
         if prescale != 1.0:
             tensor.mul_(prescale)
-        comm.allreduce(tensor, wire_op(op, note))
+        comm.iallreduce(tensor, wire_op(op, note)).wait()  # the form joined ranks use (MPI matches by form)
         finish(tensor, op, note)
         if postscale != 1.0:
             tensor.mul_(postscale)
