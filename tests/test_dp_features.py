@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -18,7 +25,10 @@ from ringpipe.dp import (
     save_checkpoint,
     scale_lr,
 )
-from ringpipe.launch import spawn
+from ringpipe.launch import mpirun_command, spawn
+
+HERE = Path(__file__).parent
+HAVE_MPI = shutil.which("mpirun") is not None and __import__("importlib").util.find_spec("mpi4py") is not None
 
 
 def _np(t: torch.Tensor):
@@ -58,7 +68,35 @@ def _broadcasts(comm, root):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("root", [0, 1])
 def test_broadcast_parameters_and_optimizer_state(root):
-    results = spawn(_broadcasts, 2, args=(root,))
+    _check_broadcasts(spawn(_broadcasts, 2, args=(root,)))
+
+
+def mpi_broadcasts(out_dir: str) -> None:
+    """Entry point under mpirun: the broadcasts from either root with the MPI communicator."""
+    from ringpipe.comm import init_world
+
+    torch.set_num_threads(1)
+    comm = init_world("mpi")
+    results = [_broadcasts(comm, root) for root in (0, 1)]
+    with open(os.path.join(out_dir, f"rank{comm.rank}.pkl"), "wb") as f:
+        pickle.dump(results, f)
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not HAVE_MPI, reason="needs mpirun and mpi4py")
+def test_broadcast_parameters_and_optimizer_state_on_mpi(tmp_path):
+    code = f"import test_dp_features as t; t.mpi_broadcasts({str(tmp_path)!r})"
+    cmd = mpirun_command(2, [sys.executable, "-c", code])
+    env = dict(os.environ, PYTHONPATH=str(HERE), OMP_NUM_THREADS="1")
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=110)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    per_rank = [pickle.loads((tmp_path / f"rank{r}.pkl").read_bytes()) for r in range(2)]
+    for root in (0, 1):
+        _check_broadcasts([per_rank[0][root], per_rank[1][root]])
+
+
+def _check_broadcasts(results):
     (s0, w0, o0), (s1, w1, o1) = results
     for k in s0:
         assert (s0[k] == s1[k]).all(), k

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import pickle
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,7 +14,7 @@ import torch
 from torch import nn
 
 from ringpipe.dp import DistributedOptimizer, join
-from ringpipe.launch import spawn
+from ringpipe.launch import mpirun_command, spawn
 
 HERE = Path(__file__).parent
 HAVE_MPI = shutil.which("mpirun") is not None and __import__("importlib").util.find_spec("mpi4py") is not None
@@ -77,7 +81,10 @@ def _schedule_reference(batches, kind):
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize(("batches", "kind"), [((3, 1), "step"), ((1, 2, 4), "lambda")])
 def test_join_serves_steps_with_the_learning_rate_of_the_ranks_with_data(batches, kind):
-    results = spawn(_uneven_with_schedule, len(batches), args=(batches, kind))
+    _check_schedule(spawn(_uneven_with_schedule, len(batches), args=(batches, kind)), batches, kind)
+
+
+def _check_schedule(results, batches, kind):
     ref, ref_lr = _schedule_reference(batches, kind)
     longest = max(range(len(batches)), key=lambda r: (batches[r], r))
     for rank, (last, params, lr) in enumerate(results):
@@ -160,7 +167,10 @@ def _syncbn_reference(batches):
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("batches", [(3, 1), (1, 2, 4)])
 def test_joined_ranks_take_part_in_syncbatchnorm_and_allreduce(batches):
-    results = spawn(_uneven_syncbn_and_metrics, len(batches), args=(batches,))
+    _check_syncbn_and_metrics(spawn(_uneven_syncbn_and_metrics, len(batches), args=(batches,)), batches)
+
+
+def _check_syncbn_and_metrics(results, batches):
     ref, ref_metrics = _syncbn_reference(batches)
     for rank, (_, params, metrics) in enumerate(results):
         for got, want in zip(params, ref, strict=True):
@@ -194,8 +204,47 @@ def _unservable(comm, op):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("op", ["broadcast", "allgather", "broadcast_object"])
 def test_collective_a_joined_rank_cannot_serve_is_an_error_on_every_rank(op):
-    on_data_rank, on_joined_rank = spawn(_unservable, 2, args=(op,))
+    _check_unservable(spawn(_unservable, 2, args=(op,)), op)
+
+
+def _check_unservable(results, op):
+    on_data_rank, on_joined_rank = results
     assert on_data_rank is not None and on_joined_rank is not None
     assert "JoinError" in on_data_rank and "JoinError" in on_joined_rank
     assert op in on_data_rank and "rank 1" in on_data_rank and "joined" in on_data_rank
     assert op in on_joined_rank and "rank 0" in on_joined_rank
+
+
+# ----------------------------------------------------------------------------- MPI
+
+MPI_BATCHES = (3, 1)
+
+
+def mpi_main(out_dir: str) -> None:
+    """Entry point under mpirun: every join scenario above with the MPI communicator."""
+    from ringpipe.comm import init_world
+
+    torch.set_num_threads(1)
+    comm = init_world("mpi")
+    results = {
+        "schedule": _uneven_with_schedule(comm, MPI_BATCHES, "step"),
+        "syncbn": _uneven_syncbn_and_metrics(comm, MPI_BATCHES),
+        "unservable": _unservable(comm, "broadcast"),
+    }
+    with open(os.path.join(out_dir, f"rank{comm.rank}.pkl"), "wb") as f:
+        pickle.dump(results, f)
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not HAVE_MPI, reason="needs mpirun and mpi4py")
+def test_join_on_mpi(tmp_path):
+    code = f"import test_dp_join as t; t.mpi_main({str(tmp_path)!r})"
+    cmd = mpirun_command(2, [sys.executable, "-c", code])
+    env = dict(os.environ, PYTHONPATH=str(HERE), OMP_NUM_THREADS="1")
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=110)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    per_rank = [pickle.loads((tmp_path / f"rank{r}.pkl").read_bytes()) for r in range(2)]
+    _check_schedule([r["schedule"] for r in per_rank], MPI_BATCHES, "step")
+    _check_syncbn_and_metrics([r["syncbn"] for r in per_rank], MPI_BATCHES)
+    _check_unservable([r["unservable"] for r in per_rank], "broadcast")
