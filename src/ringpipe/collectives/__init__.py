@@ -14,7 +14,8 @@ forever. ``algorithm="native"`` and ``check=False`` have no header exchange: a b
 there raises on its own rank only.
 
 A communicator must be driven by one thread at a time; after a :class:`MismatchError` it must
-not be used again (messages of the failed call may still be in flight).
+not be used again (messages of the failed call may still be in flight). An
+:class:`InvalidCallError` leaves it usable: only headers were exchanged, and all of them arrived.
 """
 
 from __future__ import annotations
