@@ -32,9 +32,20 @@ def make_data():
 
 
 def make_opt(kind):
+    """``kind``: ``sgd``, ``adam`` or ``adamw``, with ``+sched`` for an LR scheduler (see make_sched)."""
+    kind = kind.removesuffix("+sched")
     if kind == "adam":
         return lambda ps: torch.optim.Adam(ps, lr=0.01)
+    if kind == "adamw":
+        return lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.05)
     return lambda ps: torch.optim.SGD(ps, lr=0.2, momentum=0.9, weight_decay=1e-3)
+
+
+def make_sched(kind):
+    """A warmup: the rate changes at every step, so scheduler-aware prediction looks ahead at other rates."""
+    if not kind.endswith("+sched"):
+        return None
+    return lambda opt: torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.1, total_iters=8)
 
 
 def configs():
@@ -44,6 +55,13 @@ def configs():
             continue  # ga_jfl needs recomputation (refused otherwise)
         out.append((names, rec, k, "sgd"))
     out += [("wp+ws+ga", False, 1, "adam"), ("wp+ws", True, 2, "adam")]
+    out += [
+        ("wp+ga", False, 1, "sgd"),  # Gap Aware from the gradient, on predicted forwards
+        ("wp+ws+ga_jfl", True, 2, "sgd"),  # aggmsnag, one stash per step, backward on current weights
+        ("wp+ws+ga", False, 1, "adamw"),
+        ("wp+ws", False, 1, "adamw+sched"),  # scheduler-aware prediction (d = 2 on 3 stages)
+        ("wp", True, 1, "sgd+sched"),
+    ]
     return out
 
 
@@ -54,7 +72,7 @@ def _run(comm, balance, cfgs, driver="train_stream"):
         t = PipelineTrainer(
             comm, make_layers(), balance=balance, schedule="async", microbatches=MICRO,
             optimizer_factory=make_opt(opt), loss_fn=nn.functional.cross_entropy,
-            recompute=rec, mitigations=names, step_every=k,
+            recompute=rec, mitigations=names, step_every=k, scheduler_factory=make_sched(opt),
         )
         batches = [(x if t.is_first else None, y if t.is_last else None) for x, y in data]
         if driver == "train_stream":
@@ -79,8 +97,11 @@ def _run(comm, balance, cfgs, driver="train_stream"):
 def _simulate(balance, names, rec, k, opt):
     stages = split_layers(make_layers(), balance)
     optimizers = [make_opt(opt)(list(s.parameters())) for s in stages]
+    sched = make_sched(opt)
+    schedulers = [sched(o) for o in optimizers] if sched is not None else None
     micro = [(xm, ym) for x, y in make_data() for xm, ym in zip(x.tensor_split(MICRO), y.tensor_split(MICRO), strict=True)]
-    simulate_async(stages, optimizers, nn.functional.cross_entropy, micro, names, step_every=k, recompute=rec)
+    simulate_async(stages, optimizers, nn.functional.cross_entropy, micro, names, step_every=k, recompute=rec,
+                   schedulers=schedulers)
     return {k2: v.detach() for k2, v in nn.Sequential(*[m for s in stages for m in s]).state_dict().items()}
 
 
