@@ -4,7 +4,7 @@ Why: a rank inside :func:`ringpipe.dp.join.join` has left the training loop, so 
 which collective the others call next (an optimizer step, SyncBatchNorm's statistics, a metric
 average). Before each collective, on the engine thread, every rank allreduces a fixed-size
 header: a rank with data contributes a one in its own slot and a description of the collective
-(operation, reduce op, dtype, element count); a joined rank contributes zeros. From the sum
+(operation, reduce op, dtype, element count, device type); a joined rank contributes zeros. From the sum
 every rank learns which ranks still have data, and a joined rank learns what comes next: it
 takes part in allreduces with the identity of the reduce op (zeros for Sum and Average, so an
 Average is taken over the ranks with data), in barriers and in optimizer steps. Other
@@ -31,6 +31,7 @@ __all__ = [
     "JoinError",
     "Note",
     "announce",
+    "device_of",
     "exchange",
     "finish",
     "identity",
@@ -47,7 +48,7 @@ SERVED = frozenset({"step", "bucket", "apply", "allreduce", "barrier"})
 _REDUCE_OPS = tuple(ReduceOp)
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
            torch.int8, torch.uint8, torch.bool)
-_FIELDS = 4  # operation, reduce op, dtype, element count
+_FIELDS = 5  # operation, reduce op, dtype, element count, on a GPU
 
 
 class JoinError(EngineError):
@@ -64,6 +65,7 @@ class Note:
     reduce_op: ReduceOp | None = None
     dtype: torch.dtype | None = None
     numel: int = 0
+    cuda: bool = False
 
     @property
     def count(self) -> int:
@@ -88,6 +90,7 @@ def exchange(
         if tensor is not None:
             header[size + 2] = _DTYPES.index(tensor.dtype) + 1 if tensor.dtype in _DTYPES else 0
             header[size + 3] = tensor.numel()
+            header[size + 4] = float(tensor.device.type == "cuda")
     comm.allreduce(header, ReduceOp.SUM)
     values = header.cpu().tolist()
     have_data = tuple(r for r in range(size) if values[r] > 0.5)
@@ -95,7 +98,7 @@ def exchange(
     count = len(have_data)
     if count == 0:
         return Note("", (), joined)
-    code, rop, dtype, numel = (round(v / count) for v in values[size:])
+    code, rop, dtype, numel, cuda = (round(v / count) for v in values[size:])
     return Note(
         OPS[code - 1] if 0 < code <= len(OPS) else f"unknown operation {code}",
         have_data,
@@ -103,6 +106,7 @@ def exchange(
         _REDUCE_OPS[rop - 1] if 0 < rop <= len(_REDUCE_OPS) else None,
         _DTYPES[dtype - 1] if 0 < dtype <= len(_DTYPES) else None,
         numel,
+        cuda == 1,
     )
 
 
@@ -163,6 +167,14 @@ def identity(reduce_op: ReduceOp, dtype: torch.dtype, numel: int, device: torch.
         info = torch.iinfo(dtype)
         value = info.max if high else info.min
     return torch.full((numel,), value, dtype=dtype, device=device)
+
+
+def device_of(comm: Communicator, note: Note) -> torch.device:
+    """Where a joined rank puts its contribution: a GPU when the ranks with data reduce GPU tensors."""
+    if note.cuda and torch.cuda.is_available():
+        device = comm._object_device()
+        return device if device.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def wire_op(reduce_op: ReduceOp, note: Note) -> ReduceOp:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 
 from ringpipe.comm.base import Communicator
-from ringpipe.dp.announce import JoinError, Note, exchange, identity, refuse, wire_op
+from ringpipe.dp.announce import JoinError, Note, device_of, exchange, identity, refuse, wire_op
 from ringpipe.dp.engine import Engine
 
 __all__ = ["join", "JoinError"]
@@ -77,6 +77,6 @@ def _serve_allreduce(comm: Communicator, engine: Engine, note: Note) -> None:
     if note.reduce_op is None or note.dtype is None:
         raise refuse(comm, note)
     rop = note.reduce_op
-    contribution = identity(rop, note.dtype, note.numel, comm._object_device())
+    contribution = identity(rop, note.dtype, note.numel, device_of(comm, note))
     # Every announced allreduce is non-blocking: MPI does not match a blocking one with it.
     engine.run(lambda: comm.iallreduce(contribution, wire_op(rop, note)).wait(), name="join-allreduce")
