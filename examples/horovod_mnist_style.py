@@ -4,6 +4,10 @@ Run it with any launcher, e.g. ``ringpipe launch -n 2 examples/horovod_mnist_sty
 agent, gloo), ``ringpipe launch -n 2 --backend mpi examples/horovod_mnist_style.py`` (mpirun) or
 plain ``python examples/horovod_mnist_style.py`` (one process). It trains a small CNN on the 8x8
 handwritten digits shipped with scikit-learn, so it runs offline in seconds.
+
+On a GPU host ``hvd.init()`` picks NCCL: each process is pinned to the GPU of its local rank
+and the model, the batches and the metric tensors live there (start at most one process per
+GPU). ``--no-cuda`` keeps everything on the CPU.
 """
 
 import argparse
@@ -28,6 +32,7 @@ parser.add_argument("--warmup-epochs", type=float, default=1)
 parser.add_argument("--fp16-allreduce", action="store_true", default=False)
 parser.add_argument("--seed", type=int, default=42)
 parser.add_argument("--checkpoint", default="", help="write a checkpoint here on rank 0 after each epoch")
+parser.add_argument("--no-cuda", action="store_true", default=False, help="train on the CPU even with GPUs")
 
 
 class Net(nn.Module):
@@ -46,7 +51,7 @@ class Net(nn.Module):
 
 
 def metric_average(val, name):
-    tensor = torch.tensor(val)
+    tensor = torch.tensor(val, device=device)
     avg_tensor = hvd.allreduce(tensor, name=name)
     return avg_tensor.item()
 
@@ -66,6 +71,7 @@ def train(epoch):
     model.train()
     train_sampler.set_epoch(epoch)
     for batch_idx, (data, target) in enumerate(train_loader):
+        data, target = data.to(device), target.to(device)
         adjust_learning_rate(optimizer, epoch, batch_idx, len(train_loader))
         optimizer.zero_grad()
         loss = F.nll_loss(model(data), target)
@@ -79,6 +85,7 @@ def test():
     test_loss, correct = 0.0, 0.0
     with torch.no_grad():
         for data, target in test_loader:
+            data, target = data.to(device), target.to(device)
             output = model(data)
             test_loss += F.nll_loss(output, target, reduction="sum").item()
             correct += output.argmax(dim=1).eq(target).sum().item()
@@ -90,12 +97,18 @@ def test():
 if __name__ == "__main__":
     args = parser.parse_args()
 
-    # 1. Initialise.
+    # 1. Initialise (NCCL on a GPU host; on the CPU, gloo unless RINGPIPE_BACKEND says otherwise).
+    if args.no_cuda:
+        os.environ.setdefault("RINGPIPE_BACKEND", "gloo")
     hvd.init()
     torch.manual_seed(args.seed)
-    # 2. Pin a GPU to each process (when there are GPUs).
-    if torch.cuda.is_available():
+    # 2. Pin a GPU to each process (when there are GPUs). ringpipe's MPI communicator carries
+    # CPU tensors (unless MPI is CUDA-aware), so under MPI the example stays on the CPU.
+    args.cuda = not args.no_cuda and torch.cuda.is_available() and not hvd.mpi_enabled()
+    device = torch.device("cpu")
+    if args.cuda:
         torch.cuda.set_device(hvd.local_rank())
+        device = torch.device("cuda", hvd.local_rank())
     torch.set_num_threads(1)
 
     digits = load_digits()
@@ -112,7 +125,7 @@ if __name__ == "__main__":
         test_dataset, num_replicas=hvd.size(), rank=hvd.rank())
     test_loader = torch.utils.data.DataLoader(test_dataset, batch_size=args.batch_size, sampler=test_sampler)
 
-    model = Net()
+    model = Net().to(device)
     # 3. Scale the learning rate by the number of workers.
     optimizer = optim.SGD(model.parameters(), lr=args.lr * hvd.size(), momentum=args.momentum)
 

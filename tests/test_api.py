@@ -171,8 +171,8 @@ def test_api_on_mpi():
 def _run_example(comm, argv):
     shutdown_world()  # the script calls hvd.init() itself, from the environment spawn set
     sys.argv = [str(EXAMPLE), *argv]
-    runpy.run_path(str(EXAMPLE), run_name="__main__")
-    return True
+    names = runpy.run_path(str(EXAMPLE), run_name="__main__")
+    return str(next(names["model"].parameters()).device)
 
 
 def _accuracies(text: str) -> list[float]:
@@ -182,7 +182,8 @@ def _accuracies(text: str) -> list[float]:
 @pytest.mark.timeout(120)
 def test_example_runs_on_gloo(tmp_path, capfd):
     ck = tmp_path / "ck.pt"
-    assert spawn(_run_example, 2, args=(["--epochs", "3", "--checkpoint", str(ck)],)) == [True, True]
+    argv = ["--epochs", "3", "--checkpoint", str(ck), "--no-cuda"]
+    assert spawn(_run_example, 2, args=(argv,)) == ["cpu", "cpu"]
     acc = _accuracies(capfd.readouterr().out)
     assert len(acc) == 3 and acc[-1] > 50.0, acc  # rank 0 prints once per epoch
     assert torch.load(ck, weights_only=False)["epoch"] == 2
@@ -197,3 +198,16 @@ def test_example_runs_under_mpirun():
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=110)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "(ranks: 2)" in out.stdout and len(_accuracies(out.stdout)) == 2
+
+
+@pytest.mark.cuda
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_example_runs_on_gpus_with_nccl(capfd):
+    """On a GPU host the example pins each rank to its GPU and trains there, over NCCL."""
+    n = min(2, torch.cuda.device_count())
+    assert spawn(_run_example, n, backend="nccl", args=(["--epochs", "2"],)) == [f"cuda:{r}" for r in range(n)]
+    out = capfd.readouterr().out
+    acc = _accuracies(out)
+    assert len(acc) == 2 and acc[-1] > 50.0, out[-2000:]
+    assert f"(ranks: {n})" in out
