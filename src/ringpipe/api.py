@@ -474,7 +474,13 @@ def barrier() -> None:
 
 
 def join(device: int = -1) -> int:
-    """Wait for every rank to run out of data, serving the others' optimizer steps; returns the last rank to join."""
+    """Wait for every rank to run out of data; returns the last rank to join.
+
+    Meanwhile this rank serves the others' optimizer steps (with their learning rate), their
+    allreduces (SyncBatchNorm, metrics: it contributes the identity of the op, so an Average
+    is over the ranks with data) and barriers; any other collective raises :class:`JoinError`
+    on every rank. ``device`` is accepted for Horovod compatibility and not used.
+    """
     return _join(_world().comm)
 
 
