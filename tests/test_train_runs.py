@@ -67,6 +67,11 @@ def test_mode_two_processes(tmp_path, mode, reference, capsys):
     assert summary["mode"] == mode and summary["world_size"] == 2 and summary["epochs"] >= 1.0
     assert summary["samples_per_second"] > 0 and 0.0 <= summary["comm_share"] <= 1.0
     assert (run / "curves.png").stat().st_size > 0 and (run / "config.yaml").exists()
+    # observe.profile (on by default): where the communication time went, per operation and rank.
+    profile = (run / "comm_profile.txt").read_text()
+    assert "Communication profile: 2 ranks on 1 host" in profile
+    assert ("allreduce" if mode in ("ddp", "dp") else "send") in profile
+    assert (run / "doctor.txt").read_text().startswith("ringpipe doctor: 2 ranks")
     assert list((run / "checkpoints").glob("step-*.pt"))
     losses = _losses(metrics)
     assert losses[-1] < 0.5 * losses[0], losses
@@ -243,3 +248,19 @@ def test_under_launchers(tmp_path, launcher):
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["mode"] == "dp"
     assert "ignored" in proc.stdout + proc.stderr  # nprocs=1 vs the launched 2 ranks
+
+
+@pytest.mark.timeout(120)
+def test_timeline_of_a_training_run(tmp_path):
+    """observe.timeline: every rank's communication on one clock, as a Chrome trace and an events file."""
+    from ringpipe.observe import load_events
+
+    run = tmp_path / "run"
+    rc, summary, _ = _train(run, *_sets([*TINY, "mode=dp", "nprocs=2", "max_steps=6", "observe.timeline=true"]))
+    assert rc == 0 and summary["steps"] == 6
+    trace = json.loads((run / "timeline.json").read_text())["traceEvents"]
+    spans = [e for e in trace if e["ph"] == "X"]
+    assert {e["pid"] for e in spans} == {0, 1} and all(e["dur"] >= 0 for e in spans)
+    job = load_events(run / "events.json")
+    grads = [e for e in job.ranks[1].events if e.op == "allreduce"]
+    assert len(grads) >= 6  # at least one gradient bucket per step

@@ -49,7 +49,9 @@ modes:
 
 {mitigations}
 
-run directory: config.yaml (resolved), metrics.jsonl, checkpoints/, curves.png, summary.json
+run directory: config.yaml (resolved), metrics.jsonl, checkpoints/, curves.png, summary.json;
+  with several processes also comm_profile.txt and doctor.txt (observe.profile), events.json and
+  timeline.json (observe.timeline: a Chrome trace of every rank's communication)
 
 examples:
   ringpipe train

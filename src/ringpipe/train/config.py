@@ -306,6 +306,18 @@ class CheckpointConfig(_Section):
     keep: int = Field(default=3, ge=1)
 
 
+class ObserveConfig(_Section):
+    """Where the time went, written by rank 0 when the run ends (all ranks' events gathered on one clock).
+
+    ``profile``: ``comm_profile.txt`` (MPI-style table of time, calls and bytes per operation and
+    rank) and ``doctor.txt`` (late ranks, placement). ``timeline``: also ``events.json`` and
+    ``timeline.json`` (Chrome trace: chrome://tracing or ui.perfetto.dev).
+    """
+
+    profile: bool = True
+    timeline: bool = False
+
+
 class PipelineConfig(_Section):
     """How pipeline modes cut the model: ``stages`` per replica (world = stages x replicas).
 
@@ -395,6 +407,7 @@ class TrainConfig(_Section):
     optimizer: OptimizerConfig = Field(default_factory=lambda: AdamConfig())
     schedule: ScheduleConfig = Field(default_factory=lambda: CosineSchedule(warmup_epochs=2.0))
     checkpoint: CheckpointConfig = Field(default_factory=lambda: CheckpointConfig())
+    observe: ObserveConfig = Field(default_factory=lambda: ObserveConfig())
     pipeline: PipelineConfig | None = None
     dp: DPConfig | None = None
 

@@ -35,7 +35,7 @@ from ringpipe.train.modes import Engine, ModeContext, build_engine
 from ringpipe.train.sampling import ShardStream, eval_indices
 from ringpipe.train.schedules import build_schedule
 
-__all__ = ["train", "seed_everything", "node_first"]
+__all__ = ["train", "seed_everything", "node_first", "write_observations"]
 
 log = logging.getLogger(__name__)
 
@@ -360,6 +360,28 @@ class _Run:
         }
 
 
+def write_observations(comm: Communicator, run: Path, timeline: bool) -> None:
+    """Gather every rank's communication events; rank 0 writes the profile, the doctor's findings
+    and, with ``timeline``, the events and the Chrome timeline into the run directory."""
+    from ringpipe.observe import (
+        collect_events,
+        diagnose,
+        format_profile,
+        format_report,
+        save_events,
+        write_timeline,
+    )
+
+    job = collect_events(comm)
+    if job is None:
+        return
+    (run / "comm_profile.txt").write_text(format_profile(job) + "\n")
+    (run / "doctor.txt").write_text(format_report(job, diagnose(job)) + "\n")
+    if timeline:
+        save_events(run / "events.json", job)
+        write_timeline(run / "timeline.json", job)
+
+
 def train(
     comm: Communicator,
     cfg: TrainConfig,
@@ -382,6 +404,8 @@ def train(
             if not resume:
                 (run / "metrics.jsonl").write_text("")
         summary = state.run()
+        if comm.size > 1 and (cfg.observe.profile or cfg.observe.timeline):
+            write_observations(comm, run, cfg.observe.timeline)
     finally:
         state.engine.close()
     if comm.rank == 0:
