@@ -35,7 +35,7 @@ from ringpipe.observe.collect import JobEvents
 __all__ = ["Finding", "diagnose", "late_ranks", "placement", "link_findings", "compute_findings",
            "run_probe", "format_report", "COLLECTIVE_OPS"]
 
-COLLECTIVE_OPS = ("allreduce", "allgather", "broadcast", "reduce", "reduce_scatter", "alltoall", "barrier")
+COLLECTIVE_OPS = ("allreduce", "iallreduce", "allgather", "broadcast", "reduce", "reduce_scatter", "alltoall", "barrier")
 _PROBE_TAG = 7_100_000
 
 
@@ -66,11 +66,14 @@ def late_ranks(job: JobEvents, min_calls: int = 5, min_late_ms: float = 1.0) -> 
     60 % of at least ``min_calls`` calls, by a median of ``min_late_ms`` or more, and by at least
     three times the median lateness of the other ranks.
     """
+    # ringpipe's algorithms and the backend's native collective are separate call sequences.
     calls: dict[tuple[str, str], dict[int, list[tuple[int, int]]]] = defaultdict(dict)
     for rank_events in job.ranks:
         for e in rank_events.events:
             if e.op in COLLECTIVE_OPS:
-                calls[(e.comm, e.op)].setdefault(rank_events.rank, []).append((e.start_ns, e.end_ns))
+                algo = e.detail.get("algorithm")
+                name = f"{e.op} ({algo})" if algo else e.op
+                calls[(e.comm, name)].setdefault(rank_events.rank, []).append((e.start_ns, e.end_ns))
     findings = []
     for (comm, op), per_rank in sorted(calls.items()):
         if len(per_rank) < 2:
