@@ -175,8 +175,14 @@ def placement(job: JobEvents) -> list[Finding]:
 # ----------------------------------------------------------------------------- links and compute
 
 
-def link_findings(job: JobEvents, links: list[dict[str, Any]], slow_factor: float = 0.5) -> list[Finding]:
-    """Findings from probed links: ``[{"src", "dst", "latency_us", "gbps"}, ...]``."""
+def link_findings(job: JobEvents, links: list[dict[str, Any]], slow_factor: float = 1 / 3,
+                  busy_hosts: Sequence[str] = ()) -> list[Finding]:
+    """Findings from probed links: ``[{"src", "dst", "latency_us", "gbps"}, ...]``.
+
+    A link is slow below ``slow_factor`` times the median of its class (same-host or cross-host).
+    On ``busy_hosts`` (oversubscribed) a slow link may be nothing but two ranks waiting for a core:
+    it is reported as information, not as a problem.
+    """
     if not links:
         return []
     hosts = job.hosts()
@@ -191,13 +197,16 @@ def link_findings(job: JobEvents, links: list[dict[str, Any]], slow_factor: floa
         for x in ls:
             if x["gbps"] < slow_factor * medians[cls]:
                 a, b = hosts[x["src"]], hosts[x["dst"]]
+                busy = sorted({a, b} & set(busy_hosts))
                 findings.append(Finding(
-                    "problem",
+                    "info" if busy else "problem",
                     f"slow link: rank {x['src']} ({a}) <-> rank {x['dst']} ({b})",
                     f"{x['gbps']:.3f} GB/s against a median of {medians[cls]:.3f} GB/s for {cls} links "
-                    f"(latency {x['latency_us']:.0f} us, median {lat[cls]:.0f} us)",
+                    f"(latency {x['latency_us']:.0f} us, median {lat[cls]:.0f} us)"
+                    + (f"; {', '.join(busy)} is oversubscribed, so this may be core contention" if busy else ""),
                     "a ring allreduce runs at the pace of its slowest hop: check this link's NIC, cable, "
-                    "switch port or traffic shaping, or order the ranks so the ring avoids it",
+                    "switch port or traffic shaping (same host: a link across sockets), or order the "
+                    "ranks so the ring avoids it",
                     hosts=(a, b),
                 ))
     if "cross-host" in medians and "same-host" in medians:
@@ -244,7 +253,9 @@ def compute_findings(job: JobEvents, slow_factor: float = 1.5) -> list[Finding]:
 
 def diagnose(job: JobEvents, links: list[dict[str, Any]] | None = None) -> list[Finding]:
     """Every finding for ``job``: problems first."""
-    found = placement(job) + compute_findings(job) + link_findings(job, links or []) + late_ranks(job)
+    where = placement(job)
+    busy = [h for f in where if "oversubscribed" in f.what for h in f.hosts]
+    found = where + compute_findings(job) + link_findings(job, links or [], busy_hosts=busy) + late_ranks(job)
     return sorted(found, key=lambda f: f.severity != "problem")
 
 
