@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import runpy
@@ -192,12 +193,17 @@ def test_example_runs_on_gloo(tmp_path, capfd):
 @pytest.mark.mpi
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(not HAVE_MPI, reason="needs mpirun and mpi4py")
-def test_example_runs_under_mpirun():
+def test_example_runs_under_mpirun(tmp_path):
     cmd = mpirun_command(2, [sys.executable, str(EXAMPLE), "--epochs", "2", "--fp16-allreduce"])
-    env = dict(os.environ, RINGPIPE_BACKEND="mpi", OMP_NUM_THREADS="1")
+    # RINGPIPE_TIMELINE, like HOROVOD_TIMELINE: shutdown() writes every rank's communication.
+    timeline = tmp_path / "timeline.json"
+    env = dict(os.environ, RINGPIPE_BACKEND="mpi", OMP_NUM_THREADS="1", RINGPIPE_TIMELINE=str(timeline))
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=110)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "(ranks: 2)" in out.stdout and len(_accuracies(out.stdout)) == 2
+    spans = [e for e in json.loads(timeline.read_text())["traceEvents"] if e["ph"] == "X"]
+    assert {e["pid"] for e in spans} == {0, 1} and any(e["name"] == "allreduce" for e in spans)
+    assert (tmp_path / "timeline.events.json").exists()
 
 
 @pytest.mark.cuda

@@ -155,11 +155,33 @@ def init(comm: Communicator | None = None, backend: str | None = None) -> None:
 
 
 def shutdown() -> None:
-    """Stop the engine and release the communicator created by :func:`init`."""
+    """Stop the engine and release the communicator created by :func:`init`.
+
+    With ``RINGPIPE_TIMELINE=FILE`` in the environment (as ``HOROVOD_TIMELINE`` in Horovod), rank 0
+    first writes a Chrome timeline of every rank's communication to ``FILE`` and the events beside it
+    (``FILE`` with ``.events.json``, for ``ringpipe doctor`` and ``ringpipe trace``).
+    """
     global _state
     if _state is not None:
         state, _state = _state, None
-        state.close()
+        path = os.environ.get("RINGPIPE_TIMELINE")
+        try:
+            if path:
+                state.engine.run(lambda: _write_timeline(state.comm, path), name="timeline")
+        finally:
+            state.close()
+
+
+def _write_timeline(comm: Communicator, path: str) -> None:
+    from pathlib import Path
+
+    from ringpipe.observe import collect_events, save_events, write_timeline
+
+    job = collect_events(comm)
+    if job is not None:
+        out = write_timeline(path, job)
+        save_events(out.with_name(out.stem + ".events.json"), job)
+        log.info("timeline written to %s (open in chrome://tracing or ui.perfetto.dev)", Path(path))
 
 
 def is_initialized() -> bool:
