@@ -4,7 +4,7 @@ Ping-pong between rank 0 and rank 1 for sizes from 8 B to 64 MiB: ringpipe ``com
 (which records every message at the choke point) against ``torch.distributed.send/recv`` (gloo)
 or mpi4py ``Send/Recv`` (MPI) on the same connection, and the cost of the recording itself.
 
-    python benchmarks/p2p.py                    # everything: gloo and MPI on one host, gloo across two namespace hosts
+    python benchmarks/p2p.py                    # everything: gloo and MPI on one host and across two namespace hosts
     python benchmarks/p2p.py --only local-gloo  # one part
 Worker mode (used by the driver): run under a launcher with ``--worker``.
 """
@@ -140,7 +140,7 @@ def main() -> None:
     parser.add_argument("--worker", action="store_true")
     parser.add_argument("--backend", default="gloo")
     parser.add_argument("--label", default="one host")
-    parser.add_argument("--only", choices=["local-gloo", "local-mpi", "two-hosts-gloo", "overhead"])
+    parser.add_argument("--only", choices=["local-gloo", "local-mpi", "two-hosts-gloo", "two-hosts-mpi", "overhead"])
     parser.add_argument("--json", help="write all rows to this file")
     args = parser.parse_args()
     if args.worker:
@@ -150,7 +150,7 @@ def main() -> None:
     me = str(Path(__file__).resolve())
     env = dict(os.environ, OMP_NUM_THREADS="1")
     rows: list[dict] = []
-    parts = [args.only] if args.only else ["overhead", "local-gloo", "local-mpi", "two-hosts-gloo"]
+    parts = [args.only] if args.only else ["overhead", "local-gloo", "local-mpi", "two-hosts-gloo", "two-hosts-mpi"]
     if "overhead" in parts:
         print(f"choke-point recording overhead: {recording_overhead()['per_op_overhead_us']:.2f} us per operation")
     if "local-gloo" in parts:
@@ -181,6 +181,21 @@ def main() -> None:
                 for p in procs:
                     out, _ = p.communicate(timeout=600)
                     rows += _rows(out)
+    if "two-hosts-mpi" in parts and shutil.which("mpirun"):
+        import tempfile
+
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+        import netns
+
+        reason = netns.can_create()
+        if reason:
+            print(f"two-host MPI part skipped: {reason}")
+        else:
+            with netns.two_hosts() as hosts, tempfile.TemporaryDirectory() as tmp:
+                cmd, extra = netns.mpirun_across(hosts, [sys.executable, me, "--worker", "--backend", "mpi",
+                                                         "--label", "two namespace hosts (veth)"],
+                                                 Path(tmp) / "hostfile")
+                rows += _run(cmd, {**env, **extra})
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}, torch {torch.__version__}")
     print(f"{'setup':28} {'backend':7} {'bytes':>10} {'native us':>10} {'ringpipe us':>12} {'native GB/s':>11} "
           f"{'ringpipe GB/s':>13} {'time ratio':>10}")

@@ -13,6 +13,7 @@ import shutil
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 
 @dataclass
@@ -78,3 +79,23 @@ def two_hosts(delay_ms: float = 0.0, rate: str | None = None) -> Iterator[tuple[
     finally:
         for h in hosts:
             subprocess.run(["ip", "netns", "del", h.ns], capture_output=True)
+
+
+AGENT = str(Path(__file__).with_name("netns_agent.sh"))
+
+
+def mpirun_across(hosts: tuple[Host, ...], argv: list[str], hostfile: Path, slots: int = 1) -> tuple[list[str], dict[str, str]]:
+    """An Open MPI ``mpirun`` line, started inside the first host, with ``slots`` ranks on each host.
+
+    Open MPI reaches the other hosts through an rsh agent (``netns_agent.sh``) that enters the
+    host's namespace instead of logging in with ssh; TCP only, over the namespaces' subnet.
+    Returns the command and the environment variables it needs.
+    """
+    hostfile.write_text("".join(f"{h.addr} slots={slots}\n" for h in hosts))
+    subnet = "10.213.0.0/24"
+    cmd = [*hosts[0].prefix(), "mpirun", "--allow-run-as-root", "--oversubscribe", "-n", str(slots * len(hosts)),
+           "--hostfile", str(hostfile), "--mca", "plm_rsh_agent", AGENT, "--mca", "btl", "self,tcp",
+           "--mca", "btl_tcp_if_include", subnet, "--mca", "oob_tcp_if_include", subnet,
+           "--bind-to", "none", "--tag-output", *argv]
+    env = {"RP_NETNS_MAP": " ".join(f"{h.addr}={h.ns}:{h.hostname}" for h in hosts)}
+    return cmd, env

@@ -1,6 +1,7 @@
 """Two network-namespace hosts, `ringpipe launch --nnodes 2` on each: node ranks and a cross-node allreduce."""
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -37,3 +38,27 @@ def test_two_hosts_launch():
         line = f"rank={rank} node={node} nodes=2 local={rank % 2}/2 host={host} sum=10 node_size=2"
         assert line in text, text
     assert text.count("leader=True") == 2
+
+
+
+@pytest.mark.netns
+@pytest.mark.mpi
+@pytest.mark.timeout(150)
+@pytest.mark.skipif(REASON is not None, reason=REASON or "")
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="needs Open MPI's mpirun")
+def test_two_hosts_mpirun_mpi_backend(tmp_path):
+    """Open MPI across the two hosts (an rsh agent enters each namespace): the MPI communicator's world."""
+    pytest.importorskip("mpi4py")
+    env = dict(os.environ, OMP_NUM_THREADS="1", RINGPIPE_BACKEND="mpi")
+    for k in ("MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME"):
+        env.pop(k, None)
+    with netns.two_hosts() as hosts:
+        cmd, extra = netns.mpirun_across(hosts, [sys.executable, SCRIPT], tmp_path / "hostfile", slots=2)
+        out = subprocess.run(cmd, capture_output=True, text=True, env={**env, **extra}, timeout=120)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    assert out.stdout.count("multinode ok") == 4, out.stdout
+    for rank in range(4):
+        node = rank // 2
+        host = "rp-host-a" if node == 0 else "rp-host-b"
+        line = f"rank={rank} node={node} nodes=2 local={rank % 2}/2 host={host} sum=10 node_size=2"
+        assert line in out.stdout, out.stdout
