@@ -264,3 +264,21 @@ def test_timeline_of_a_training_run(tmp_path):
     job = load_events(run / "events.json")
     grads = [e for e in job.ranks[1].events if e.op == "allreduce"]
     assert len(grads) >= 6  # at least one gradient bucket per step
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("model", [
+    ["model.name=cnn", "model.dropout=0.0"],
+    ["model.name=resnet"],
+    ["model.name=transformer", "model.dropout=0.0", "data.name=synthetic_lm"],
+])
+def test_every_model_splits_into_two_stages(tmp_path, model):
+    """CNN, ResNet (BatchNorm) and transformer cut into 2 stages train as in one process (one micro-batch)."""
+    base = ["epochs=1", "batch_size=16", "max_steps=3", "log_every=1", "optimizer.scale_lr=false",
+            "schedule.name=constant", *model]
+    rc, ref, ref_metrics = _train(tmp_path / "single", *_sets([*base, "mode=single"]))
+    assert rc == 0
+    rc, summary, metrics = _train(tmp_path / "gpipe", *_sets([*base, "mode=gpipe", "nprocs=2",
+                                                                "pipeline.microbatches=1"]))
+    assert rc == 0 and summary["world_size"] == 2 and summary["steps"] == 3
+    assert _losses(metrics) == pytest.approx(_losses(ref_metrics), rel=1e-4, abs=1e-5)
