@@ -11,9 +11,10 @@ import torch
 import torch.distributed as dist
 
 from ringpipe.comm.base import CommError, Communicator
+from ringpipe.comm.stall import StallInspector
 from ringpipe.env import EnvironmentError_, Topology, detect
 
-__all__ = ["BACKENDS", "init_world", "shutdown_world", "pin_device", "free_port", "default_backend"]
+__all__ = ["BACKENDS", "init_world", "shutdown_world", "pin_device", "free_port", "default_backend", "stall_inspector"]
 
 log = logging.getLogger(__name__)
 
@@ -140,10 +141,44 @@ def init_world(
     else:
         topo = topo.with_hostnames([socket.gethostname()])
     comm.topology = topo
+    _start_stall_inspector(comm)
     return comm
+
+
+_INSPECTOR: StallInspector | None = None
+
+
+def _start_stall_inspector(comm: Communicator) -> None:
+    """Watch for stalled communication (``RINGPIPE_STALL_CHECK_SECONDS``, 60 by default; 0: off)."""
+    global _INSPECTOR
+    raw = os.environ.get("RINGPIPE_STALL_CHECK_SECONDS", "60")
+    try:
+        seconds = float(raw)
+    except ValueError:
+        raise EnvironmentError_(f"RINGPIPE_STALL_CHECK_SECONDS={raw!r} is not a number of seconds (0 turns it off)") from None
+    if comm.size == 1 or seconds <= 0:
+        return
+    store = None
+    if comm.backend != "mpi":
+        try:  # the process group's key-value store: every rank reaches it without communicating
+            store = dist.distributed_c10d._get_default_store()
+        except Exception:  # noqa: BLE001 - without a store the warning names this rank's wait only
+            log.debug("no c10d store for the stall inspector", exc_info=True)
+    if _INSPECTOR is not None:
+        _INSPECTOR.stop()
+    _INSPECTOR = StallInspector(comm.rank, comm.size, comm.log, seconds, store).start()
+
+
+def stall_inspector() -> StallInspector | None:
+    """The running stall inspector of this process (None when off or single-process)."""
+    return _INSPECTOR
 
 
 def shutdown_world() -> None:
     """Destroy the torch default process group if one exists (MPI finalises at exit)."""
+    global _INSPECTOR
+    if _INSPECTOR is not None:
+        _INSPECTOR.stop()
+        _INSPECTOR = None
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -1,0 +1,144 @@
+"""The stall inspector: a communication that waits too long is reported with what the other ranks do.
+
+A collective that one rank never calls does not fail: the others wait in it (for gloo, until the
+process group's timeout, 30 minutes by default). Like Horovod's stall inspector, a thread on
+every rank looks at the operations in flight at the choke point; when one has waited
+``seconds``, the rank publishes what it waits for in the job's key-value store (the c10d store of
+the process group) and reads what the other ranks published, then logs one warning such as::
+
+    rank 0 has waited 61 s in allreduce (4.0 MiB) on world; waiting too: rank 1 in allreduce on
+    world (61 s); not in any communication for 30 s: rank 2 (still computing, stuck outside
+    ringpipe, or it took another code path)
+
+Ranks that wait in different operations are named as such: the program calls collectives in a
+different order on different ranks. ``RINGPIPE_STALL_CHECK_SECONDS`` sets the threshold (60 by
+default, 0 turns the inspector off). Without a store (MPI), the warning says what this rank
+waits for only.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import threading
+import time
+from typing import Any
+
+from ringpipe.comm.events import COMM, END, NBYTES, OP, PEER, START, EventLog
+
+__all__ = ["StallInspector", "describe"]
+
+log = logging.getLogger(__name__)
+
+_TAIL = 4096  # in-flight operations are among the most recent events
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return f"{n} B"
+
+
+def _what(state: dict[str, Any]) -> str:
+    peer = f" with rank {state['peer']}" if state.get("peer", -1) >= 0 else ""
+    return f"{state['op']} ({_size(int(state['bytes']))}) on {state['comm']}{peer}"
+
+
+def describe(rank: int, mine: dict[str, Any], others: dict[int, dict[str, Any] | None], seconds: float) -> str:
+    """The warning for ``rank`` waiting in ``mine``, given what each other rank published (None: nothing)."""
+    parts = [f"rank {rank} has waited {mine['waiting_s']:.0f} s in {_what(mine)}"]
+    waiting = {r: s for r, s in others.items() if s and s.get("state") == "waiting"}
+    idle = sorted(r for r, s in others.items() if not s or s.get("state") != "waiting")
+    if waiting:
+        parts.append("waiting too: " + ", ".join(
+            f"rank {r} in {_what(s)} ({s['waiting_s']:.0f} s)" for r, s in sorted(waiting.items())))
+    if idle:
+        who = ", ".join(str(r) for r in idle)
+        parts.append(f"not in any communication for {seconds / 2:g} s: rank{'s' if len(idle) > 1 else ''} {who} "
+                     "(still computing, stuck outside ringpipe, or it took another code path)")
+    ops = {(s["op"], s["comm"]) for s in [mine, *waiting.values()] if s.get("peer", -1) < 0}
+    if len(ops) > 1:
+        parts.append("the ranks wait in different collectives: the program calls them in a different "
+                     "order on different ranks")
+    return "; ".join(parts)
+
+
+class StallInspector:
+    """Watches this rank's operations in flight; see the module docstring."""
+
+    def __init__(self, rank: int, size: int, log_: EventLog, seconds: float, store: Any = None,
+                 prefix: str = "ringpipe/stall", interval: float | None = None) -> None:
+        self.rank, self.size, self.events, self.seconds = rank, size, log_, seconds
+        self.store, self.prefix = store, prefix
+        self.interval = interval or min(5.0, max(0.1, seconds / 4))
+        self.reports: list[str] = []
+        self._published = False
+        self._reported: dict[int, float] = {}  # id of the waiting event -> when last reported
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> StallInspector:
+        self._thread = threading.Thread(target=self._loop, name="ringpipe-stall-inspector", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2 * self.interval + 1)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.check()
+            except Exception:  # the inspector must never take the job down
+                log.debug("stall inspection failed", exc_info=True)
+
+    def _oldest_in_flight(self, now: int) -> list[Any] | None:
+        tail = list(itertools.islice(reversed(self.events._events), _TAIL))  # atomic under the GIL
+        pending = [ev for ev in tail if ev[END] == 0]
+        return min(pending, key=lambda ev: ev[START]) if pending else None
+
+    def check(self) -> str | None:
+        """One inspection: publish this rank's state; return (and log) a warning when it stalls."""
+        now = time.perf_counter_ns()
+        ev = self._oldest_in_flight(now)
+        waited = (now - ev[START]) / 1e9 if ev is not None else 0.0
+        if ev is None or waited < self.seconds / 2:
+            if self._published:
+                self._publish({"state": "ok"})
+                self._published = False
+            return None
+        mine = {"state": "waiting", "op": ev[OP], "bytes": ev[NBYTES], "peer": ev[PEER], "comm": ev[COMM],
+                "waiting_s": waited}
+        self._publish(mine)
+        self._published = True
+        last = self._reported.get(id(ev))
+        if waited < self.seconds or (last is not None and now - last < self.seconds * 1e9):
+            return None
+        self._reported = {id(ev): now}
+        message = describe(self.rank, mine, self._read_others(), self.seconds)
+        log.warning("stall: %s", message)
+        self.reports.append(message)
+        return message
+
+    def _key(self, rank: int) -> str:
+        return f"{self.prefix}/{rank}"
+
+    def _publish(self, state: dict[str, Any]) -> None:
+        if self.store is not None:
+            self.store.set(self._key(self.rank), json.dumps(state))
+
+    def _read_others(self) -> dict[int, dict[str, Any] | None]:
+        out: dict[int, dict[str, Any] | None] = {}
+        if self.store is None:
+            return out
+        for r in range(self.size):
+            if r == self.rank:
+                continue
+            key = self._key(r)
+            out[r] = json.loads(self.store.get(key)) if self.store.check([key]) else None
+        return out

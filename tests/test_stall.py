@@ -1,0 +1,65 @@
+"""The stall inspector: a rank waiting too long in a communication says what the other ranks do."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from ringpipe.comm.events import EventLog
+from ringpipe.comm.stall import StallInspector, describe
+from ringpipe.comm.world import stall_inspector
+from ringpipe.launch import spawn
+
+
+def _state(op, waiting_s=70.0, comm="world", nbytes=4 << 20, peer=-1):
+    return {"state": "waiting", "op": op, "bytes": nbytes, "peer": peer, "comm": comm, "waiting_s": waiting_s}
+
+
+def test_message_names_waiting_and_missing_ranks():
+    text = describe(0, _state("allreduce", 61), {1: _state("allreduce", 60), 2: None, 3: {"state": "ok"}}, 60)
+    assert text.startswith("rank 0 has waited 61 s in allreduce (4.0 MiB) on world")
+    assert "waiting too: rank 1 in allreduce (4.0 MiB) on world (60 s)" in text
+    assert "not in any communication for 30 s: ranks 2, 3" in text
+    assert "different collectives" not in text
+
+
+def test_message_names_collectives_called_in_different_orders():
+    text = describe(0, _state("allreduce"), {1: _state("barrier", nbytes=0)}, 60)
+    assert "rank 1 in barrier (0 B) on world" in text
+    assert "the ranks wait in different collectives" in text
+
+
+def test_inspector_reports_an_old_operation_in_flight_once():
+    log = EventLog()
+    inspector = StallInspector(0, 2, log, seconds=0.2)
+    assert inspector.check() is None
+    ev = log.begin("recv", 4096, 1, 0, "world")
+    time.sleep(0.3)
+    text = inspector.check()
+    assert text is not None and "in recv (4.0 KiB) on world with rank 1" in text
+    assert inspector.check() is None  # reported again only after another `seconds`
+    EventLog.end(ev)
+    assert inspector.check() is None and inspector.reports == [text]
+
+
+def _late_rank(comm):
+    if comm.rank == 2:
+        time.sleep(3.0)  # rank 2 computes while the others already wait in the allreduce
+    comm.allreduce(torch.ones(1024))
+    inspector = stall_inspector()
+    return list(inspector.reports) if inspector else None
+
+
+@pytest.mark.timeout(120)
+def test_ranks_waiting_for_a_late_rank_name_it():
+    reports = spawn(_late_rank, 3, env={"RINGPIPE_STALL_CHECK_SECONDS": "1"})
+    assert reports[2] == []  # the late rank never waited
+    for rank in (0, 1):
+        assert reports[rank], reports
+        text = reports[rank][0]
+        assert text.startswith(f"rank {rank} has waited") and "in allreduce (4.0 KiB) on world" in text
+        assert "not in any communication for 0.5 s: rank 2 (still computing" in text
+        # The other waiting rank published its state too (at the latest by the second report).
+        assert any(f"waiting too: rank {1 - rank} in allreduce (4.0 KiB) on world" in t for t in reports[rank])
