@@ -162,7 +162,7 @@ def _late_job(comm, late_rank):
     x = torch.ones(1024)
     for _ in range(8):
         if comm.rank == late_rank:
-            time.sleep(0.02)  # this rank does more work between collectives
+            time.sleep(0.05)  # this rank does more work between collectives
         comm.allreduce(x)
         collectives.allreduce(comm, x, "sum", algorithm="ring")
     job = collect_events(comm)
