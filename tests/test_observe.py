@@ -196,12 +196,14 @@ def _env():
 def test_doctor_and_trace_commands(tmp_path):
     events = tmp_path / "ev.json"
     out = subprocess.run([sys.executable, "-m", "ringpipe.cli", "doctor", "-n", "2", "--size", "64K", "--json",
-                          "--save-events", str(events)], capture_output=True, text=True, env=_env(), timeout=100)
+                          "--save-events", str(events), "--plot", str(tmp_path / "links.png")],
+                         capture_output=True, text=True, env=_env(), timeout=100)
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(out.stdout.strip().splitlines()[-1])
     assert report["ranks"] == 2 and len(report["compute_ms"]) == 2
     assert [(x["src"], x["dst"]) for x in report["links"]] == [(0, 1)]
     assert report["links"][0]["gbps"] > 0 and report["allreduce_ms"]["ring"] > 0
+    assert (tmp_path / "links.png").stat().st_size > 0
     trace = subprocess.run([sys.executable, "-m", "ringpipe.cli", "trace", str(events), "-o",
                             str(tmp_path / "timeline.json")], capture_output=True, text=True, env=_env(), timeout=60)
     assert trace.returncode == 0, trace.stderr

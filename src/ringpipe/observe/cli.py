@@ -115,6 +115,10 @@ def doctor_main(args: Any) -> int:
         from ringpipe.observe.collect import save_events
 
         save_events(args.save_events, result["job"])
+    if args.plot and result["links"]:
+        from ringpipe.observe.doctor import plot_links
+
+        plot_links(result["job"], result["links"], args.plot)
     _print_report(result, nbytes, args.json)
     return 1 if any(f.severity == "problem" for f in result["findings"]) and args.strict else 0
 
@@ -151,6 +155,7 @@ def add_parser(sub: Any) -> None:
     d.add_argument("--pairs", choices=("auto", "all", "ring"), default="auto",
                    help="links to probe: every pair, ring neighbours, or all pairs up to 8 ranks (auto)")
     d.add_argument("--save-events", default=None, metavar="FILE", help="also save the probe's events here")
+    d.add_argument("--plot", default=None, metavar="FILE.png", help="draw the probed links as a rank x rank heat map")
     d.add_argument("--json", action="store_true", help="one JSON object instead of the report")
     d.add_argument("--strict", action="store_true", help="exit 1 when a problem is found")
     d.set_defaults(func=doctor_main)

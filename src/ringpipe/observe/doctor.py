@@ -33,7 +33,7 @@ from ringpipe.comm.base import Communicator
 from ringpipe.observe.collect import JobEvents
 
 __all__ = ["Finding", "diagnose", "late_ranks", "placement", "link_findings", "compute_findings",
-           "run_probe", "format_report", "COLLECTIVE_OPS"]
+           "run_probe", "format_report", "plot_links", "COLLECTIVE_OPS"]
 
 COLLECTIVE_OPS = ("allreduce", "iallreduce", "allgather", "broadcast", "reduce", "reduce_scatter", "alltoall", "barrier")
 _PROBE_TAG = 7_100_000
@@ -329,3 +329,34 @@ def run_probe(comm: Communicator, nbytes: int = 4 << 20, all_pairs: bool | None 
         comm.barrier()
     every = comm.allgather_object(mine)
     return [link for part in every for link in part]
+
+
+def plot_links(job: JobEvents, links: list[dict[str, Any]], path: str) -> None:
+    """A rank x rank heat map of probed bandwidth (GB/s), hosts outlined: slow links stand out."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    p = job.size
+    grid = torch.full((p, p), float("nan"))
+    for x in links:
+        grid[x["src"], x["dst"]] = grid[x["dst"], x["src"]] = x["gbps"]
+    fig, ax = plt.subplots(figsize=(max(4.5, 1.8 + 0.55 * p), max(3.8, 1.2 + 0.55 * p)))
+    im = ax.imshow(grid.numpy(), cmap="viridis")
+    mid = (float(grid.nan_to_num(0).max()) + min(x["gbps"] for x in links)) / 2 if links else 0.0
+    fig.colorbar(im, ax=ax, label="GB/s")
+    hosts = job.hosts()
+    for r in range(1, p):  # lines between hosts
+        if hosts[r] != hosts[r - 1]:
+            ax.axhline(r - 0.5, color="white", lw=2)
+            ax.axvline(r - 0.5, color="white", lw=2)
+    for x in links:
+        for a, b in ((x["src"], x["dst"]), (x["dst"], x["src"])):
+            ax.text(b, a, f"{x['gbps']:.2g}", ha="center", va="center", fontsize=7,
+                    color="black" if x["gbps"] > mid else "white")
+    ax.set(xticks=range(p), yticks=range(p), xlabel="rank", ylabel="rank",
+           title=f"link bandwidth (GB/s)\n{p} ranks on {len(set(hosts))} host(s)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
