@@ -179,3 +179,13 @@ def test_every_shipped_config_loads(path):
     cfg = load_config(path)
     assert cfg.mode in MODE_NAMES
     assert load_config(base=dump_config(cfg)) == cfg  # and its resolved form loads back the same
+
+
+def test_bundled_examples_by_name():
+    from ringpipe.train.config import bundled_configs, load_config
+
+    names = bundled_configs()
+    assert {"single", "ddp", "dp", "seq", "gpipe", "1f1b", "async"} <= set(names)
+    assert load_config("gpipe").mode == "gpipe" and load_config("async.yaml").mode == "async"
+    with pytest.raises(ConfigError, match="name of a bundled example: 1f1b, async"):
+        load_config("no_such_example")

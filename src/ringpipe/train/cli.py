@@ -25,6 +25,7 @@ from ringpipe.train.config import (
     DPConfig,
     PipelineConfig,
     TrainConfig,
+    bundled_configs,
     dp_algorithms,
     dump_config,
     load_config,
@@ -55,11 +56,11 @@ run directory: config.yaml (resolved), metrics.jsonl, checkpoints/, curves.png, 
 
 examples:
   ringpipe train
-  ringpipe train --config configs/ddp.yaml --set optimizer.lr=0.003 --set epochs=10
+  ringpipe train --config ddp --set optimizer.lr=0.003 --set epochs=10   (bundled examples: {bundled})
   ringpipe train --mode single --set model.name=cnn --run-dir runs/cnn
   ringpipe train --run-dir runs/cnn --resume --set max_steps=null
-  ringpipe train --config configs/async.yaml --set mitigations=wp,ws --set step_every=2
-  torchrun --nproc-per-node 4 -m ringpipe.cli train --config configs/ddp.yaml
+  ringpipe train --config async --set mitigations=wp,ws --set step_every=2
+  torchrun --nproc-per-node 4 -m ringpipe.cli train --config ddp
   mpirun -n 2 python -m ringpipe.cli train --mode dp
 """
 
@@ -139,7 +140,8 @@ def _modes_help() -> str:
 
 
 def _epilog() -> str:
-    return _EPILOG.format(keys=_keys_help(), modes=_modes_help(), mitigations=mitigations_help(_WIDTH))
+    return _EPILOG.format(keys=_keys_help(), modes=_modes_help(), mitigations=mitigations_help(_WIDTH),
+                          bundled=", ".join(bundled_configs()))
 
 
 def add_train_parser(subparsers: Any) -> argparse.ArgumentParser:

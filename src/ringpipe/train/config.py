@@ -48,6 +48,7 @@ __all__ = [
     "default_sections",
     "merge",
     "read_file",
+    "bundled_configs",
     "validate",
     "apply_overrides",
     "parse_override",
@@ -684,11 +685,25 @@ def apply_overrides(raw: dict[str, Any], overrides: Iterable[str]) -> dict[str, 
     return out
 
 
+#: The example configurations shipped with ringpipe (``--config NAME`` finds them by name).
+BUNDLED = Path(__file__).resolve().parents[1] / "configs"
+
+
+def bundled_configs() -> list[str]:
+    """Names of the example configs shipped with ringpipe (``gpipe``, ``async``, ...)."""
+    return sorted(p.stem for p in BUNDLED.glob("*.yaml"))
+
+
 def read_file(path: str | Path) -> dict[str, Any]:
-    """Read a YAML or JSON config file into a dict."""
+    """Read a YAML or JSON config file into a dict; a bare name such as ``gpipe`` is a bundled example."""
     p = Path(path)
+    if not p.is_file() and p.parent == Path(".") and (BUNDLED / f"{p.stem}.yaml").is_file() and p.suffix in ("", ".yaml"):
+        p = BUNDLED / f"{p.stem}.yaml"
     if not p.is_file():
-        raise ConfigError(f"config file {str(p)!r} does not exist")
+        raise ConfigError(
+            f"config file {str(p)!r} does not exist; give a path, or the name of a bundled example: "
+            f"{', '.join(bundled_configs())}"
+        )
     text = p.read_text()
     try:
         data = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
