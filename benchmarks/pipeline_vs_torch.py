@@ -41,10 +41,15 @@ def data(args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class ActivationMeter:
-    """Live bytes of tensors saved for backward (a saved-tensors hook) plus kept stage inputs."""
+    """Live bytes of tensors saved for backward (a saved-tensors hook) plus kept stage inputs.
+
+    The peak is taken whenever a tensor is saved, so the forward replayed inside a recomputed
+    backward counts too (its graph lives until that backward ends).
+    """
 
     def __init__(self, trainer: PipelineTrainer) -> None:
         self.live = 0
+        self.kept = 0
         self.peak = 0
         self.rt = trainer.runtime
         meter = self
@@ -55,20 +60,24 @@ class ActivationMeter:
             def __init__(self, t: torch.Tensor) -> None:
                 self.t, self.n = t, t.numel() * t.element_size()
                 meter.live += self.n
+                meter.peak = max(meter.peak, meter.live + meter.kept)
 
             def __del__(self) -> None:
                 meter.live -= self.n
 
         self.hooks = torch.autograd.graph.saved_tensors_hooks(Held, lambda h: h.t)
-        orig = self.rt.forward
 
-        def forward(*a, **k):  # type: ignore[no-untyped-def]
-            out = orig(*a, **k)
-            kept = sum(t.numel() * t.element_size() for r in self.rt._records.values() for t in r.inputs) if self.rt.recompute else 0
-            self.peak = max(self.peak, self.live + kept)
-            return out
+        def tracked(orig):  # type: ignore[no-untyped-def]
+            def call(*a, **k):  # type: ignore[no-untyped-def]
+                out = orig(*a, **k)
+                if self.rt.recompute:
+                    self.kept = sum(t.numel() * t.element_size() for r in self.rt._records.values() for t in r.inputs)
+                self.peak = max(self.peak, self.live + self.kept)
+                return out
+            return call
 
-        self.rt.forward = forward  # type: ignore[method-assign]
+        self.rt.forward = tracked(self.rt.forward)  # type: ignore[method-assign]
+        self.rt.backward = tracked(self.rt.backward)  # type: ignore[method-assign]
 
 
 def ringpipe_run(comm, args, schedule: str, recompute: bool = False) -> dict:  # type: ignore[no-untyped-def]
