@@ -80,7 +80,7 @@ def report(rows: list[dict], backend: str, nprocs: int) -> None:
     sizes = sorted({r["bytes"] for r in rows})
     names = list(dict.fromkeys(r["algorithm"] for r in rows))
     get = {(r["bytes"], r["algorithm"]): r for r in rows}
-    print(f"\n## allreduce, {nprocs} ranks, {backend} (busbw GB/s; time us for the first size)")
+    print(f"\n## allreduce, {nprocs} ranks, {backend} (busbw GB/s; latency of the smallest size below the table)")
     print(f"{'size':>9} " + " ".join(f"{n[:14]:>14}" for n in names) + f" {'best/native':>11} {'hdr cost':>9}")
     for s in sizes:
         cells = [get[(s, n)]["busbw_gbps"] for n in names]
