@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -119,6 +120,216 @@ def test_the_modes_really_differ_on_that_pipeline():
         st, _ = _reference(mode, [1.0, -2.0, 0.5], [3.0, 1.0, -1.0], 0.7, 1.3, 0.9, 0.1, 0.5)
         finals[mode] = (st["a"], st["b"])
     assert len({tuple(round(v, 12) for v in f) for f in finals.values()}) == 4
+
+
+
+# Stage 0 of a 2-stage pipeline, by hand: warm-up F0 F1, then B j and F j+2 alternately, S
+# after every k-th backward and the last; staleness = number of S between F j and B j.
+_STAGE0 = {
+    (4, 1): ("F0 F1 B0 S F2 B1 S F3 B2 S B3 S", [0, 1, 1, 1]),
+    (4, 2): ("F0 F1 B0 F2 B1 S F3 B2 B3 S", [0, 0, 1, 0]),
+    (6, 2): ("F0 F1 B0 F2 B1 S F3 B2 F4 B3 S F5 B4 B5 S", [0, 0, 1, 0, 1, 0]),
+}
+_X = [1.0, -2.0, 0.5, 1.5, -0.7, 0.9]
+_T = [3.0, 1.0, -1.0, 0.4, 2.0, -0.5]
+_W0 = (0.7, 1.3, 0.9)  # a, b (stage 0) and c (stage 1)
+
+
+def _hand_mitigated(names, m, k, *, lr, mom, wd, recompute=False, gb=0.999, eps=1e-8):
+    """Stages ``h = b*(a*x)`` | ``z = c*h``, loss ``0.5 (z-t)^2``, SGD in PyTorch form, by hand.
+
+    Stage 1 has staleness 0 and trains plainly (the loss of a micro-batch is divided by the
+    size of its step). Stage 0 follows ``_STAGE0[(m, k)]`` with the formulas of ALGORITHMS.md §1:
+
+    - ``ws``: a stale forward clones the weights it uses; the later micro-batches of the same
+      step run forward and backward on that clone, and count as stale as the one that took it.
+    - ``aggmsnag`` (staleness 1 here): the forward runs on
+      ``(1 - eta lam) theta - eta gamma v - eta g_partial`` (``v``, ``g_partial``: 0 if absent).
+    - Gap Aware on stage 0 (the only stage of ``all_except_last`` with two stages): on a step
+      with a stale micro-batch, once ``C`` exists, ``g <- g/pen + lam theta (1-pen)/pen`` with
+      ``pen = 1 + Gap/C``, ``C = eta (sqrt(ra / (1 - gb^n)) + eps)``; ``Gap = eta |g|`` without a
+      stash, else the elementwise largest ``|theta_at_backward - theta_stash|`` of the step's
+      stale micro-batches. After every step ``ra <- gb ra + (1-gb) s^2``, ``s`` the momentum
+      buffer (or the stepped gradient without momentum).
+    - Backward weights: the stash (``ws``, not ``ga_jfl``); else the current weights when
+      replayed (recompute); else the forward's activation ``a x`` with the current ``b``.
+
+    Returns the final ``[a, b, c]``, the losses, the penalties per penalised step and the
+    number of forwards that ran on predicted weights.
+    """
+    chosen = set(names.split("+"))
+    ws, predict, jfl = "ws" in chosen, "aggmsnag" in chosen, "ga_jfl" in chosen
+    gap_aware = jfl or "ga" in chosen
+    order, stale = _STAGE0[(m, k)]
+    x, t = _X[:m], _T[:m]
+    w = dict(zip("abc", _W0, strict=True))
+    v = dict.fromkeys("abc")  # momentum buffers
+    g = dict.fromkeys("abc")  # accumulated gradients (None once zeroed)
+    ra, updates = {"a": 0.0, "b": 0.0}, 0
+    h, fw, stashes, used, losses = {}, {}, {}, {}, [None] * m
+    penalties, predicted = [], 0
+    gaps, stale_step = None, False
+
+    def size(j):
+        return min(k, m - j // k * k)
+
+    def add(name, value):
+        g[name] = value if g[name] is None else g[name] + value
+
+    def sgd(name):
+        d_p = g[name] + wd * w[name]
+        if mom:
+            v[name] = d_p if v[name] is None else mom * v[name] + d_p
+            d_p = v[name]
+        w[name] -= lr * d_p
+
+    def stage1(j):
+        z = w["c"] * h[j]
+        losses[j] = 0.5 * (z - t[j]) ** 2
+        dz = (z - t[j]) / size(j)
+        dh = dz * w["c"]
+        add("c", dz * h[j])
+        if (j + 1) % k == 0 or j == m - 1:
+            sgd("c")
+            g["c"] = None
+        return dh
+
+    for ev in order.split():
+        if ev == "S":
+            if gap_aware and stale_step and updates > 0:
+                pens = {}
+                for p in "ab":
+                    c_p = lr * (math.sqrt(ra[p] / (1 - gb**updates)) + eps)
+                    gap = gaps[p] if ws else lr * abs(g[p])
+                    pens[p] = 1 + gap / c_p
+                    g[p] = g[p] / pens[p] + w[p] * wd * (1 - pens[p]) / pens[p]
+                penalties.append(pens)
+            sgd("a")
+            sgd("b")
+            if gap_aware:
+                updates += 1
+                for p in "ab":
+                    s = v[p] if mom else g[p]
+                    ra[p] = gb * ra[p] + (1 - gb) * s * s
+            g["a"] = g["b"] = None
+            gaps, stale_step = None, False
+            continue
+        j = int(ev[1:])
+        group = j // k
+        if ev[0] == "F":
+            if ws and group in stashes:
+                a_f, b_f, d = stashes[group]
+                used[j] = (group, d)
+            else:
+                d = stale[j]
+                a_f, b_f = w["a"], w["b"]
+                if predict and d > 0:
+                    assert d == 1
+                    a_f, b_f = (
+                        (1 - lr * wd) * w[p] - lr * mom * (v[p] or 0.0) - lr * (g[p] or 0.0) for p in "ab"
+                    )
+                    predicted += 1
+                if ws and d > 0:
+                    stashes[group] = (a_f, b_f, d)
+                used[j] = (group if ws and d > 0 else None, d)
+            fw[j] = (a_f, b_f)
+            h[j] = b_f * (a_f * x[j])
+        else:
+            dh = stage1(j)
+            key, d = used.pop(j)
+            if key is not None and not jfl:
+                a_act, b_bw = stashes[key][:2]
+            elif recompute:
+                a_act, b_bw = w["a"], w["b"]
+            else:
+                a_act, b_bw = fw[j][0], w["b"]
+            add("a", dh * b_bw * x[j])
+            add("b", dh * a_act * x[j])
+            stale_step |= d > 0
+            if gap_aware and key is not None and d > 0:
+                gap = {p: abs(w[p] - stashes[key][i]) for i, p in enumerate("ab")}
+                gaps = gap if gaps is None else {p: max(gaps[p], gap[p]) for p in "ab"}
+    return [w["a"], w["b"], w["c"]], losses, penalties, predicted
+
+
+def _simulate_two_stage(names, m, k, *, lr, mom, wd, recompute=False):
+    a, b, c = _W0
+    stages = [nn.Sequential(Scale(a), Scale(b)), Scale(c)]
+    opts = [torch.optim.SGD(s.parameters(), lr=lr, momentum=mom, weight_decay=wd) for s in stages]
+    mbs = [(torch.tensor([xi], dtype=DT), torch.tensor([ti], dtype=DT)) for xi, ti in zip(_X[:m], _T[:m], strict=True)]
+    res = simulate_async(stages, opts, _half_sq, mbs, names, step_every=k, recompute=recompute)
+    order, stale = _STAGE0[(m, k)]
+    assert " ".join(res.orders[0]) == order
+    assert res.staleness[0] == dict(enumerate(stale))
+    return [stages[0][0].w.item(), stages[0][1].w.item(), stages[1].w.item()], res.losses
+
+
+def _assert_matches_hand(names, m, k, *, lr, mom, wd, recompute=False):
+    got, losses = _simulate_two_stage(names, m, k, lr=lr, mom=mom, wd=wd, recompute=recompute)
+    want, want_losses, penalties, predicted = _hand_mitigated(
+        names, m, k, lr=lr, mom=mom, wd=wd, recompute=recompute
+    )
+    assert got == pytest.approx(want, rel=1e-12, abs=1e-14)
+    assert losses == pytest.approx(want_losses, rel=1e-12, abs=1e-14)
+    # the mitigation changed the result: the test would notice it being skipped
+    plain, _, _, _ = _hand_mitigated("stale", m, k, lr=lr, mom=mom, wd=wd, recompute=recompute)
+    assert abs(got[0] - plain[0]) + abs(got[1] - plain[1]) > 1e-4
+    return penalties, predicted
+
+
+_SGD_CASES = pytest.mark.parametrize(
+    ("mom", "wd"), [(0.0, 0.0), (0.5, 0.0), (0.5, 0.01)], ids=["plain", "momentum", "momentum-wd"]
+)
+
+
+@_SGD_CASES
+@pytest.mark.parametrize(("m", "k"), [(4, 1), (4, 2)])
+def test_gap_aware_from_the_gradient_matches_hand_derivation(m, k, mom, wd):
+    """``ga`` without a stash: ``Gap = eta |g|`` on every step with a stale micro-batch."""
+    penalties, _ = _assert_matches_hand("ga", m, k, lr=0.1, mom=mom, wd=wd)
+    # stale steps once C exists: S2..S4 with k=1 (S1 closes micro-batch 0, not stale); S2 with k=2
+    assert len(penalties) == (3 if k == 1 else 1)
+    assert all(pen[p] > 1.03 for pen in penalties for p in "ab")
+
+
+@_SGD_CASES
+@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize(("m", "k"), [(4, 1), (4, 2)])
+def test_gap_aware_on_the_stash_matches_hand_derivation(m, k, recompute, mom, wd):
+    """``ws+ga``: backward on the stash, ``Gap = |theta_current - theta_stashed|``."""
+    penalties, _ = _assert_matches_hand("ws+ga", m, k, lr=0.1, mom=mom, wd=wd, recompute=recompute)
+    assert len(penalties) == (3 if k == 1 else 1)
+    assert all(pen[p] > 1.03 for pen in penalties for p in "ab")
+
+
+@_SGD_CASES
+@pytest.mark.parametrize(("m", "k"), [(4, 1), (4, 2)])
+def test_gap_aware_just_for_loss_matches_hand_derivation(m, k, mom, wd):
+    """``ws+ga_jfl``: the replayed backward runs on the current weights; the stash only sizes the gap."""
+    penalties, _ = _assert_matches_hand("ws+ga_jfl", m, k, lr=0.1, mom=mom, wd=wd, recompute=True)
+    assert len(penalties) == (3 if k == 1 else 1)
+    assert all(pen[p] > 1.03 for pen in penalties for p in "ab")
+    # different from the same penalties with the backward on the stash
+    jfl, _, _, _ = _hand_mitigated("ws+ga_jfl", m, k, lr=0.1, mom=mom, wd=wd, recompute=True)
+    ws_ga, _, _, _ = _hand_mitigated("ws+ga", m, k, lr=0.1, mom=mom, wd=wd, recompute=True)
+    assert abs(jfl[0] - ws_ga[0]) + abs(jfl[1] - ws_ga[1]) > 1e-4
+
+
+@_SGD_CASES
+@pytest.mark.parametrize("m", [4, 6])
+def test_aggmsnag_with_step_every_2_matches_hand_derivation(m, mom, wd):
+    """The stale forward of a step's first micro-batch runs on weights predicted one step ahead
+    with the gradient the step has accumulated so far (micro-batch 2: that of micro-batch 0)."""
+    _, predicted = _assert_matches_hand("aggmsnag", m, 2, lr=0.1, mom=mom, wd=wd)
+    assert predicted == m // 2 - 1  # F2 (and F4): the stale forwards
+
+
+@_SGD_CASES
+@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("m", [4, 6])
+def test_weight_stashing_with_step_every_2_matches_hand_derivation(m, recompute, mom, wd):
+    """One stash per step: F3 (after S1) and B2, B3 all run on the weights F2 stashed before S1."""
+    _assert_matches_hand("ws", m, 2, lr=0.1, mom=mom, wd=wd, recompute=recompute)
 
 
 def _mlp_stages(n, seed=0, width=6):

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import math
+import weakref
 
 import pytest
 import torch
@@ -115,6 +117,16 @@ def test_gap_aware_stage_policies():
         gap_aware_stages("first", 4)
 
 
+def _refs(tensors):
+    return [weakref.ref(t) for t in tensors]
+
+
+def _alive(refs):
+    """How many of the referenced tensors are still alive (after a garbage collection)."""
+    gc.collect()
+    return sum(r() is not None for r in refs)
+
+
 def test_stash_is_a_copy_and_memory_returns_to_zero():
     p, q = _param([1.0, 2.0]), _param([[3.0]])
     stash = WeightStash([p, q])
@@ -123,15 +135,20 @@ def test_stash_is_a_copy_and_memory_returns_to_zero():
         p.add_(10.0)
     stash.stash(1)
     assert len(stash) == 2 and stash.nbytes == 2 * 3 * 8
+    clones = _refs(stash.get(0)) + _refs(stash.get(1))
     torch.testing.assert_close(stash.get(0)[0], torch.tensor([1.0, 2.0]))
     stash.load(0)
+    true_copies = _refs(stash._true)  # the true weights kept aside while the stash is loaded
     torch.testing.assert_close(p.detach(), torch.tensor([1.0, 2.0]))
     torch.testing.assert_close(stash.gap(0)[0], torch.tensor([10.0, 10.0]))  # vs the true weights
     stash.restore()
     torch.testing.assert_close(p.detach(), torch.tensor([11.0, 12.0]))
+    assert _alive(true_copies) == 0  # restore drops the copy of the true weights
+    assert _alive(clones) == 4  # still held by the stash
     stash.pop(0)
     stash.pop(1)
     assert len(stash) == 0 and stash.nbytes == 0
+    assert _alive(clones) == 0  # the clones themselves are freed, not just unaccounted
     with pytest.raises(KeyError, match="no stash for 0"):
         stash.load(0)
 
@@ -146,12 +163,14 @@ def test_ws_policy_hooks_stash_only_stale_microbatches():
     pol.before_forward(1, 2)
     pol.after_forward(1)
     assert pol.stash_count == 1 and pol.stashed_bytes == 8
+    clones = _refs(pol.stash.get(1))
     with torch.no_grad():
         p.sub_(0.5)  # a step taken in between
     pol.before_backward(1)
     assert p.item() == 1.0  # backward sees the forward's weights
     pol.after_backward(1)
     assert p.item() == 0.5 and pol.stash_count == 0 and pol.stashed_bytes == 0
+    assert _alive(clones) == 0  # the consumed stash is freed
 
 
 def test_wp_ws_stashes_the_predicted_weights():
@@ -187,19 +206,22 @@ def test_one_stash_serves_every_microbatch_of_a_step():
     pol.after_forward(3)
     assert seen == [1.0, 1.0] and p.item() == 0.5
     assert pol.stash_count == 1 and pol.stashed_bytes == 8  # one stash for the step
+    clones = _refs(pol.stash.get(1))
     for mb in (2, 3):
         pol.before_backward(mb)
         assert p.item() == 1.0  # both backwards on the step's weights
         pol.after_backward(mb)
         assert p.item() == 0.5
+        assert _alive(clones) == (1 if mb == 2 else 0)  # kept for micro-batch 3, then freed
     assert pol.stash_count == 0  # released once the whole step is done
     # a shorter last group is released by its step
     pol.before_forward(4, 1)
     pol.after_forward(4)
+    clones = _refs(pol.stash.get(2))
     pol.before_backward(4)
     pol.after_backward(4)
-    assert pol.stash_count == 1
+    assert pol.stash_count == 1 and _alive(clones) == 1
     pol.before_step()
     opt.step()
     pol.after_step()
-    assert pol.stash_count == 0
+    assert pol.stash_count == 0 and _alive(clones) == 0

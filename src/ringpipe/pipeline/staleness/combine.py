@@ -13,7 +13,7 @@ Order inside each hook, for micro-batch ``mb`` with staleness ``d``:
   true weights, drop the stash once every micro-batch of its step is done.
 - ``before_step``: if any micro-batch of this step was stale, divide the accumulated gradient by
   the Gap-Aware penalty (the elementwise largest gap of the step's micro-batches; without a
-  stash, the gap estimated from the gradient).
+  stash, the gap estimated from the gradient, see below).
 - ``after_step``: update the Gap-Aware statistics.
 
 **One stash per optimizer step.** With ``step_every = k`` the micro-batches ``jk .. jk+k-1``
@@ -23,6 +23,13 @@ for all of them: every later micro-batch of the step runs its forward and its ba
 those same weights, and counts as stale as the one that stashed them (their backwards all
 come before the same step). A stage thus holds at most one stash per step in flight rather
 than one per micro-batch, and each step's gradient is taken at a single weight version.
+
+**Gap Aware without weight stashing** (``ga`` without ``ws``, SGD only). The weights the
+gradient was computed on are not kept, so the gap cannot be measured; the penalty uses the
+delay-1 estimate ``Gap = eta |g|`` (:meth:`~ringpipe.pipeline.staleness.gap_aware.GapAware.apply_from_grad`,
+``g`` the accumulated gradient of the step) whatever the stage's staleness, as in the
+reference formulation. A stage with staleness ``d > 1`` is therefore penalised as if its
+weights had moved by one step only; stash the weights (``ws+ga``) to measure the real gap.
 
 All weight changes are in-place copies into the parameters' storage (``p.copy_``), never
 rebinding ``p.data``, so every reference to a parameter sees the weights the policy chose.

@@ -10,6 +10,12 @@ size of one step, tracked after every step:
   largest learning rate seen so far.
 - Adam / AdamW: ``e <- beta2 e + (1-beta2) (eta/(1-beta1^t) m/denom)^2``, ``C = sqrt(e) + eps``.
 
+``Gap`` is measured when the weights the gradient used are stashed (``apply_on_stashed``,
+``apply_on_theta``, ``apply_gap``). Without a stash (``ga`` without ``ws``, SGD only) those
+weights are not kept, and :meth:`GapAware.apply_from_grad` uses the delay-1 estimate
+``Gap = eta |g|`` (the step the gradient itself causes) whatever the stage's staleness, as in
+the reference formulation.
+
 The gradient becomes ``g / penalty``; with L2 weight decay (SGD, Adam) ``theta lambda
 (1-penalty)/penalty`` is added so that the optimizer's own ``+lambda theta`` term is divided
 by the penalty as well. AdamW's decoupled decay is not a gradient term and is left alone.
@@ -115,7 +121,11 @@ class GapAware:
         return self.apply_gap([(p - s).abs() for p, s in zip(self.params, stashed, strict=True)])
 
     def apply_from_grad(self) -> list[torch.Tensor]:
-        """Gap estimated from the gradient alone (staleness 1, no stash); SGD only."""
+        """Gap estimated from the gradient alone, ``Gap = eta |g|``; SGD only.
+
+        This is the delay-1 estimate, used without a stash whatever the stage's staleness: the
+        weights the gradient was computed on are not kept, so the gap cannot be measured.
+        """
         raise ValueError(
             f"gap aware from the gradient is defined for SGD only, not {self.kind}; "
             "stash the weights ('ws+ga') so the gap is measured"
@@ -159,7 +169,12 @@ class SGDGapAware(GapAware):
 
     @torch.no_grad()
     def apply_from_grad(self) -> list[torch.Tensor]:
-        """``Gap = eta |g|`` (the step the gradient itself would cause)."""
+        """``Gap = eta |g|`` (the step the gradient itself would cause), per parameter group's ``eta``.
+
+        The delay-1 estimate of the reference formulation, applied whatever the stage's
+        staleness: without a stash the weights the gradient used are not kept. ``g`` is the
+        accumulated ``p.grad`` of the step.
+        """
         gaps = [
             float(g["lr"]) * (p.grad.abs() if p.grad is not None else torch.zeros_like(p))
             for p, g in zip(self.params, self._groups, strict=True)
