@@ -35,8 +35,12 @@ BATCH = 32
 
 def make_model(kind: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     torch.manual_seed(0)
-    if kind == "mlp":
-        model: nn.Module = nn.Sequential(
+    if kind == "small":  # the default run's MLP on 8x8 digits: latency-bound, 17k parameters
+        model: nn.Module = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64), nn.ReLU(),
+                                         nn.Linear(64, 10))
+        x = torch.randn(BATCH, 64)
+    elif kind == "mlp":
+        model = nn.Sequential(
             nn.Linear(1024, 2048), nn.ReLU(), nn.Linear(2048, 2048), nn.ReLU(),
             nn.Linear(2048, 1536), nn.ReLU(), nn.Linear(1536, 10),
         )
@@ -67,17 +71,20 @@ def time_steps(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y:
 def _variants(comm: Communicator, kind: str, mpi_comm: Communicator | None) -> dict[str, Any]:
     """Build every variant once (model, optimizer, input) so that blocks can alternate."""
     out: dict[str, Any] = {}
-    model, x, y = make_model(kind)
-    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
-                               model.named_parameters(), comm=comm)
-    out["ringpipe-gloo"] = (model, opt, x, y)
+    # join_support=False is the fair peer of DDP without its Join context (even data, no
+    # per-step announcement); "-join" is ringpipe's default, ready for hvd.join() on uneven data.
+    for name, join_support in (("ringpipe-gloo", False), ("ringpipe-gloo-join", True)):
+        model, x, y = make_model(kind)
+        opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
+                                   model.named_parameters(), comm=comm, join_support=join_support)
+        out[name] = (model, opt, x, y)
     model, x, y = make_model(kind)
     ddp = nn.parallel.DistributedDataParallel(model)
     out["ddp-gloo"] = (ddp, torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9), x, y)
     if mpi_comm is not None:
         model, x, y = make_model(kind)
         opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
-                                   model.named_parameters(), comm=mpi_comm)
+                                   model.named_parameters(), comm=mpi_comm, join_support=False)
         out["ringpipe-mpi"] = (model, opt, x, y)
     return out
 
@@ -134,7 +141,7 @@ def _spawned(comm: Communicator, kinds: list[str], blocks: int, steps: int) -> d
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", default="mlp,cnn")
+    p.add_argument("--models", default="small,mlp,cnn")
     p.add_argument("--blocks", type=int, default=6, help="alternating timing blocks per variant")
     p.add_argument("--steps", type=int, default=5, help="timed steps per block")
     p.add_argument("--mpi", action="store_true", help="running under mpirun: also time the MPI communicator")

@@ -25,6 +25,7 @@ from ringpipe.dp import (
     save_checkpoint,
     scale_lr,
 )
+from ringpipe.dp.announce import JoinError
 from ringpipe.launch import mpirun_command, spawn
 
 HERE = Path(__file__).parent
@@ -194,6 +195,46 @@ def test_join_with_uneven_shards(batches):
         assert last == longest
         for got, want in zip(params, ref, strict=True):
             assert torch.allclose(torch.as_tensor(got), want, atol=1e-6)
+
+
+
+def _even_without_join_support(comm):
+    """Even shards, join_support=False: the same result as one process; join() refuses clearly."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                               model.named_parameters(), bucket_bytes=100, comm=comm, join_support=False)
+    g = torch.Generator().manual_seed(5)
+    xs, ys = torch.randn(3, 8, 6, generator=g), torch.randn(3, 8, 3, generator=g)
+    for x, y in zip(xs, ys, strict=True):
+        opt.zero_grad()
+        half = slice(4 * comm.rank, 4 * comm.rank + 4)
+        nn.functional.mse_loss(model(x[half]), y[half]).backward()
+        opt.step()
+    try:
+        join(comm)
+    except JoinError as exc:
+        error = str(exc)
+    else:
+        error = ""
+    return [_np(p) for p in model.parameters()], error
+
+
+@pytest.mark.timeout(90)
+def test_without_join_support_steps_match_and_join_refuses():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(5)
+    xs, ys = torch.randn(3, 8, 6, generator=g), torch.randn(3, 8, 3, generator=g)
+    for x, y in zip(xs, ys, strict=True):
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    for params, error in spawn(_even_without_join_support, 2):
+        for got, want in zip(params, model.parameters(), strict=True):
+            assert torch.allclose(torch.as_tensor(got), want.detach(), atol=1e-6)
+        assert "join_support=False" in error and "join_support=True (the default)" in error
 
 
 # ----------------------------------------------------------------------------- SyncBatchNorm

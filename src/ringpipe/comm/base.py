@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import enum
 import pickle
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from ringpipe.comm.events import EventLog, default_log
+from ringpipe.comm.events import END, START, EventLog, add_blocked, default_log
 from ringpipe.env import Topology
 
 __all__ = ["ReduceOp", "Work", "Communicator", "CommError", "nbytes_of"]
@@ -86,7 +87,9 @@ class Work:
     def wait(self) -> Any:
         if not self._done:
             assert self._wait is not None
+            t0 = time.perf_counter_ns()
             self._wait()
+            add_blocked(time.perf_counter_ns() - t0)
             self._finish()
         return self._result
 
@@ -157,6 +160,7 @@ class Communicator(ABC):
             return fn()
         finally:
             EventLog.end(ev)
+            add_blocked(ev[END] - ev[START])  # a synchronous operation blocks its caller throughout
 
     def _traced_async(self, op: str, nbytes: int, peer: int, tag: int, fn: Callable[[], Work]) -> Work:
         ev = self.log.begin(op, nbytes, peer, tag, self.name)

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Event", "EventLog", "default_log", "comm_stats"]
+__all__ = ["Event", "EventLog", "default_log", "comm_stats", "add_blocked", "blocked_ns"]
 
 # Field positions inside the raw event list (kept as a list so that ``end`` can be filled in
 # when an asynchronous operation completes without allocating a second object).
@@ -111,3 +111,18 @@ def default_log() -> EventLog:
 def comm_stats(log: EventLog | None = None) -> dict[str, dict[str, float]]:
     """Per-operation summary (calls, bytes, time) of everything recorded so far."""
     return summarize((log or _DEFAULT).events())
+
+
+# Nanoseconds each thread spent blocked waiting for communication (a synchronous operation, or
+# the wait for an asynchronous one): the communication a thread could not overlap with work.
+_BLOCKED: collections.defaultdict[int, int] = collections.defaultdict(int)
+
+
+def add_blocked(ns: int) -> None:
+    """Count ``ns`` nanoseconds of waiting for communication against the calling thread."""
+    _BLOCKED[threading.get_ident()] += ns  # each thread updates only its own key
+
+
+def blocked_ns(thread: int | None = None) -> int:
+    """Nanoseconds ``thread`` (default: the calling one) has spent blocked on communication so far."""
+    return _BLOCKED.get(threading.get_ident() if thread is None else thread, 0)

@@ -19,11 +19,13 @@ import contextlib
 import logging
 import queue
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any
 
 from ringpipe.comm.base import Communicator, Work
+from ringpipe.comm.events import add_blocked
 
 __all__ = ["Engine", "Handle", "EngineError"]
 
@@ -76,7 +78,10 @@ class Handle:
             return self._value
 
     def wait(self) -> Any:
-        self._event.wait()
+        if not self._event.is_set():
+            t0 = time.perf_counter_ns()
+            self._event.wait()
+            add_blocked(time.perf_counter_ns() - t0)
         return self._complete()
 
     def done(self) -> bool:

@@ -40,6 +40,12 @@ def join(comm: Communicator) -> int:
         if len(optimizers) > 1:
             log.warning("join: %d DistributedOptimizers on %s; serving the newest one", len(optimizers), comm.name)
         optimizer = max(optimizers, key=lambda o: o._created)
+        if not optimizer.join_support:
+            raise JoinError(
+                f"join on rank {comm.rank}: the DistributedOptimizer was built with join_support=False, so the ranks "
+                "with data do not announce their steps and this rank could not serve them; build it with "
+                "join_support=True (the default) on every rank to train on uneven data"
+            )
     served = 0
     while True:
         note = engine.run(lambda: exchange(comm, None), name="join")

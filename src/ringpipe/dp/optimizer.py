@@ -119,6 +119,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         first_bucket_bytes: the smaller cap of the first bucket, so reduction starts early in backward.
         algorithm: ``"native"`` (the backend's allreduce) or a name from ``ringpipe.collectives.ALGORITHMS``.
         comm: the communicator (default: the one of ``ringpipe.init()``).
+        join_support: announce every step (one small allreduce before the first bucket) so that
+            ranks that ran out of data can call :func:`ringpipe.join` and serve the others, as in
+            Horovod. ``False`` saves that round trip when every rank runs the same number of
+            steps (even shards, as DDP without its ``Join`` context); :func:`ringpipe.join` then
+            refuses, naming this setting.
 
     Construction is collective: every rank must pass the same settings and parameters (names,
     shapes, dtypes); otherwise every rank raises a ``ValueError`` naming what differs.
@@ -136,6 +141,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         algorithm: str = "native",
         comm: Communicator | None = None,
         first_bucket_bytes: int = DEFAULT_FIRST_BUCKET_BYTES,
+        join_support: bool = True,
     ) -> None:
         if isinstance(optimizer, DistributedOptimizer):
             raise TypeError("the optimizer is already a DistributedOptimizer; wrap the plain torch optimizer once")
@@ -149,6 +155,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             "backward_passes_per_step": backward_passes_per_step,
             "op": op,
             "gradient_predivide_factor": gradient_predivide_factor,
+            "join_support": bool(join_support),
         }
         # Invalid settings are raised only after every rank compared its settings (agree()), so
         # that a setting wrong on one rank does not leave the others waiting for it.
@@ -194,6 +201,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.bucket_bytes = int(bucket_bytes)
         self.first_bucket_bytes = min(int(first_bucket_bytes), self.bucket_bytes)
         self.algorithm = algorithm
+        self.join_support = bool(join_support)
 
         self._slots = [_Slot(p, n) for n, p in named]
         self._buckets = self._make_buckets(self._slots)
@@ -308,7 +316,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 buffer.mul_(prescale)
             if used is not None:
                 wire[bucket.numel : bucket.numel + bucket.bitmap] = used
-            if contribute:  # a joined rank learnt of this bucket from join's announcement
+            if contribute and self.join_support:  # a joined rank learnt of this bucket from join's announcement
                 if bucket.index == 0:
                     self._active = float(announce(self.comm, "step").count)
                 elif self._active < size:

@@ -6,7 +6,7 @@ import json
 import math
 import os
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +17,6 @@ __all__ = [
     "write_json_atomic",
     "plot_curves",
     "format_summary",
-    "comm_time",
 ]
 
 
@@ -77,28 +76,6 @@ def write_json_atomic(path: str | Path, obj: Any) -> None:
     tmp = p.with_name(f".{p.name}.tmp")
     tmp.write_text(_dumps(obj, indent=2, sort_keys=False) + "\n")
     os.replace(tmp, p)
-
-
-def comm_time(windows: Sequence[tuple[int, int]], events: Iterable[tuple[int, int]]) -> float:
-    """Seconds inside ``windows`` (disjoint, sorted ns intervals) during which any event was in flight.
-
-    Overlapping events (a bucket allreduce running while another starts) count once.
-    """
-    merged: list[list[int]] = []
-    for s, e in sorted(events):
-        if merged and s <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], e)
-        else:
-            merged.append([s, e])
-    total, i = 0, 0
-    for ws, we in windows:
-        while i < len(merged) and merged[i][1] <= ws:
-            i += 1
-        j = i
-        while j < len(merged) and merged[j][0] < we:
-            total += max(0, min(we, merged[j][1]) - max(ws, merged[j][0]))
-            j += 1
-    return total / 1e9
 
 
 def plot_curves(run_dir: str | Path, records: Sequence[dict[str, Any]]) -> Path:

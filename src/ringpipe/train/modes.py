@@ -10,6 +10,7 @@ A mode whose machinery is missing from the build says so when it is chosen.
 from __future__ import annotations
 
 import importlib
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ringpipe.comm import Communicator, default_log
-from ringpipe.comm.events import EventLog
+from ringpipe.comm.events import START, EventLog, add_blocked
 from ringpipe.train.config import TrainConfig
 from ringpipe.train.datasets import Dataset
 from ringpipe.train.optimizers import build_optimizer, scaled_lr
@@ -172,10 +173,13 @@ class DataParallelEngine(Engine):
         for xc, yc in zip(x.chunk(self.accumulate), y.chunk(self.accumulate), strict=True):
             out = self.train_model(xc)
             loss = self.loss(out, yc)
-            (loss / self.accumulate).backward()
+            self._backward(loss / self.accumulate)
             total += tally(out, yc, loss)
         self.optimizer.step()
         return total
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
 
     @torch.no_grad()
     def eval_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -203,12 +207,17 @@ def _single(ctx: ModeContext) -> Engine:
     return DataParallelEngine(ctx, model, model, opt, scale)
 
 
-def _timed_allreduce_hook(log: EventLog) -> Callable[[Any, Any], torch.futures.Future[torch.Tensor]]:
-    """A DDP communication hook doing DDP's own average, timed into ringpipe's event log."""
+def _timed_allreduce_hook(log: EventLog, launches: list[int]) -> Callable[[Any, Any], torch.futures.Future[torch.Tensor]]:
+    """A DDP communication hook doing DDP's own average, timed into ringpipe's event log.
+
+    ``launches`` receives the launch time of every bucket (the last one: when backward's
+    computation ended).
+    """
 
     def hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         buf = bucket.buffer()
         ev = log.begin("ddp_allreduce", buf.numel() * buf.element_size(), -1, 0, "ddp")
+        launches.append(ev[START])
         buf.div_(dist.get_world_size())
         fut = dist.all_reduce(buf, async_op=True).get_future()
 
@@ -234,9 +243,28 @@ def _ddp(ctx: ModeContext) -> Engine:
 
     model = ctx.build_model()
     ddp = DistributedDataParallel(model)
-    ddp.register_comm_hook(None, _timed_allreduce_hook(default_log()))
-    opt, scale = ctx.optimizer(model.parameters(), ctx.comm.size)
-    return DataParallelEngine(ctx, model, ddp, opt, scale)
+    engine = _DDPEngine(ctx, model, ddp, *ctx.optimizer(model.parameters(), ctx.comm.size))
+    ddp.register_comm_hook(None, _timed_allreduce_hook(default_log(), engine.launches))
+    return engine
+
+
+class _DDPEngine(DataParallelEngine):
+    """``ddp``: DDP's reducer waits for its last allreduces inside ``backward()``, in C++.
+
+    That wait, the time from the last bucket's launch (the end of backward's computation) to the
+    return of ``backward()``, is counted as time blocked on communication, as the waits of the
+    other modes are.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.launches: list[int] = []
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        self.launches.clear()
+        loss.backward()
+        if self.launches:
+            add_blocked(max(0, time.perf_counter_ns() - self.launches[-1]))
 
 
 def _import_dp() -> tuple[Any, Any, Any]:
@@ -275,5 +303,6 @@ def _dp(ctx: ModeContext) -> Engine:
         bucket_bytes=int(dpc.bucket_mb * 1024 * 1024),
         algorithm=dpc.algorithm,
         comm=ctx.comm,
+        join_support=False,  # every replica runs the same number of steps (ShardStream)
     )
     return _DPEngine(ctx, model, model, opt, scale, accumulate=dpc.backward_passes_per_step)
