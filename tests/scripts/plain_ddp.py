@@ -16,4 +16,7 @@ ws = [torch.empty_like(w) for _ in range(dist.get_world_size())]
 dist.all_gather(ws, w)
 assert all(torch.equal(ws[0], x) for x in ws), "replicas diverged"
 print(f"plain-ddp ok rank={dist.get_rank()} world={dist.get_world_size()}", flush=True)
+# Both ranks reach the teardown together: gloo can abort a rank whose peer closed its connections
+# while its own threads were still reading ("terminate called without an active exception").
+dist.barrier()
 dist.destroy_process_group()
