@@ -335,7 +335,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 if scale != 1.0:
                     buffer[: bucket.numel].mul_(scale)
 
-        bucket.handle = self.engine.submit(task, then, name=f"bucket{bucket.index}")
+        # The last bucket is launched when backward is over: nothing is left to overlap with.
+        last = bucket.index == len(self._buckets) - 1
+        bucket.handle = self.engine.submit(task, then, name=f"bucket{bucket.index}", inline=last)
 
     def _launch_all(self, contribute: bool = True) -> None:
         """Launch every bucket not launched yet, with zeros for parameters that got no gradient."""
