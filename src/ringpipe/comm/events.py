@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Event", "EventLog", "default_log", "comm_stats", "add_blocked", "blocked_ns"]
+__all__ = ["Event", "EventLog", "default_log", "comm_stats", "add_blocked", "blocked_ns", "human_bytes"]
 
 # Field positions inside the raw event list (kept as a list so that ``end`` can be filled in
 # when an asynchronous operation completes without allocating a second object).
@@ -126,3 +126,12 @@ def add_blocked(ns: int) -> None:
 def blocked_ns(thread: int | None = None) -> int:
     """Nanoseconds ``thread`` (default: the calling one) has spent blocked on communication so far."""
     return _BLOCKED.get(threading.get_ident() if thread is None else thread, 0)
+
+
+def human_bytes(n: float) -> str:
+    """``n`` bytes for people: ``512 B``, ``4.0 KiB``, ``1.5 MiB``, ``2.0 GiB``."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"

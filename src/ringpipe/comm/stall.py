@@ -25,7 +25,7 @@ import threading
 import time
 from typing import Any
 
-from ringpipe.comm.events import COMM, END, NBYTES, OP, PEER, START, EventLog
+from ringpipe.comm.events import COMM, END, NBYTES, OP, PEER, START, EventLog, human_bytes
 
 __all__ = ["StallInspector", "describe"]
 
@@ -34,17 +34,9 @@ log = logging.getLogger(__name__)
 _TAIL = 4096  # in-flight operations are among the most recent events
 
 
-def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024  # type: ignore[assignment]
-    return f"{n} B"
-
-
 def _what(state: dict[str, Any]) -> str:
     peer = f" with rank {state['peer']}" if state.get("peer", -1) >= 0 else ""
-    return f"{state['op']} ({_size(int(state['bytes']))}) on {state['comm']}{peer}"
+    return f"{state['op']} ({human_bytes(int(state['bytes']))}) on {state['comm']}{peer}"
 
 
 def describe(rank: int, mine: dict[str, Any], others: dict[int, dict[str, Any] | None], seconds: float) -> str:

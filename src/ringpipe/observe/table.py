@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ringpipe.comm.events import Event
+from ringpipe.comm.events import Event, human_bytes
 from ringpipe.observe.collect import JobEvents
 
 __all__ = ["profile", "format_profile", "busy_ns"]
@@ -83,14 +83,6 @@ def profile(job: JobEvents) -> dict[str, Any]:
     return {"ops": op_rows, "ranks": rank_rows, "meta": job.meta}
 
 
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
-
-
 def format_profile(job: JobEvents) -> str:
     """The profile of ``job`` as a text table."""
     p = profile(job)
@@ -104,7 +96,7 @@ def format_profile(job: JobEvents) -> str:
     ]
     for row in p["ops"]:
         lines.append(
-            f"{row['op']:<22}{row['calls']:>8}{_size(row['avg_bytes']):>12}{_size(row['total_bytes']):>12}"
+            f"{row['op']:<22}{row['calls']:>8}{human_bytes(row['avg_bytes']):>12}{human_bytes(row['total_bytes']):>12}"
             f"{row['min_ms']:>10.2f}{row['avg_ms']:>10.2f}{row['max_ms']:>10.2f}{row['max_rank']:>10}"
         )
     lines += ["", f"{'rank':>6}  {'host':<20}{'calls':>8}{'wall ms':>12}{'comm ms':>12}{'comm %':>9}"]
