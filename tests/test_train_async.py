@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
-import json
 from pathlib import Path
 
 import pytest
@@ -15,7 +13,6 @@ from ringpipe.pipeline.partition import split_layers
 from ringpipe.pipeline.simulator import simulate_async
 from ringpipe.pipeline.staleness import GA_STAGE_POLICIES as FACTORY_GA_STAGES
 from ringpipe.pipeline.staleness import MITIGATIONS
-from ringpipe.train.cli import add_train_parser, run_train
 from ringpipe.train.config import (
     GA_STAGE_POLICIES,
     MITIGATION_DOCS,
@@ -26,11 +23,11 @@ from ringpipe.train.config import (
     mitigations_help,
 )
 from ringpipe.train.datasets import load_dataset
-from ringpipe.train.metrics import read_metrics
 from ringpipe.train.models import build_model
 from ringpipe.train.modes import ModeContext, build_engine
 from ringpipe.train.optimizers import build_optimizer
 from ringpipe.train.schedules import build_schedule
+from trainrun import sets, train
 
 TINY = ["epochs=1", "batch_size=32", "log_every=2", "optimizer.scale_lr=false", "optimizer.lr=0.01",
         "model.hidden=[32]"]
@@ -41,19 +38,6 @@ TIMING = {"samples_per_second", "comm_share"}
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
-def _sets(items):
-    return [a for item in items for a in ("--set", item)]
-
-
-def _train(run_dir, *argv: str) -> tuple[int, dict, list[dict]]:
-    parser = argparse.ArgumentParser()
-    add_train_parser(parser.add_subparsers())
-    args = parser.parse_args(["train", "--run-dir", str(run_dir), "--no-progress", *argv])
-    rc = run_train(args)
-    path = run_dir / "summary.json"
-    summary = json.loads(path.read_text()) if path.exists() else {}
-    metrics = read_metrics(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
-    return rc, summary, metrics
 
 
 def _error(*overrides: str) -> str:
@@ -68,7 +52,7 @@ def _error(*overrides: str) -> str:
 @pytest.mark.timeout(120)
 def test_command_line_runs_end_to_end(tmp_path, capsys):
     run = tmp_path / "run"
-    rc, summary, metrics = _train(run, *_sets([*COMMAND, *TINY]))
+    rc, summary, metrics = train(run, *sets([*COMMAND, *TINY]))
     assert rc == 0, capsys.readouterr().err
     for key in ("test_accuracy", "final_loss", "samples_per_second", "epochs", "world_size", "mode"):
         assert key in summary
@@ -91,20 +75,20 @@ def test_resume_restores_each_stage_schedule(tmp_path):
     are checkpointed, and the pipeline drains at every epoch's end in both runs."""
     cfg = [*TINY, "epochs=2", "batch_size=64", "mode=async", "mitigations=wp,ws", "step_every=2",
            "optimizer.name=sgd", "schedule.name=cosine", "schedule.warmup_epochs=0.5"]
-    rc, full, full_metrics = _train(tmp_path / "full", *_sets(cfg))
+    rc, full, full_metrics = train(tmp_path / "full", *sets(cfg))
     assert rc == 0 and full["steps"] == 45  # 1438 records / 64: epoch 1 ends at step 23
     part = tmp_path / "part"
-    rc, cut, _ = _train(part, *_sets([*cfg, "max_steps=23"]))
+    rc, cut, _ = train(part, *sets([*cfg, "max_steps=23"]))
     assert rc == 0 and cut["interrupted"] and cut["steps"] == 23
-    rc, resumed, resumed_metrics = _train(part, "--resume", "--set", "max_steps=null")
+    rc, resumed, resumed_metrics = train(part, "--resume", "--set", "max_steps=null")
     assert rc == 0 and resumed["steps"] == full["steps"]
     assert _strip(resumed_metrics) == _strip(full_metrics)
     assert resumed["test_loss"] == full["test_loss"] and resumed["final_lr"] == full["final_lr"]
     # Mid-epoch, the checkpoint drains the pipeline: the run resumes and completes, equal up to the cut.
     mid = tmp_path / "mid"
-    rc, cut, _ = _train(mid, *_sets([*cfg, "max_steps=17"]))
+    rc, cut, _ = train(mid, *sets([*cfg, "max_steps=17"]))
     assert rc == 0 and cut["interrupted"] and cut["steps"] == 17
-    rc, resumed, resumed_metrics = _train(mid, "--resume", "--set", "max_steps=null")
+    rc, resumed, resumed_metrics = train(mid, "--resume", "--set", "max_steps=null")
     assert rc == 0 and resumed["steps"] == full["steps"] and not resumed["interrupted"]
     assert [(r["kind"], r["step"]) for r in resumed_metrics] == [(r["kind"], r["step"]) for r in full_metrics]
     assert [r for r in _strip(resumed_metrics) if r["step"] <= 17] == [r for r in _strip(full_metrics)
@@ -279,7 +263,7 @@ def test_unknown_mitigation_lists_valid_names(tmp_path, capsys):
     msg = _error("mode=async", "mitigations=wp,ws,gap")
     assert "pipeline.mitigations=wp,ws,gap" in msg and "unknown staleness mitigation 'gap'" in msg
     assert all(name in msg for name in MITIGATIONS)
-    rc, _, _ = _train(tmp_path / "x", *_sets(["mode=async", "mitigations=pw"]))
+    rc, _, _ = train(tmp_path / "x", *sets(["mode=async", "mitigations=pw"]))
     assert rc == 2 and "'pw'" in capsys.readouterr().err and not (tmp_path / "x").exists()
     assert "mitigations.0=3" in _error("mode=async", "mitigations=[3]")
     assert "ga_stages='last'" in _error("mode=async", "mitigations=ws,ga", "ga_stages=last")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -12,8 +11,8 @@ import sys
 
 import pytest
 
-from ringpipe.train.cli import add_train_parser, run_train
 from ringpipe.train.metrics import format_summary, read_metrics, write_json_atomic
+from trainrun import sets, train
 
 TINY = ["epochs=1", "batch_size=32", "log_every=2", "optimizer.scale_lr=false", "optimizer.lr=0.01",
         "schedule.name=constant",
@@ -21,18 +20,6 @@ TINY = ["epochs=1", "batch_size=32", "log_every=2", "optimizer.scale_lr=false", 
 TIMING = {"samples_per_second", "comm_share"}
 
 
-def _train(run_dir, *argv: str) -> tuple[int, dict, list[dict]]:
-    parser = argparse.ArgumentParser()
-    add_train_parser(parser.add_subparsers())
-    args = parser.parse_args(["train", "--run-dir", str(run_dir), "--no-progress", *argv])
-    rc = run_train(args)
-    summary_path = run_dir / "summary.json"
-    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
-    return rc, summary, read_metrics(run_dir / "metrics.jsonl")
-
-
-def _sets(items):
-    return [a for item in items for a in ("--set", item)]
 
 
 def _losses(records):
@@ -49,7 +36,7 @@ def reference(tmp_path_factory):
     out = {}
     for batch in (64, 32):
         run = tmp_path_factory.mktemp(f"single{batch}")
-        rc, summary, metrics = _train(run, *_sets([*TINY, "mode=single", f"batch_size={batch}"]))
+        rc, summary, metrics = train(run, *sets([*TINY, "mode=single", f"batch_size={batch}"]))
         assert rc == 0
         out[batch] = (summary, metrics)
     return out
@@ -60,7 +47,7 @@ def reference(tmp_path_factory):
 def test_mode_two_processes(tmp_path, mode, reference, capsys):
     run = tmp_path / "run"
     extra = ["pipeline.microbatches=4"] if mode in ("gpipe", "1f1b", "async") else []
-    rc, summary, metrics = _train(run, *_sets([*TINY, f"mode={mode}", "nprocs=2", *extra]))
+    rc, summary, metrics = train(run, *sets([*TINY, f"mode={mode}", "nprocs=2", *extra]))
     assert rc == 0, capsys.readouterr().err
     for key in ("test_accuracy", "final_loss", "samples_per_second", "epochs", "world_size", "mode"):
         assert key in summary
@@ -89,13 +76,13 @@ def test_mode_two_processes(tmp_path, mode, reference, capsys):
 def test_resume_equals_uninterrupted(tmp_path, mode, nprocs):
     cfg = [*TINY, "epochs=2", f"mode={mode}", f"nprocs={nprocs}", "model.dropout=0.2", "checkpoint.keep=2",
            "optimizer.name=sgd", "schedule.name=cosine", "schedule.warmup_epochs=0.5"]
-    rc, full, full_metrics = _train(tmp_path / "full", *_sets(cfg))
+    rc, full, full_metrics = train(tmp_path / "full", *sets(cfg))
     assert rc == 0 and not full["interrupted"]
     part = tmp_path / "part"
-    rc, cut, _ = _train(part, *_sets([*cfg, "max_steps=17"]))
+    rc, cut, _ = train(part, *sets([*cfg, "max_steps=17"]))
     assert rc == 0 and cut["interrupted"] and cut["steps"] == 17
     assert (part / "checkpoints" / "step-00000017.pt").exists()
-    rc, resumed, resumed_metrics = _train(part, "--resume", "--set", "max_steps=null")
+    rc, resumed, resumed_metrics = train(part, "--resume", "--set", "max_steps=null")
     assert rc == 0 and resumed["steps"] == full["steps"]
     assert _strip(resumed_metrics) == _strip(full_metrics)
     for key in ("test_accuracy", "test_loss", "final_loss", "epochs"):
@@ -106,14 +93,14 @@ def test_resume_equals_uninterrupted(tmp_path, mode, nprocs):
 def test_failed_resume_keeps_saved_config(tmp_path, capsys):
     """A refused --resume (another mode) leaves config.yaml as it was, so a later resume still works."""
     run = tmp_path / "run"
-    rc, cut, _ = _train(run, *_sets([*TINY, "mode=single", "max_steps=3"]))
+    rc, cut, _ = train(run, *sets([*TINY, "mode=single", "max_steps=3"]))
     assert rc == 0 and cut["interrupted"]
     saved = (run / "config.yaml").read_text()
     capsys.readouterr()
-    rc, _, _ = _train(run, "--resume", "--mode", "dp")
+    rc, _, _ = train(run, "--resume", "--mode", "dp")
     assert rc == 1 and "mode 'single'" in capsys.readouterr().err
     assert (run / "config.yaml").read_text() == saved
-    rc, resumed, _ = _train(run, "--resume", "--set", "max_steps=null")
+    rc, resumed, _ = train(run, "--resume", "--set", "max_steps=null")
     assert rc == 0 and resumed["mode"] == "single" and not resumed["interrupted"]
 
 
@@ -140,7 +127,7 @@ def test_single_outputs_only_in_run_dir(tmp_path):
     env, dirs = _isolated(tmp_path)
     run = tmp_path / "out"
     proc = subprocess.run([sys.executable, "-m", "ringpipe.cli", "train", "--no-progress", "--run-dir", str(run),
-                           *_sets([*TINY, "mode=single", "epochs=2"])],
+                           *sets([*TINY, "mode=single", "epochs=2"])],
                           cwd=dirs["cwd"], env=env, capture_output=True, text=True, timeout=110)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cwd", "home", "out", "tmp"]
@@ -170,7 +157,7 @@ def test_non_finite_numbers_are_written_null(tmp_path):
 def test_run_shorter_than_log_every(tmp_path):
     """max_steps < log_every: the open window is logged (partial), summary.json is valid JSON, curves drawn."""
     run = tmp_path / "run"
-    rc, summary, metrics = _train(run, *_sets([*TINY, "mode=single", "log_every=10", "max_steps=3"]))
+    rc, summary, metrics = train(run, *sets([*TINY, "mode=single", "log_every=10", "max_steps=3"]))
     assert rc == 0 and summary["interrupted"] and summary["steps"] == 3
     summary = _strict_json(run / "summary.json")
     assert all(v is not None for v in summary.values()), summary
@@ -180,13 +167,13 @@ def test_run_shorter_than_log_every(tmp_path):
         json.loads(line, parse_constant=lambda c: pytest.fail(f"{c} in metrics.jsonl"))
     assert (run / "curves.png").stat().st_size > 0
     # Resuming drops the partial record: the window is logged in full at its end.
-    rc, _, metrics = _train(run, "--resume", "--set", "max_steps=10")
+    rc, _, metrics = train(run, "--resume", "--set", "max_steps=10")
     assert rc == 0
     assert [(r["step"], r.get("partial")) for r in metrics if r["kind"] == "train"] == [(10, None)]
 
 
 def test_config_error_exit_code(tmp_path, capsys):
-    rc, _, _ = _train(tmp_path / "x", "--set", "model.name=vgg")
+    rc, _, _ = train(tmp_path / "x", "--set", "model.name=vgg")
     assert rc == 2
     err = capsys.readouterr().err
     assert "model.name='vgg'" in err and "'mlp'" in err
@@ -195,7 +182,7 @@ def test_config_error_exit_code(tmp_path, capsys):
 
 def test_mpi_backend_without_mpirun_is_a_clear_error(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("PATH", str(tmp_path))  # no mpirun, no mpiexec
-    rc, _, _ = _train(tmp_path / "x", "--backend", "mpi", "--nprocs", "2")
+    rc, _, _ = train(tmp_path / "x", "--backend", "mpi", "--nprocs", "2")
     err = capsys.readouterr().err
     assert rc == 1 and "mpirun/mpiexec not found" in err and "--backend gloo" in err
     assert "Traceback" not in err
@@ -205,7 +192,7 @@ def test_incomplete_launcher_environment_is_a_clear_error(tmp_path, monkeypatch,
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.delenv("LOCAL_RANK", raising=False)
-    rc, _, _ = _train(tmp_path / "x", "--mode", "single")
+    rc, _, _ = train(tmp_path / "x", "--mode", "single")
     err = capsys.readouterr().err
     assert rc == 2 and "LOCAL_RANK is not" in err and "Traceback" not in err
     assert not (tmp_path / "x").exists()
@@ -233,7 +220,7 @@ def test_under_launchers(tmp_path, launcher):
     script = tmp_path / "main.py"
     script.write_text("import sys\nfrom ringpipe.cli import main\nsys.exit(main())\n")
     train = [str(script), "train", "--run-dir", str(tmp_path / "run"), "--no-progress",
-             *_sets([*TINY, "mode=dp", "nprocs=1"])]
+             *sets([*TINY, "mode=dp", "nprocs=1"])]
     if launcher == "launch":
         cmd = [sys.executable, "-m", "ringpipe.cli", "launch", "-n", "2", *train]
     else:
@@ -256,7 +243,7 @@ def test_timeline_of_a_training_run(tmp_path):
     from ringpipe.observe import load_events
 
     run = tmp_path / "run"
-    rc, summary, _ = _train(run, *_sets([*TINY, "mode=dp", "nprocs=2", "max_steps=6", "observe.timeline=true"]))
+    rc, summary, _ = train(run, *sets([*TINY, "mode=dp", "nprocs=2", "max_steps=6", "observe.timeline=true"]))
     assert rc == 0 and summary["steps"] == 6
     trace = json.loads((run / "timeline.json").read_text())["traceEvents"]
     spans = [e for e in trace if e["ph"] == "X"]
@@ -276,9 +263,9 @@ def test_every_model_splits_into_two_stages(tmp_path, model):
     """CNN, ResNet (BatchNorm) and transformer cut into 2 stages train as in one process (one micro-batch)."""
     base = ["epochs=1", "batch_size=16", "max_steps=3", "log_every=1", "optimizer.scale_lr=false",
             "schedule.name=constant", *model]
-    rc, ref, ref_metrics = _train(tmp_path / "single", *_sets([*base, "mode=single"]))
+    rc, ref, ref_metrics = train(tmp_path / "single", *sets([*base, "mode=single"]))
     assert rc == 0
-    rc, summary, metrics = _train(tmp_path / "gpipe", *_sets([*base, "mode=gpipe", "nprocs=2",
+    rc, summary, metrics = train(tmp_path / "gpipe", *sets([*base, "mode=gpipe", "nprocs=2",
                                                                 "pipeline.microbatches=1"]))
     assert rc == 0 and summary["world_size"] == 2 and summary["steps"] == 3
     assert _losses(metrics) == pytest.approx(_losses(ref_metrics), rel=1e-4, abs=1e-5)
