@@ -11,6 +11,7 @@ import pytest
 import netns
 
 SCRIPT = str(Path(__file__).parent / "scripts" / "multinode.py")
+LATE_RANK = str(Path(__file__).parent / "scripts" / "stall_late_rank.py")
 REASON = netns.can_create()
 
 
@@ -62,3 +63,24 @@ def test_two_hosts_mpirun_mpi_backend(tmp_path):
         host = "rp-host-a" if node == 0 else "rp-host-b"
         line = f"rank={rank} node={node} nodes=2 local={rank % 2}/2 host={host} sum=10 node_size=2"
         assert line in out.stdout, out.stdout
+
+
+@pytest.mark.netns
+@pytest.mark.mpi
+@pytest.mark.timeout(150)
+@pytest.mark.skipif(REASON is not None, reason=REASON or "")
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="needs Open MPI's mpirun")
+def test_two_hosts_mpi_stall_inspector_reaches_rank0_store(tmp_path):
+    """Under MPI across hosts the inspector's store is served by rank 0 on a non-loopback address."""
+    pytest.importorskip("mpi4py")
+    from test_stall import assert_late_rank_named, late_rank_reports
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", RINGPIPE_BACKEND="mpi", RINGPIPE_STALL_CHECK_SECONDS="1")
+    for k in ("MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME"):
+        env.pop(k, None)
+    with netns.two_hosts() as hosts:
+        cmd, extra = netns.mpirun_across(hosts, [sys.executable, LATE_RANK], tmp_path / "hostfile", slots=2)
+        out = subprocess.run(cmd, capture_output=True, text=True, env={**env, **extra}, timeout=120)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    assert "cannot reach the job's key-value store" not in out.stderr, out.stderr[-3000:]
+    assert_late_rank_named(late_rank_reports(out.stdout, 4), 4)

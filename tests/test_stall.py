@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,7 +16,34 @@ import torch
 from ringpipe.comm.events import EventLog
 from ringpipe.comm.stall import StallInspector, describe
 from ringpipe.comm.world import stall_inspector
-from ringpipe.launch import spawn
+from ringpipe.launch import mpirun_command, spawn
+
+LATE_RANK = Path(__file__).parent / "scripts" / "stall_late_rank.py"
+HAVE_MPI = shutil.which("mpirun") is not None and __import__("importlib").util.find_spec("mpi4py") is not None
+
+
+def late_rank_reports(stdout: str, size: int) -> dict[int, list[str]]:
+    """The reports each rank of ``scripts/stall_late_rank.py`` printed (``--tag-output`` prefixes allowed)."""
+    out = {}
+    for line in stdout.splitlines():
+        if "stall-reports " in line:
+            rank, reports = line.split("stall-reports ", 1)[1].split(" ", 1)
+            out[int(rank)] = json.loads(reports)
+    assert sorted(out) == list(range(size)), stdout
+    return out
+
+
+def assert_late_rank_named(reports: dict[int, list[str]], size: int) -> None:
+    late = size - 1
+    assert reports[late] == []  # the late rank never waited
+    for rank in range(late):
+        assert reports[rank], reports
+        text = reports[rank][0]
+        assert text.startswith(f"rank {rank} has waited") and "in allreduce (4.0 KiB) on world" in text
+        assert f"not in any communication for 0.5 s: rank {late} (still computing" in text
+        for other in range(late):  # every waiting rank published its state (by the second report)
+            if other != rank:
+                assert any(f"rank {other} in allreduce (4.0 KiB) on world" in t for t in reports[rank]), reports
 
 
 def _state(op, waiting_s=70.0, comm="world", nbytes=4 << 20, peer=-1):
@@ -55,11 +88,16 @@ def _late_rank(comm):
 @pytest.mark.timeout(120)
 def test_ranks_waiting_for_a_late_rank_name_it():
     reports = spawn(_late_rank, 3, env={"RINGPIPE_STALL_CHECK_SECONDS": "1"})
-    assert reports[2] == []  # the late rank never waited
-    for rank in (0, 1):
-        assert reports[rank], reports
-        text = reports[rank][0]
-        assert text.startswith(f"rank {rank} has waited") and "in allreduce (4.0 KiB) on world" in text
-        assert "not in any communication for 0.5 s: rank 2 (still computing" in text
-        # The other waiting rank published its state too (at the latest by the second report).
-        assert any(f"waiting too: rank {1 - rank} in allreduce (4.0 KiB) on world" in t for t in reports[rank])
+    assert_late_rank_named(dict(enumerate(reports)), 3)
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not HAVE_MPI, reason="needs mpirun and mpi4py")
+def test_mpi_backend_late_rank_is_named():
+    """Under MPI (no c10d store) rank 0 serves a store for the inspector: the warnings still name the late rank."""
+    env = dict(os.environ, RINGPIPE_STALL_CHECK_SECONDS="1", RINGPIPE_BACKEND="mpi", OMP_NUM_THREADS="1")
+    out = subprocess.run(mpirun_command(3, [sys.executable, str(LATE_RANK)]), env=env, capture_output=True,
+                         text=True, timeout=110)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert_late_rank_named(late_rank_reports(out.stdout, 3), 3)

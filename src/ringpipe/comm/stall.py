@@ -12,8 +12,9 @@ the process group) and reads what the other ranks published, then logs one warni
 
 Ranks that wait in different operations are named as such: the program calls collectives in a
 different order on different ranks. ``RINGPIPE_STALL_CHECK_SECONDS`` sets the threshold (60 by
-default, 0 turns the inspector off). Without a store (MPI), the warning says what this rank
-waits for only.
+default, 0 turns the inspector off). Under MPI, which has no c10d store, rank 0 serves one for
+the inspector (:func:`ringpipe.comm.world.init_world`); where no store can be reached, the
+warning says what this rank waits for only.
 """
 
 from __future__ import annotations
@@ -64,7 +65,9 @@ class StallInspector:
     def __init__(self, rank: int, size: int, log_: EventLog, seconds: float, store: Any = None,
                  prefix: str = "ringpipe/stall", interval: float | None = None) -> None:
         self.rank, self.size, self.events, self.seconds = rank, size, log_, seconds
-        self.store, self.prefix = store, prefix
+        # ``store``: a key-value store (``set``/``get``/``check``), or a function that opens one
+        # when a stall first needs it.
+        self._store, self.prefix = store, prefix
         self.interval = interval or min(5.0, max(0.1, seconds / 4))
         self.reports: list[str] = []
         self._published = False
@@ -116,6 +119,18 @@ class StallInspector:
         log.warning("stall: %s", message)
         self.reports.append(message)
         return message
+
+    @property
+    def store(self) -> Any:
+        """The key-value store, opened on first use; None without one (or when it cannot be reached)."""
+        if callable(self._store) and not hasattr(self._store, "set"):
+            opener, self._store = self._store, None
+            try:
+                self._store = opener()
+            except Exception as exc:  # noqa: BLE001 - the warning then names this rank's wait only
+                log.warning("stall inspector: cannot reach the job's key-value store (%s); stall warnings "
+                            "name this rank's wait only", exc)
+        return self._store
 
     def _key(self, rank: int) -> str:
         return f"{self.prefix}/{rank}"

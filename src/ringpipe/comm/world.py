@@ -6,6 +6,8 @@ import datetime
 import logging
 import os
 import socket
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -148,6 +150,71 @@ def init_world(
 _INSPECTOR: StallInspector | None = None
 
 
+def _mpi_stall_store(topology: Topology) -> Callable[[], Any] | None:
+    """A key-value store for the stall inspector under MPI, which has no c10d store.
+
+    Rank 0 serves a ``TCPStore`` on a free port and shares its address through MPI; the other
+    ranks connect only when the inspector first needs the store (a stall), so a job that never
+    stalls pays one small broadcast at start-up and an unreachable address costs nothing then.
+    Returns a factory for the store, or None where no store can be served.
+    """
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    served: Any = None
+    where: tuple[list[str], int] | None = None
+    if world.Get_rank() == 0:
+        if topology.num_nodes == 1:
+            hosts = ["127.0.0.1"]
+        else:  # the store listens on every interface; the others try rank 0's addresses in turn
+            hosts = list(dict.fromkeys([a for a in (topology.master_addr, _my_address()) if a]
+                                       + _ipv4_addresses()))
+            hosts = [h for h in hosts if not h.startswith("127.")] or hosts
+        try:
+            served = dist.TCPStore(hosts[0], 0, is_master=True, wait_for_workers=False,
+                                   timeout=datetime.timedelta(seconds=10))
+            where = (hosts, int(served.port))
+        except Exception:  # noqa: BLE001 - without a store the warnings name each rank's own wait only
+            log.debug("cannot serve a store for the stall inspector", exc_info=True)
+    where = world.bcast(where, root=0)
+    if where is None:
+        return None
+    if served is not None:
+        return lambda: served
+    hosts, port = where
+
+    def connect() -> Any:
+        errors = []
+        for host in hosts:
+            try:
+                return dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
+                                     timeout=datetime.timedelta(seconds=5))
+            except Exception as exc:  # noqa: BLE001 - try rank 0's next address
+                errors.append(f"{host}:{port}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
+        raise CommError("rank 0's store is not reachable at " + "; ".join(errors))
+
+    return connect
+
+
+def _ipv4_addresses() -> list[str]:
+    """This host's IPv4 addresses, one per interface that has one (Linux; empty elsewhere)."""
+    try:
+        import fcntl
+        import struct
+
+        out = []
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            for _, name in socket.if_nameindex():
+                try:
+                    req = struct.pack("256s", name.encode()[:15])
+                    out.append(socket.inet_ntoa(fcntl.ioctl(s.fileno(), 0x8915, req)[20:24]))  # SIOCGIFADDR
+                except OSError:  # an interface without an IPv4 address
+                    continue
+        return out
+    except (ImportError, OSError):
+        return []
+
+
 def _start_stall_inspector(comm: Communicator) -> None:
     """Watch for stalled communication (``RINGPIPE_STALL_CHECK_SECONDS``, 60 by default; 0: off)."""
     global _INSPECTOR
@@ -158,8 +225,10 @@ def _start_stall_inspector(comm: Communicator) -> None:
         raise EnvironmentError_(f"RINGPIPE_STALL_CHECK_SECONDS={raw!r} is not a number of seconds (0 turns it off)") from None
     if comm.size == 1 or seconds <= 0:
         return
-    store = None
-    if comm.backend != "mpi":
+    store: Any = None
+    if comm.backend == "mpi":
+        store = _mpi_stall_store(comm.topology)
+    else:
         try:  # the process group's key-value store: every rank reaches it without communicating
             store = dist.distributed_c10d._get_default_store()
         except Exception:  # noqa: BLE001 - without a store the warning names this rank's wait only
