@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -24,11 +25,11 @@ HAVE_MPI = shutil.which("mpirun") is not None and __import__("importlib").util.f
 
 def late_rank_reports(stdout: str, size: int) -> dict[int, list[str]]:
     """The reports each rank of ``scripts/stall_late_rank.py`` printed (``--tag-output`` prefixes allowed)."""
+    # Not line by line: Open MPI's --tag-output can join two ranks' lines, or glue the next tag on.
     out = {}
-    for line in stdout.splitlines():
-        if "stall-reports " in line:
-            rank, reports = line.split("stall-reports ", 1)[1].split(" ", 1)
-            out[int(rank)] = json.loads(reports)
+    decoder = json.JSONDecoder()
+    for m in re.finditer(r"stall-reports (\d+) ", stdout):
+        out[int(m.group(1))] = decoder.raw_decode(stdout, m.end())[0]
     assert sorted(out) == list(range(size)), stdout
     return out
 
