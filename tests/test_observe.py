@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from ringpipe import collectives
 from ringpipe.comm.events import Event
 from ringpipe.launch import spawn
 from ringpipe.observe.collect import JobEvents, RankEvents, collect_events, load_events, save_events
-from ringpipe.observe.doctor import diagnose, late_ranks, link_findings, placement
+from ringpipe.observe.doctor import diagnose, late_ranks, link_findings, placement, ring_links
 from ringpipe.observe.table import busy_ns, format_profile, profile
 from ringpipe.observe.timeline import chrome_trace, write_timeline
 
@@ -107,6 +108,60 @@ def test_slow_link_and_the_cost_of_crossing_hosts():
     # Problems come first in the full diagnosis.
     sev = [f.severity for f in diagnose(job, links)]
     assert sev == sorted(sev, key=lambda s: s != "problem")
+
+
+def _ring_job(gbps, late_ms=(), hosts=("a", "a", "b", "b"), reps=4, nbytes=1 << 20):
+    """Ring allreduces on ``len(hosts)`` ranks, timed from per-hop bandwidths ``gbps[(src, dst)]``.
+
+    Rank ``r`` starts each collective ``late_ms[r]`` late. In step ``s`` a rank receives from its
+    predecessor once both have reached the step (the sender at the end of its step ``s - 1``),
+    and the block takes ``nbytes / gbps`` on that hop: what the ring records.
+    """
+    p = len(hosts)
+    late = list(late_ms) + [0.0] * (p - len(late_ms))
+    events = [[] for _ in range(p)]
+    t0 = 0.0
+    for cid in range(1, reps + 1):
+        done = {}
+        for step in range(2 * (p - 1)):
+            for r in range(p):
+                pred = (r - 1) % p
+                posted = t0 + late[r] if step == 0 else done[(r, step - 1)]
+                sent = t0 + late[pred] if step == 0 else done[(pred, step - 1)]
+                done[(r, step)] = max(posted, sent) + nbytes / gbps[(pred, r)] / MS
+                events[r].append(_ev("allreduce.step", posted, done[(r, step)], nbytes=nbytes, peer=pred,
+                                     collective="allreduce", cid=cid, step=step, algorithm="ring", reduce_ns=0))
+        t0 = max(done.values()) + 10.0
+    return _job(events, hosts=list(hosts))
+
+
+def test_ring_links_measure_each_hop_from_the_runs_ring_steps():
+    hops = {(0, 1): 8.0, (1, 2): 1.0, (2, 3): 8.0, (3, 0): 1.0}
+    links = ring_links(_ring_job(hops))
+    assert [(x["src"], x["dst"]) for x in links] == [(0, 1), (1, 2), (2, 3), (3, 0)]
+    for x in links:
+        assert x["gbps"] == pytest.approx(hops[(x["src"], x["dst"])], rel=1e-6) and x["samples"] == 24
+    found = diagnose(_ring_job(hops))
+    crossing = [f for f in found if "crossing hosts" in f.what]
+    assert crossing[0].what == "crossing hosts costs 8.0x in bandwidth" and crossing[0].severity == "problem"
+    assert "from 48 ring steps of this job" in crossing[0].evidence
+
+
+def test_a_late_rank_does_not_make_its_links_look_slow():
+    """Rank 2 starts every allreduce 50 ms late: its hops keep their bandwidth, no link is blamed."""
+    hops = {(0, 1): 2.0, (1, 2): 2.0, (2, 3): 2.0, (3, 0): 2.0}
+    job = _ring_job(hops, late_ms=(0, 0, 50.0), hosts=("h",) * 4)
+    assert all(x["gbps"] == pytest.approx(2.0, rel=1e-6) for x in ring_links(job))
+    assert not [f for f in diagnose(job) if "link" in f.what]
+
+
+def test_a_slow_hop_is_named_from_the_runs_ring_steps():
+    hops = {(r, (r + 1) % 6): 2.0 for r in range(6)} | {(2, 3): 0.2}
+    found = diagnose(_ring_job(hops, hosts=("h",) * 6))
+    slow = [f for f in found if f.what.startswith("slow link")]
+    assert [f.what for f in slow] == ["slow link: rank 2 (h) <-> rank 3 (h)"]
+    assert slow[0].severity == "problem" and "ring steps of this job" in slow[0].evidence
+    assert any(f.what == "slowest ring hop: rank 2 <-> rank 3" for f in found)
 
 
 def test_busy_time_counts_overlapping_operations_once():
@@ -241,3 +296,33 @@ def test_doctor_finds_the_slow_cross_host_links():
     cross = [x["gbps"] for x in report["links"] if (x["src"] < 2) != (x["dst"] < 2)]
     same = [x["gbps"] for x in report["links"] if (x["src"] < 2) == (x["dst"] < 2)]
     assert len(cross) == 4 and len(same) == 2 and max(cross) < min(same)
+
+
+@pytest.mark.netns
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(REASON is not None, reason=REASON or "")
+def test_doctor_blames_the_cross_host_hops_from_a_runs_events(tmp_path):
+    """No probe: ring allreduces over two hosts joined by a 200 Mbit/s link, then `ringpipe doctor EVENTS`."""
+    env = _env()
+    events = tmp_path / "events.json"
+    script = str(Path(__file__).parent / "scripts" / "ring_events.py")
+    with netns.two_hosts(rate="200mbit") as (a, b):
+        procs = []
+        for node, host in enumerate((a, b)):
+            cmd = [*host.prefix(), sys.executable, "-m", "ringpipe.cli", "launch", "-n", "2", "--nnodes", "2",
+                   "--node-rank", str(node), "--rdzv-endpoint", f"{a.addr}:29643", script, str(events),
+                   str(1 << 20), "4"]
+            procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
+        outs = [p.communicate(timeout=150) for p in procs]
+    for p, (out, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, out[-2000:] + err[-4000:]
+    out = subprocess.run([sys.executable, "-m", "ringpipe.cli", "doctor", "--json", str(events)],
+                         capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report["hosts"] == ["rp-host-a", "rp-host-a", "rp-host-b", "rp-host-b"]
+    hops = {(x["src"], x["dst"]): x["gbps"] for x in report["links"]}
+    assert sorted(hops) == [(0, 1), (1, 2), (2, 3), (3, 0)], report["links"]
+    assert max(hops[(1, 2)], hops[(3, 0)]) < min(hops[(0, 1)], hops[(2, 3)]), hops
+    crossing = [f for f in report["findings"] if "crossing hosts costs" in f["what"]]
+    assert crossing and crossing[0]["severity"] == "problem", report["findings"]

@@ -7,7 +7,7 @@ only reads those records. In a job::
     if job is not None:
         write_timeline("timeline.json", job)   # chrome://tracing or ui.perfetto.dev
         print(format_profile(job))             # MPI-style table: time, calls, bytes per op and rank
-        for finding in diagnose(job):          # late ranks, placement (more with the live probe)
+        for finding in diagnose(job):          # late ranks, placement, slow ring hops
             print(finding.text())
 """
 

@@ -65,10 +65,13 @@ def _print_report(result: dict[str, Any], nbytes: int, as_json: bool) -> None:
         return
     extra = []
     if result.get("links"):
-        extra.append(f"{'link':>12} {'latency us':>11} {'GB/s':>8}  hosts")
+        probed = all(x.get("latency_us") is not None for x in result["links"])
+        extra.append(f"{'link':>12} {'latency us' if probed else 'ring steps':>11} {'GB/s':>8}  hosts")
         hosts = job.hosts()
         for x in result["links"]:
-            extra.append(f"{x['src']:>5} <-> {x['dst']:<3} {x['latency_us']:>11.1f} {x['gbps']:>8.3f}  "
+            how = f"{x['latency_us']:>11.1f}" if probed else f"{x.get('samples', 0):>11d}"
+            arrow = "<->" if probed else " ->"
+            extra.append(f"{x['src']:>5} {arrow} {x['dst']:<3} {how} {x['gbps']:>8.3f}  "
                          f"{hosts[x['src']]} / {hosts[x['dst']]}")
     if result.get("allreduce_ms"):
         ms = result["allreduce_ms"]
@@ -82,14 +85,15 @@ def doctor_main(args: Any) -> int:
 
     if args.events:
         from ringpipe.observe.collect import load_events
-        from ringpipe.observe.doctor import diagnose
+        from ringpipe.observe.doctor import diagnose, ring_links
         from ringpipe.observe.table import format_profile
 
         job = load_events(args.events)
-        findings = diagnose(job)
+        links = ring_links(job)  # the run's own ring steps stand in for the probe
+        findings = diagnose(job, links)
         if not args.json:
             print(format_profile(job) + "\n", flush=True)
-        _print_report({"job": job, "findings": findings}, 0, args.json)
+        _print_report({"job": job, "findings": findings, "links": links}, 0, args.json)
         return 1 if any(f.severity == "problem" for f in findings) and args.strict else 0
     nbytes = parse_size(args.size)
     os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -11,7 +11,9 @@ turns those suspicions into measurements and names the culprit:
   places), more ranks than cores on a host, ranks bound to the same CPUs.
 - **links** (from a probe): latency and bandwidth of every pair of ranks (or of ring
   neighbours on large jobs), grouped into same-host and cross-host links; a link much slower
-  than its peers is named, and so is the cost of crossing hosts.
+  than its peers is named, and so is the cost of crossing hosts. Without a probe, the ring
+  steps of the job's own collectives give the bandwidth of every ring hop
+  (:func:`ring_links`), so a training run's events blame links too.
 - **compute** (from a probe): a rank much slower at the same matrix product than the others.
 
 :func:`diagnose` is pure (events and probe results in, findings out); :func:`run_probe` is the
@@ -32,7 +34,7 @@ import torch
 from ringpipe.comm.base import Communicator
 from ringpipe.observe.collect import JobEvents
 
-__all__ = ["Finding", "diagnose", "late_ranks", "placement", "link_findings", "compute_findings",
+__all__ = ["Finding", "diagnose", "late_ranks", "placement", "link_findings", "ring_links", "compute_findings",
            "run_probe", "format_report", "plot_links", "COLLECTIVE_OPS"]
 
 COLLECTIVE_OPS = ("allreduce", "iallreduce", "allgather", "broadcast", "reduce", "reduce_scatter", "alltoall", "barrier")
@@ -175,9 +177,65 @@ def placement(job: JobEvents) -> list[Finding]:
 # ----------------------------------------------------------------------------- links and compute
 
 
+def ring_links(job: JobEvents, min_bytes: int = 1 << 16, min_samples: int = 3) -> list[dict[str, Any]]:
+    """The bandwidth of every ring hop ``pred -> rank`` as the job's ring collectives saw it.
+
+    Only receives are recorded, but a ring's sender is known: in step ``s`` rank ``r`` receives
+    from ``pred = r - 1``, which sends that block as soon as its own step ``s - 1`` is done (the
+    first step's block at once). So each recorded step gives a transfer time that a late rank
+    does not inflate: from ``max(receive posted, sender's step s-1 done)`` to the end of the
+    receive, less the reduction time. Steps under ``min_bytes`` (latency-bound) are skipped;
+    a hop needs ``min_samples`` steps. Times are on rank 0's clock (see
+    :mod:`ringpipe.observe.collect`). Returns ``[{"src", "dst", "gbps", "latency_us": None,
+    "samples", "source": "ring"}, ...]``, the median over the hop's steps, for
+    :func:`link_findings`.
+    """
+    p = job.size
+    if p < 2:
+        return []
+    world = job.meta.get("comm", "world")
+    done: dict[tuple[int, str, int, int], tuple[int, int]] = {}  # (rank, coll, cid, step) -> (posted, done)
+    steps: list[tuple[int, str, int, int, Any]] = []
+    for r in job.ranks:
+        pred = (r.rank - 1) % p
+        for e in r.events:
+            d = e.detail or {}
+            if not (e.op.endswith(".step") and d.get("algorithm") == "ring" and e.comm == world and e.peer == pred):
+                continue
+            key = (r.rank, str(d.get("collective")), int(d.get("cid", -1)), int(d.get("step", -1)))
+            done[key] = (e.start_ns, e.end_ns)
+            steps.append((*key, e))
+    samples: dict[tuple[int, int], list[float]] = defaultdict(list)
+    for rank, coll, cid, step, e in steps:
+        if e.nbytes < min_bytes:
+            continue
+        pred = (rank - 1) % p
+        before = done.get((pred, coll, cid, step - 1))
+        if before is not None:
+            sent = before[1]
+        else:  # the first step of the collective: the sender posted its block when it started
+            first = done.get((pred, coll, cid, step))
+            if first is None:
+                continue
+            sent = first[0]
+        took = e.end_ns - int((e.detail or {}).get("reduce_ns", 0)) - max(e.start_ns, sent)
+        if took > 0:
+            samples[(pred, rank)].append(e.nbytes / took)  # bytes per ns = GB/s
+    return [
+        {"src": src, "dst": dst, "gbps": statistics.median(v), "latency_us": None, "samples": len(v),
+         "source": "ring"}
+        for (src, dst), v in sorted(samples.items()) if len(v) >= min_samples
+    ]
+
+
+def _latency(links: Sequence[dict[str, Any]]) -> float | None:
+    values = [x["latency_us"] for x in links if x.get("latency_us") is not None]
+    return statistics.median(values) if values else None
+
+
 def link_findings(job: JobEvents, links: list[dict[str, Any]], slow_factor: float = 1 / 3,
                   busy_hosts: Sequence[str] = ()) -> list[Finding]:
-    """Findings from probed links: ``[{"src", "dst", "latency_us", "gbps"}, ...]``.
+    """Findings from links: ``[{"src", "dst", "latency_us", "gbps"}, ...]``, probed or from :func:`ring_links`.
 
     A link is slow below ``slow_factor`` times the median of its class (same-host or cross-host).
     On ``busy_hosts`` (oversubscribed) a slow link may be nothing but two ranks waiting for a core:
@@ -192,7 +250,17 @@ def link_findings(job: JobEvents, links: list[dict[str, Any]], slow_factor: floa
         classes["cross-host" if cross else "same-host"].append(link)
     findings: list[Finding] = []
     medians = {c: statistics.median(x["gbps"] for x in ls) for c, ls in classes.items()}
-    lat = {c: statistics.median(x["latency_us"] for x in ls) for c, ls in classes.items()}
+    lat = {c: _latency(ls) for c, ls in classes.items()}
+
+    def latency(x: dict[str, Any] | None, cls: str) -> str:
+        """The evidence besides bandwidth: latencies when probed, else how many ring steps."""
+        if lat[cls] is None:
+            n = x.get("samples", 0) if x is not None else sum(y.get("samples", 0) for y in classes[cls])
+            return f"from {n} ring steps of this job"
+        if x is None:
+            return f"latency {lat[cls]:.0f} us"
+        return f"latency {x['latency_us']:.0f} us, median {lat[cls]:.0f} us"
+
     for cls, ls in classes.items():
         for x in ls:
             if x["gbps"] < slow_factor * medians[cls]:
@@ -202,7 +270,7 @@ def link_findings(job: JobEvents, links: list[dict[str, Any]], slow_factor: floa
                     "info" if busy else "problem",
                     f"slow link: rank {x['src']} ({a}) <-> rank {x['dst']} ({b})",
                     f"{x['gbps']:.3f} GB/s against a median of {medians[cls]:.3f} GB/s for {cls} links "
-                    f"(latency {x['latency_us']:.0f} us, median {lat[cls]:.0f} us)"
+                    f"({latency(x, cls)})"
                     + (f"; {', '.join(busy)} is oversubscribed, so this may be core contention" if busy else ""),
                     "a ring allreduce runs at the pace of its slowest hop: check this link's NIC, cable, "
                     "switch port or traffic shaping (same host: a link across sockets), or order the "
@@ -215,8 +283,8 @@ def link_findings(job: JobEvents, links: list[dict[str, Any]], slow_factor: floa
         findings.append(Finding(
             sev,
             f"crossing hosts costs {ratio:.1f}x in bandwidth",
-            f"same-host links {medians['same-host']:.3f} GB/s (latency {lat['same-host']:.0f} us), "
-            f"cross-host links {medians['cross-host']:.3f} GB/s (latency {lat['cross-host']:.0f} us)",
+            f"same-host links {medians['same-host']:.3f} GB/s ({latency(None, 'same-host')}), "
+            f"cross-host links {medians['cross-host']:.3f} GB/s ({latency(None, 'cross-host')})",
             "use the hierarchical allreduce so that only one rank per host sends across hosts"
             if sev == "problem" else "",
             hosts=tuple(dict.fromkeys(hosts)),
@@ -255,7 +323,9 @@ def diagnose(job: JobEvents, links: list[dict[str, Any]] | None = None) -> list[
     """Every finding for ``job``: problems first."""
     where = placement(job)
     busy = [h for f in where if "oversubscribed" in f.what for h in f.hosts]
-    found = where + compute_findings(job) + link_findings(job, links or [], busy_hosts=busy) + late_ranks(job)
+    if links is None:  # no probe: the job's own ring steps
+        links = ring_links(job)
+    found = where + compute_findings(job) + link_findings(job, links, busy_hosts=busy) + late_ranks(job)
     return sorted(found, key=lambda f: f.severity != "problem")
 
 
