@@ -44,7 +44,11 @@ __all__ = [
 
 #: Chunk size of pipelined messages (gloo's own ring uses segments of up to 1 MiB).
 CHUNK_BYTES = 512 * 1024
-MAX_CHUNKS = 64
+#: At most this many chunks per message: larger messages get larger chunks. Every chunk is a
+#: Python-level isend/irecv pair (tens of microseconds each); with 64 chunks of 512 KiB a 64 MiB
+#: ring allreduce ran at 0.86-0.93x native gloo on 2 and 4 ranks, with 8 chunks at 1.04-1.05x
+#: (benchmarks/RESULTS.md).
+MAX_CHUNKS = 8
 DATA_TAG = 7100
 
 
