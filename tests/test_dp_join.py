@@ -97,6 +97,56 @@ def _check_schedule(results, batches, kind):
         assert lr == pytest.approx(ref_lr), rank
 
 
+def _uneven_with_clipping(comm, batches):
+    """Clipped gradients (synchronize, clip, step under skip_synchronize) with uneven shards."""
+    model = _model()
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9),
+                               model.named_parameters(), bucket_bytes=100, comm=comm)
+    xs, ys = _batches()
+    for i in _mine(comm.rank, batches):
+        opt.zero_grad()
+        (10.0 * nn.functional.mse_loss(model(xs[i]), ys[i])).backward()
+        opt.synchronize()
+        nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        with opt.skip_synchronize():
+            opt.step()
+    last = join(comm)
+    momenta = [_np(opt.state[p]["momentum_buffer"]) for p in model.parameters()]
+    return last, [_np(p) for p in model.parameters()], momenta
+
+
+CLIP = 0.05
+
+
+def _clipping_reference(batches):
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    xs, ys = _batches()
+    n = len(batches)
+    for k in range(max(batches)):
+        opt.zero_grad()
+        idx = [k * n + r for r in range(n) if batches[r] > k]
+        (10.0 * torch.stack([nn.functional.mse_loss(model(xs[i]), ys[i]) for i in idx]).mean()).backward()
+        assert nn.utils.clip_grad_norm_(model.parameters(), CLIP) > CLIP  # clipping changes every step
+        opt.step()
+    return [p.detach() for p in model.parameters()], [opt.state[p]["momentum_buffer"] for p in model.parameters()]
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("batches", [(3, 1), (1, 2, 4)])
+def test_join_with_clipped_gradients_leaves_every_rank_with_the_same_weights(batches):
+    """A joined rank applies the reduced gradients unclipped; join then gives it the last rank's weights and state."""
+    results = spawn(_uneven_with_clipping, len(batches), args=(batches,))
+    ref, ref_momenta = _clipping_reference(batches)
+    for rank, (_, params, momenta) in enumerate(results):
+        for got, want in zip(params, ref, strict=True):
+            assert torch.allclose(torch.as_tensor(got), want, atol=1e-6), rank
+        for got, want in zip(momenta, ref_momenta, strict=True):
+            assert torch.allclose(torch.as_tensor(got), want, atol=1e-6), rank
+        for got, first in zip(params + momenta, results[0][1] + results[0][2], strict=True):
+            assert (got == first).all(), f"rank {rank} differs from rank 0 after join"
+
+
 # ----------------------------------------------------------------------------- other collectives during join
 
 

@@ -157,7 +157,8 @@ def broadcast_optimizer_state(
                 f"broadcast_optimizer_state: rank {root_rank} has parameter groups {theirs[1]} but rank "
                 f"{comm.rank} has {ours[1]}; build the same optimizer on every rank"
             )
-        inner.load_state_dict(_fill(skeleton, tensors))
+        # Through the wrapper when there is one: DistributedOptimizer re-shares the new state and groups.
+        optimizer.load_state_dict(_fill(skeleton, tensors))
 
 
 def _collect_refs(obj: Any, out: list[_TensorRef]) -> None:

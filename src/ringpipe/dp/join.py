@@ -6,6 +6,9 @@ data announce: for an optimizer step it reduces zero gradients and then applies 
 gradients of the ranks with data, with their hyper-parameters (its own learning-rate scheduler
 no longer advances), so its parameters stay equal to theirs; for an allreduce (SyncBatchNorm's
 statistics, a metric) it contributes the identity of the reduce op; it takes part in barriers.
+Gradients that the ranks with data change after ``synchronize()`` (clipping) are not what a
+joined rank applies: when every rank has joined, ranks whose parameters then differ take those
+of the rank that joined last, with its optimizer state.
 Any other collective raises :class:`~ringpipe.dp.announce.JoinError` on every rank. When a
 header shows no rank with data, every rank has joined and all of them return together.
 """
@@ -13,6 +16,9 @@ header shows no rank with data, every rank has joined and all of them return tog
 from __future__ import annotations
 
 import logging
+from typing import Any
+
+import torch
 
 from ringpipe.comm.base import Communicator
 from ringpipe.dp.announce import JoinError, Note, device_of, exchange, identity, refuse, wire_op
@@ -76,7 +82,41 @@ def join(comm: Communicator) -> int:
     last = max(r for r, (c, _) in enumerate(every) if c == fewest)
     if optimizer is not None and every[last][1] is not None:
         optimizer.load_hyperparameters(every[last][1])
+    if optimizer is not None and _served(every):
+        _agree_with(comm, engine, optimizer, last)
     return last
+
+
+def _served(every: list[tuple[int, Any]]) -> bool:
+    """Whether some rank served steps of the others (it joined with fewer steps than another)."""
+    return len({count for count, _ in every}) > 1
+
+
+def _agree_with(comm: Communicator, engine: Engine, optimizer: Any, last: int) -> None:
+    """Give every rank the parameters and optimizer state of ``last`` where serving left them different.
+
+    A joined rank applies the averaged gradients as reduced. Ranks with data that change their
+    gradients between ``synchronize()`` and ``step()`` (clipping them, say) apply something
+    else, so after join the ranks would train on from different weights. A digest of the
+    parameters (sum and absolute sum of each, one small allgather) finds that case; then the
+    rank that joined last, which had data at every step, sends its parameters and optimizer state.
+    """
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if not params:
+        return
+    with torch.no_grad():
+        digest = torch.stack([t for p in params for t in (p.double().sum(), p.double().abs().sum())]).cpu()
+    digests = engine.run(lambda: comm.allgather_object(digest.tolist()), name="join-agree")
+    if all(d == digests[last] for d in digests):
+        return
+    differ = [r for r, d in enumerate(digests) if d != digests[last]]
+    log.info("join: parameters of rank(s) %s differ from those of rank %d after the served steps (gradients "
+             "changed between synchronize() and step(), e.g. clipped); taking rank %d's parameters and "
+             "optimizer state", differ, last, last)
+    from ringpipe.dp.broadcast import broadcast_optimizer_state, broadcast_tensors
+
+    broadcast_tensors(params, last, comm)
+    broadcast_optimizer_state(optimizer, last, comm)
 
 
 def _serve_allreduce(comm: Communicator, engine: Engine, note: Note) -> None:
