@@ -29,6 +29,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from ringpipe.comm.base import CommError, Communicator, ReduceOp
@@ -189,7 +190,10 @@ class HeaderState:
             text = _cut(self.invalid[1])
             words[2] |= _HAS_INVALID
             words[_INVALID] = [self.invalid[0], len(text)]
-        buf[:HEADER_BYTES].view(torch.int64).copy_(torch.tensor(words, dtype=torch.int64))
+        if buf.device.type == "cpu":  # numpy: a tenth of the cost of a torch.tensor round trip
+            buf[:HEADER_BYTES].numpy().view(np.int64)[:] = words
+        else:
+            buf[:HEADER_BYTES].view(torch.int64).copy_(torch.tensor(words, dtype=torch.int64))
         if text:
             raw = torch.frombuffer(bytearray(text), dtype=torch.uint8)
             buf[HEADER_BYTES:HEADER_BYTES + len(text)].copy_(raw)
@@ -197,7 +201,8 @@ class HeaderState:
 
     def absorb(self, buf: torch.Tensor, peer: int) -> bool:
         """Merge a received header; return True while no mismatch and no invalid call is known."""
-        words = buf[:HEADER_BYTES].view(torch.int64).tolist()
+        head = buf[:HEADER_BYTES]
+        words = (head.numpy().view(np.int64) if head.device.type == "cpu" else head.view(torch.int64)).tolist()
         if words[0] != _MAGIC or words[1] != peer:
             raise MismatchError(
                 f"rank {self.rank} received a message from rank {peer} that is not a ringpipe "
