@@ -94,6 +94,15 @@ def test_ringpipe_launch_mpi_backend():
 
 
 @pytest.mark.timeout(120)
+def test_world_left_open_is_destroyed_at_exit():
+    """A script that ends without shutdown_world: ringpipe's exit handler destroys the gloo group
+    while the interpreter is intact (left to finalization, gloo's threads can abort the process)."""
+    out = run([*RINGPIPE, "launch", "-n", "2", str(SCRIPTS / "exit_cleanup.py")])
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("group_alive=False") == 2, out.stdout
+
+
+@pytest.mark.timeout(120)
 def test_plain_ddp_script_runs_unchanged():
     out = run([*RINGPIPE, "launch", "-n", "2", str(SCRIPTS / "plain_ddp.py")])
     assert out.returncode == 0, out.stderr[-3000:]

@@ -155,21 +155,25 @@ def init(comm: Communicator | None = None, backend: str | None = None) -> None:
 
 
 def shutdown() -> None:
-    """Stop the engine and release the communicator created by :func:`init`.
+    """Stop the engine and release the communicator created by :func:`init` (or by ``init_world``).
 
     With ``RINGPIPE_TIMELINE=FILE`` in the environment (as ``HOROVOD_TIMELINE`` in Horovod), rank 0
     first writes a Chrome timeline of every rank's communication to ``FILE`` and the events beside it
     (``FILE`` with ``.events.json``, for ``ringpipe doctor`` and ``ringpipe trace``).
     """
     global _state
-    if _state is not None:
-        state, _state = _state, None
-        path = os.environ.get("RINGPIPE_TIMELINE")
-        try:
-            if path:
-                state.engine.run(lambda: _write_timeline(state.comm, path), name="timeline")
-        finally:
-            state.close()
+    if _state is None:  # a world from init_world() (the lower-level entry point) is released too
+        from ringpipe.comm.world import shutdown_world
+
+        shutdown_world()
+        return
+    state, _state = _state, None
+    path = os.environ.get("RINGPIPE_TIMELINE")
+    try:
+        if path:
+            state.engine.run(lambda: _write_timeline(state.comm, path), name="timeline")
+    finally:
+        state.close()
 
 
 def _write_timeline(comm: Communicator, path: str) -> None:

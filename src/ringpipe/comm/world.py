@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import logging
 import os
@@ -144,7 +145,27 @@ def init_world(
         topo = topo.with_hostnames([socket.gethostname()])
     comm.topology = topo
     _start_stall_inspector(comm)
+    if backend != "mpi":
+        _shutdown_at_exit()
     return comm
+
+
+_AT_EXIT = False
+
+
+def _shutdown_at_exit() -> None:
+    """Destroy the process group when the interpreter exits, if the program did not.
+
+    A gloo group left alive at exit is torn down during interpreter finalization, where one of
+    its worker threads can still be releasing a finished operation that holds Python state: the
+    thread then dies and the process aborts ("terminate called without an active exception"),
+    now and then, after the program's last line ran correctly. ``atexit`` runs while the
+    interpreter is intact; :func:`shutdown_world` is idempotent, so an explicit call stays free.
+    """
+    global _AT_EXIT
+    if not _AT_EXIT:
+        atexit.register(shutdown_world)
+        _AT_EXIT = True
 
 
 _INSPECTOR: StallInspector | None = None
