@@ -119,6 +119,8 @@ def test_dead_rank_stops_the_job(mode, signal_env, cause):
     t0 = time.monotonic()
     out = run([*RINGPIPE, "launch", "-n", "3", "--mode", mode, str(SCRIPTS / "die.py")], **signal_env)
     assert out.returncode != 0
+    if mode == "agent":  # the failed rank's status, as mpirun returns it
+        assert out.returncode == (128 + 9 if signal_env else 3), out.stderr[-2000:]
     assert cause in out.stderr, out.stderr[-3000:]
     assert time.monotonic() - t0 < 60  # the survivors block in a barrier: they must be stopped, not awaited
     left = subprocess.run(["pgrep", "-f", str(SCRIPTS / "die.py")], capture_output=True, text=True)
@@ -131,3 +133,12 @@ def test_bad_launch_arguments():
     assert out.returncode != 0 and "valid: gloo, nccl, mpi" in out.stderr
     out = run([*RINGPIPE, "launch", "--nnodes", "2", "--node-rank", "2", CHECKS])
     assert out.returncode != 0 and "--node-rank 2 must be in" in out.stderr
+    out = run([*RINGPIPE, "launch", "--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", "nohostport", CHECKS])
+    assert out.returncode != 0 and "--rdzv-endpoint 'nohostport' must be HOST:PORT" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr and "master-port" not in out.stderr
+    out = run([*RINGPIPE, "launch", "--master-port", "99999", CHECKS])
+    assert out.returncode != 0 and "--master-port 99999 is not a TCP port" in out.stderr
+    assert "Traceback" not in out.stderr
+    out = run([*RINGPIPE, "launch", "-n", "2", "no_such_script.py"])
+    assert out.returncode != 0 and "no such script: no_such_script.py" in out.stderr
+    assert "Traceback" not in out.stderr and "[0]" not in out.stderr  # refused before any rank started

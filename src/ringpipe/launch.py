@@ -262,12 +262,35 @@ def _run_torchrun(args: Any) -> int:
         except ChildFailedError as exc:
             # The agent SIGTERMs the survivors after the first failure: report the real causes.
             causes = {r: f.exitcode for r, f in exc.failures.items() if f.exitcode != -signal.SIGTERM}
-            for rank, code in sorted((causes or {r: f.exitcode for r, f in exc.failures.items()}).items()):
+            causes = causes or {r: f.exitcode for r, f in exc.failures.items()}
+            # Ranks that failed only because a peer went away first come after the real causes.
+            lost = {r for r in causes if _lost_peer(logdir, r)}
+            if lost == set(causes):
+                lost = set()
+            for rank, code in sorted(causes.items(), key=lambda rc: (rc[0] in lost, rc[0])):
                 what = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-                print(f"ringpipe launch: rank {rank} failed with {what}; the other ranks were stopped",
+                why = " after losing its connection to a failed rank" if rank in lost else ""
+                print(f"ringpipe launch: rank {rank} failed with {what}{why}; the other ranks were stopped",
                       file=sys.stderr)
-            return 1
+            # The failed rank's status, as mpirun gives it (a signal as 128 + its number).
+            code = causes[min(set(causes) - lost)]
+            return code if code > 0 else 128 - code if code < 0 else 1
     return 0
+
+
+def _lost_peer(logdir: str, rank: int) -> bool:
+    """Whether rank ``rank``'s error output (torchrun's log files) says it lost a peer."""
+    import glob
+
+    for path in glob.glob(os.path.join(logdir, "**", str(rank), "stderr.log"), recursive=True):
+        try:
+            with open(path, errors="replace") as fh:
+                text = fh.read()[-20000:].lower()
+        except OSError:
+            continue
+        if any(p in text for p in _PEER_LOST):
+            return True
+    return False
 
 
 def _route_interface(host: str) -> str | None:
@@ -366,6 +389,15 @@ def launch_main(args: Any) -> int:
         raise SystemExit(f"ringpipe launch: -n must be >= 1, got {args.nprocs}")
     if not 0 <= args.node_rank < args.nnodes:
         raise SystemExit(f"ringpipe launch: --node-rank {args.node_rank} must be in [0, --nnodes={args.nnodes})")
+    if args.master_port is not None and not 0 < args.master_port < 65536:
+        raise SystemExit(f"ringpipe launch: --master-port {args.master_port} is not a TCP port (1-65535)")
+    if args.rdzv_endpoint is not None:
+        host, _, port = args.rdzv_endpoint.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise SystemExit(f"ringpipe launch: --rdzv-endpoint {args.rdzv_endpoint!r} must be HOST:PORT "
+                             "(node 0's address and a free port on it, e.g. 10.0.0.1:29500)")
+    if not args.module and args.script and not os.path.isfile(args.script):
+        raise SystemExit(f"ringpipe launch: no such script: {args.script} (give a Python file, or -m module)")
     if args.backend == "mpi":
         if args.nnodes > 1:
             raise SystemExit("ringpipe launch: for MPI across nodes use mpirun with a hostfile directly")
