@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import re
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -28,7 +29,7 @@ from ringpipe import collectives
 from ringpipe.collectives.common import home_device
 from ringpipe.comm.base import Communicator
 
-__all__ = ["add_parser", "bench_main", "run_bench", "parse_size", "bus_factor", "COLLECTIVES"]
+__all__ = ["add_parser", "bench_main", "run_bench", "parse_size", "bus_factor", "check_algorithms", "COLLECTIVES"]
 
 log = logging.getLogger(__name__)
 
@@ -54,14 +55,32 @@ def parse_size(text: str) -> int:
     return int(m.group(1)) * 1024 ** " KMG".index((m.group(2) or " ").upper())
 
 
-def _sizes(begin: int, end: int, factor: float) -> list[int]:
+def _sizes(begin: int, end: int, factor: float, item: int = 1) -> list[int]:
+    """Sizes from ``begin`` to ``end`` bytes by ``factor``, each at least ``item`` bytes past the last.
+
+    A ``begin`` of 0 comes first (timed as the smallest buffer), then the sweep goes on from one element.
+    """
+    if begin < 0 or end < 0:
+        raise ValueError(f"sizes must be >= 0, got -b {begin} -e {end}")
+    if begin > end:
+        raise ValueError(f"-b {begin} is larger than -e {end}; give -b <= -e")
+    if begin == end:
+        return [begin]
     if factor <= 1:
-        raise ValueError(f"-f must be > 1, got {factor}")
+        raise ValueError(f"-f must be > 1 to sweep from -b {begin} to -e {end}, got {factor:g}")
     out, s = [], begin
     while s <= end:
         out.append(s)
-        s = int(s * factor)
+        s = item if s == 0 else max(int(s * factor), s + item)
     return out
+
+
+def _count(collective: str, nbytes: int, item: int, p: int) -> int:
+    """Elements of the buffer measured for ``nbytes``: at least one (one per rank where it is split)."""
+    if collective in ("allgather", "reducescatter"):
+        count = max(p, nbytes // item)
+        return count - count % p
+    return max(1, nbytes // item)
 
 
 def _runner(comm: Communicator, collective: str, algo: str, nbytes: int, dtype: torch.dtype,
@@ -70,8 +89,8 @@ def _runner(comm: Communicator, collective: str, algo: str, nbytes: int, dtype: 
     p, r = comm.size, comm.rank
     item = torch.empty((), dtype=dtype).element_size()
     device = home_device(comm)
+    count = _count(collective, nbytes, item, p)
     if collective == "p2p":
-        count = max(1, nbytes // item)
         buf = torch.ones(count, dtype=dtype, device=device)
 
         def pingpong() -> None:
@@ -90,10 +109,6 @@ def _runner(comm: Communicator, collective: str, algo: str, nbytes: int, dtype: 
         return pingpong, p2p_check, count
     name = _API[collective]
     fn = getattr(collectives, name)
-    per_rank = collective in ("allgather", "reducescatter")
-    count = max(p if per_rank else 1, nbytes // item)
-    if per_rank:
-        count -= count % p
     local = count // p if collective == "allgather" else count
     x = torch.ones(local, dtype=dtype, device=device)
     kw: dict[str, Any] = {"algorithm": algo}
@@ -118,6 +133,20 @@ def _runner(comm: Communicator, collective: str, algo: str, nbytes: int, dtype: 
     return call, checked, count
 
 
+def check_algorithms(collective: str, algorithms: list[str] | None) -> list[str]:
+    """The algorithms to time for ``collective`` (all of them when None); ValueError for unknown names."""
+    if collective not in COLLECTIVES:
+        raise ValueError(f"unknown collective {collective!r}; valid: {', '.join(COLLECTIVES)}")
+    if collective == "p2p":
+        return ["p2p"]
+    valid = collectives.SUPPORTED[_API[collective]]
+    algos = algorithms or [a for a in valid if a != "auto"] + ["auto"]
+    for a in algos:
+        if a not in valid:
+            raise ValueError(f"{collective} has no algorithm {a!r}; valid: {', '.join(valid)}")
+    return list(algos)
+
+
 def _sync(comm: Communicator) -> None:
     """Wait for queued GPU work (NCCL returns before the transfer is done)."""
     device = home_device(comm)
@@ -135,22 +164,23 @@ def run_bench(
     dtype: torch.dtype = torch.float32,
     check: bool = True,
 ) -> list[dict[str, Any]]:
-    """Time ``collective`` for every size and algorithm; every rank returns the same rows."""
-    if collective not in COLLECTIVES:
-        raise ValueError(f"unknown collective {collective!r}; valid: {', '.join(COLLECTIVES)}")
-    if collective == "p2p":
-        algos = ["p2p"]
-        if comm.size < 2:
-            raise ValueError("p2p needs at least 2 ranks")
-    else:
-        valid = collectives.SUPPORTED[_API[collective]]
-        algos = algorithms or [a for a in valid if a != "auto"] + ["auto"]
-        for a in algos:
-            if a not in valid:
-                raise ValueError(f"{collective} has no algorithm {a!r}; valid: {', '.join(valid)}")
+    """Time ``collective`` for every size and algorithm; every rank returns the same rows.
+
+    Sizes whose buffer rounds to the one of the size before (below one element) are measured once.
+    """
+    algos = check_algorithms(collective, algorithms)
+    if collective == "p2p" and comm.size < 2:
+        raise ValueError("p2p needs at least 2 ranks")
+    if iters < 1 or warmup < 0:
+        raise ValueError(f"needs iters >= 1 and warmup >= 0, got {iters} and {warmup}")
     rows = []
     item = torch.empty((), dtype=dtype).element_size()
+    last: int | None = None
     for nbytes in sizes:
+        measured = _count(collective, nbytes, item, comm.size)
+        if measured == last:
+            continue
+        last = measured
         for algo in algos:
             call, checked, count = _runner(comm, collective, algo, nbytes, dtype, check)
             for _ in range(warmup):
@@ -161,7 +191,7 @@ def run_bench(
             for _ in range(iters):
                 call()
             _sync(comm)
-            dt = (time.perf_counter() - t0) / max(1, iters)
+            dt = (time.perf_counter() - t0) / iters
             if collective == "p2p":
                 dt /= 2  # one way of a ping-pong
             wrong = checked()
@@ -218,19 +248,49 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
     plt.close(fig)
 
 
+def _options(args: Any) -> tuple[list[int], list[str] | None, torch.dtype]:
+    """Sizes, algorithms and dtype from the command line; ValueError with the reason when wrong."""
+    dtype = getattr(torch, args.dtype, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {args.dtype!r} (e.g. float32, int32)")
+    if args.iters < 1:
+        raise ValueError(f"-n (timed iterations per size) must be >= 1, got {args.iters}")
+    if args.warmup < 0:
+        raise ValueError(f"-w (warm-up iterations per size) must be >= 0, got {args.warmup}")
+    item = torch.empty((), dtype=dtype).element_size()
+    sizes = _sizes(parse_size(args.begin), parse_size(args.end), args.factor, item)
+    algos = [a for a in args.algorithms.split(",") if a] if args.algorithms else None
+    check_algorithms(args.collective, algos)
+    return sizes, algos, dtype
+
+
 def bench_main(args: Any) -> int:
     from ringpipe.comm import init_world, shutdown_world
+    from ringpipe.comm.base import CommError
+    from ringpipe.env import EnvironmentError_
 
+    # Usage errors stop every rank alike before any of them communicates.
+    try:
+        sizes, algos, dtype = _options(args)
+    except ValueError as exc:
+        print(f"ringpipe bench: {exc}", file=sys.stderr)
+        return 2
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     backend = args.backend or os.environ.get("RINGPIPE_BACKEND") or "gloo"
-    comm = init_world(backend)
     try:
-        sizes = _sizes(parse_size(args.begin), parse_size(args.end), args.factor)
-        algos = [a for a in args.algorithms.split(",") if a] if args.algorithms else None
-        dtype = getattr(torch, args.dtype, None)
-        if not isinstance(dtype, torch.dtype):
-            raise SystemExit(f"ringpipe bench: unknown dtype {args.dtype!r} (e.g. float32, int32)")
+        comm = init_world(backend)
+    except (CommError, EnvironmentError_) as exc:
+        print(f"ringpipe bench: {exc}", file=sys.stderr)
+        return 2
+    try:
+        if comm.size == 1:
+            print(f"ringpipe bench: running on 1 rank (-n is the number of timed iterations); for N ranks run "
+                  f"`ringpipe launch -n N -m ringpipe.cli bench {args.collective} ...` or "
+                  f"`mpirun -n N ringpipe bench {args.collective} --backend mpi ...`", file=sys.stderr)
+            if args.collective == "p2p":
+                print("ringpipe bench: p2p needs at least 2 ranks", file=sys.stderr)
+                return 2
         rows = run_bench(comm, args.collective, sizes, algos, args.iters, args.warmup, dtype,
                          check=not args.no_check)
         if comm.rank == 0:

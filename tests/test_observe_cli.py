@@ -1,0 +1,163 @@
+"""`ringpipe bench`, `ringpipe doctor`, `ringpipe trace` on the command line: size sweeps, one-line errors."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from ringpipe.comm.events import Event
+from ringpipe.observe.bench import _sizes
+from ringpipe.observe.collect import JobEvents, RankEvents, save_events
+
+HAVE_MPI = shutil.which("mpirun") is not None and importlib.util.find_spec("mpi4py") is not None
+RINGPIPE = [sys.executable, "-m", "ringpipe.cli"]
+_LAUNCH_VARS = ("RINGPIPE_BACKEND", "WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
+                "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "PMI_SIZE", "PMI_RANK", "SLURM_NTASKS")
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS}
+    env["OMP_NUM_THREADS"] = "1"
+    env.update(extra)
+    return env
+
+
+def _run(*args: str, timeout: float = 60, cwd: object = None, env: dict[str, str] | None = None,
+         ) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*RINGPIPE, *args], capture_output=True, text=True, timeout=timeout, cwd=cwd,
+                          env=env or _env())
+
+
+def _events(path: object) -> None:
+    ms = 1_000_000
+    ranks = [RankEvents(r, "h0", [Event("allreduce", 4096, -1, (10 * k + r) * ms, (10 * k + 3) * ms, 0, "world", {})
+                                  for k in range(5)], {}) for r in range(2)]
+    save_events(path, JobEvents(ranks, {"backend": "gloo"}))
+
+
+# ----------------------------------------------------------------------------- size sweep
+
+
+@pytest.mark.timeout(10)
+def test_size_sweep_from_zero_goes_on_from_one_element():
+    assert _sizes(0, 4096, 2.0, 4) == [0, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
+
+
+@pytest.mark.timeout(10)
+def test_size_sweep_advances_by_at_least_one_element():
+    sizes = _sizes(4, 64, 1.2, 4)
+    assert sizes[0] == 4 and sizes[-1] <= 64 < max(int(sizes[-1] * 1.2), sizes[-1] + 4)
+    assert all(b - a >= 4 for a, b in zip(sizes, sizes[1:], strict=False))
+    assert _sizes(1, 10, 1.5) == [1, 2, 3, 4, 6, 9]
+
+
+@pytest.mark.timeout(10)
+def test_size_sweep_refuses_what_cannot_advance():
+    assert _sizes(4096, 4096, 1.0) == [4096]
+    with pytest.raises(ValueError, match="-f must be > 1"):
+        _sizes(4, 64, 1.0)
+    with pytest.raises(ValueError, match="larger than -e"):
+        _sizes(8192, 4096, 2.0)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("sweep, expected", [
+    (["-b", "0", "-e", "64"], [4, 8, 16, 32, 64]),  # 0 bytes is measured as one element
+    (["-b", "4", "-e", "32", "-f", "1.2"], [4, 8, 12, 16, 20, 24, 28]),
+])
+def test_bench_sweeps_that_hung_finish_on_one_rank_with_a_note(sweep, expected):
+    out = _run("bench", "allreduce", *sweep, "-a", "ring", "-n", "2", "-w", "0", "--json", timeout=50)
+    assert out.returncode == 0, out.stderr
+    assert [json.loads(line)["bytes"] for line in out.stdout.splitlines()] == expected
+    assert "running on 1 rank" in out.stderr and "ringpipe launch -n N -m ringpipe.cli bench allreduce" in out.stderr
+
+
+# ----------------------------------------------------------------------------- one-line errors
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("args, message", [
+    (["bench", "allreduce", "-b", "abc"], "ringpipe bench: size 'abc' is not understood"),
+    (["bench", "allreduce", "-f", "1"], "ringpipe bench: -f must be > 1"),
+    (["bench", "allreduce", "-b", "8K", "-e", "4K"], "ringpipe bench: -b 8192 is larger than -e 4096"),
+    (["bench", "allreduce", "-n", "0"], "ringpipe bench: -n (timed iterations per size) must be >= 1"),
+    (["bench", "allreduce", "-a", "nosuch"], "ringpipe bench: allreduce has no algorithm 'nosuch'"),
+    (["bench", "allreduce", "-d", "nosuch"], "ringpipe bench: unknown dtype 'nosuch'"),
+    (["bench", "allreduce", "--backend", "foo"], "ringpipe bench: unknown backend 'foo'"),
+    (["doctor", "--size", "abc"], "ringpipe doctor: size 'abc' is not understood"),
+    (["doctor", "--reps", "0"], "ringpipe doctor: --reps must be >= 1"),
+    (["doctor", "--backend", "foo"], "ringpipe doctor: unknown backend 'foo'"),
+    (["doctor", "nosuch.json"], "ringpipe doctor: nosuch.json: no such events file"),
+    (["trace", "nosuch.json"], "ringpipe trace: nosuch.json: no such events file"),
+])
+def test_bad_arguments_give_one_line_and_exit_2(args, message):
+    out = _run(*args, timeout=50)
+    assert out.returncode == 2, out.stderr
+    assert "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines() == [out.stderr.strip()]
+    assert out.stderr.startswith(message), out.stderr
+    if "no such events file" in message:
+        assert "observe.timeline=true" in out.stderr
+
+
+@pytest.mark.timeout(60)
+def test_bench_p2p_on_one_rank_says_it_needs_two():
+    out = _run("bench", "p2p", timeout=50)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines()[-1] == "ringpipe bench: p2p needs at least 2 ranks"
+
+
+@pytest.mark.timeout(60)
+def test_not_an_events_file_and_a_directory_without_one(tmp_path):
+    (tmp_path / "summary.json").write_text(json.dumps({"loss": 0.1}))
+    out = _run("trace", "summary.json", cwd=tmp_path, timeout=50)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.startswith("ringpipe trace: summary.json: not a ringpipe events file")
+    out = _run("doctor", str(tmp_path), timeout=50)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.startswith(f"ringpipe doctor: {tmp_path} is a directory without events.json")
+
+
+@pytest.mark.timeout(60)
+def test_doctor_and_trace_take_a_run_directory(tmp_path):
+    _events(tmp_path / "events.json")
+    out = _run("doctor", str(tmp_path), timeout=50)
+    assert out.returncode == 0, out.stderr
+    assert "2 ranks" in out.stdout
+    out = _run("trace", str(tmp_path), "-o", str(tmp_path / "timeline.json"), timeout=50)
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "timeline.json").is_file()
+
+
+@pytest.mark.timeout(60)
+def test_help_names_the_train_key_that_writes_events():
+    for command in ("doctor", "trace"):
+        out = _run(command, "--help", timeout=50)
+        assert out.returncode == 0
+        assert "observe.timeline=true" in out.stdout and "observe.events" not in out.stdout
+
+
+# ----------------------------------------------------------------------------- doctor under mpirun
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not HAVE_MPI, reason="needs mpirun and mpi4py")
+def test_doctor_with_mpi_backend_starts_its_ranks_under_mpirun():
+    out = _run("doctor", "-n", "2", "--backend", "mpi", "--size", "4K", "--reps", "1", "--json", timeout=110)
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1].split(":", 1)[1])  # [1,0]<stdout>:{...}
+    assert report["ranks"] == 2
+
+
+@pytest.mark.timeout(60)
+def test_doctor_with_mpi_backend_without_mpirun_says_what_to_do(tmp_path):
+    out = _run("doctor", "-n", "2", "--backend", "mpi", env=_env(PATH=str(tmp_path)), timeout=50)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines() == [out.stderr.strip()]
+    assert out.stderr.startswith("ringpipe doctor: ") and "--backend gloo" in out.stderr
