@@ -45,6 +45,7 @@ __all__ = [
     "mitigations_help",
     "dp_algorithms",
     "load_config",
+    "resolve_raw",
     "default_sections",
     "merge",
     "read_file",
@@ -699,6 +700,11 @@ def read_file(path: str | Path) -> dict[str, Any]:
     p = Path(path)
     if not p.is_file() and p.parent == Path(".") and (BUNDLED / f"{p.stem}.yaml").is_file() and p.suffix in ("", ".yaml"):
         p = BUNDLED / f"{p.stem}.yaml"
+    if p.is_dir():
+        raise ConfigError(
+            f"config file {str(p)!r} is a directory; give a YAML or JSON config file, or the name of a "
+            f"bundled example: {', '.join(bundled_configs())}"
+        )
     if not p.is_file():
         raise ConfigError(
             f"config file {str(p)!r} does not exist; give a path, or the name of a bundled example: "
@@ -744,6 +750,15 @@ def load_config(
     base: Mapping[str, Any] | None = None,
 ) -> TrainConfig:
     """Validate the defaults refined by ``base``, the file at ``path`` and ``--set`` overrides, in order."""
+    return validate(resolve_raw(path, overrides, base))
+
+
+def resolve_raw(
+    path: str | Path | None = None,
+    overrides: Iterable[str] = (),
+    base: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The raw config dict of :func:`load_config`, before validation (keys left out take their defaults)."""
     raw = default_sections()
     for layer in (base, read_file(path) if path is not None else None):
         if layer is not None:
@@ -751,8 +766,7 @@ def load_config(
                 raw = merge(raw, _nest_short_keys(layer))
             except ValueError as exc:
                 raise ConfigError(f"invalid configuration:\n  {exc}") from None
-    raw = apply_overrides(raw, overrides)
-    return validate(raw)
+    return apply_overrides(raw, overrides)
 
 
 def validate(raw: Mapping[str, Any]) -> TrainConfig:
