@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import math
 import os
 import sys
-from collections.abc import Sequence
+import tempfile
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -78,24 +81,39 @@ def write_json_atomic(path: str | Path, obj: Any) -> None:
     os.replace(tmp, p)
 
 
+@contextlib.contextmanager
+def _matplotlib_cache() -> Iterator[None]:
+    """Where matplotlib builds its font cache when it is first imported, quietly.
+
+    The user's choice (``MPLCONFIGDIR``) or matplotlib's own cache folder when it exists;
+    otherwise a temporary folder, removed afterwards, so that a run leaves nothing outside its
+    run directory. The "generated new fontManager" record is silenced unless its level was set.
+    """
+    fm_log = logging.getLogger("matplotlib.font_manager")
+    if fm_log.level == logging.NOTSET:
+        fm_log.setLevel(logging.WARNING)
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")) / "matplotlib"
+    if "matplotlib" in sys.modules or "MPLCONFIGDIR" in os.environ or (cache.is_dir() and os.access(cache, os.W_OK)):
+        yield
+        return
+    with tempfile.TemporaryDirectory(prefix="ringpipe-matplotlib-") as tmp:
+        os.environ["MPLCONFIGDIR"] = tmp
+        try:
+            yield
+        finally:
+            del os.environ["MPLCONFIGDIR"]
+
+
 def plot_curves(run_dir: str | Path, records: Sequence[dict[str, Any]]) -> Path:
     """Loss and accuracy against epochs (train and test) as ``<run-dir>/curves.png`` (empty axes without data)."""
     run = Path(run_dir)
     train = [r for r in records if r["kind"] == "train"]
     evals = [r for r in records if r["kind"] == "eval"]
-    # matplotlib may build a font cache at first import: keep it inside the run directory
-    # (nothing written elsewhere) unless the user chose a place.
-    fresh = "matplotlib" not in sys.modules and "MPLCONFIGDIR" not in os.environ
-    if fresh:
-        os.environ["MPLCONFIGDIR"] = str(run / ".mplconfig")
-    try:
+    with _matplotlib_cache():
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-    finally:
-        if fresh:
-            del os.environ["MPLCONFIGDIR"]
 
     def series(rows: Sequence[dict[str, Any]], key: str) -> list[float]:
         return [math.nan if r.get(key) is None else r[key] for r in rows]  # null: a missing point
