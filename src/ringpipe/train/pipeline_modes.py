@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from ringpipe.train.config import PipelineConfig
+from ringpipe.train.config import ConfigError, PipelineConfig
 from ringpipe.train.modes import Engine, ModeContext, ModeUnavailable, register_mode
 from ringpipe.train.schedules import build_schedule
 
@@ -102,9 +102,15 @@ class PipelineEngine(Engine):
             balance = [n // pc.stages + (1 if i < n % pc.stages else 0) for i in range(pc.stages)]
         else:
             balance = "params" if pc.partition == "parameters" else "time"
+        _check_stages(list(layers), balance, pc, ctx.cfg.model.name)
         scales: list[float] = []
 
         def factory(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+            if not params:  # a split measured on this rank (partition=time): checked here
+                raise ConfigError(
+                    f"mode {mode!r}: the pipeline stage of rank {ctx.comm.rank} got no layer with "
+                    f"parameters from pipeline.partition={pc.partition}; {_stage_fix(ctx.cfg.model.name)}"
+                )
             opt, scale = ctx.optimizer(params, replicas)
             scales.append(scale)
             return opt
@@ -177,7 +183,9 @@ class PipelineEngine(Engine):
         t = self.trainer
         t.drain()  # evaluate the weights of every batch trained so far
         m = t.microbatches
-        t.microbatches = max(1, min(m, len(x)))  # a short last batch gets fewer micro-batches
+        # A short last batch gets fewer micro-batches, as many as split it evenly (the split
+        # warning is about training batches; an evaluation weighs micro-batches by size anyway).
+        t.microbatches = next(k for k in range(max(1, min(m, len(x))), 0, -1) if len(x) % k == 0)
         try:
             loss, metrics = t.eval_step(x if t.is_first else None, y if t.is_last else None)
         finally:
@@ -192,6 +200,47 @@ class PipelineEngine(Engine):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.trainer.load_state_dict(state)
         self.batches = int(state.get("batches", 0))
+
+
+#: The key that adds layers to each model (a deeper model gives every stage something to train).
+_DEPTH_KEY = {"mlp": "model.hidden", "cnn": "model.channels", "resnet": "model.blocks", "transformer": "model.layers"}
+
+
+def _stage_fix(model: str) -> str:
+    more = f"more layers via {_DEPTH_KEY[model]}" if model in _DEPTH_KEY else "a model with more layers"
+    return (f"use fewer pipeline.stages, a pipeline.balance (layers per stage) that gives every stage a layer "
+            f"with parameters, or {more}")
+
+
+def _check_stages(layers: list[torch.nn.Module], balance: Any, pc: PipelineConfig, model: str) -> None:
+    """Refuse a split that leaves a stage without parameters (its optimizer would have nothing to train).
+
+    The split is the one PipelineTrainer makes for a balance given as layer counts or by parameters;
+    an impossible split is left for it to report.
+    """
+    from ringpipe.pipeline.partition import BalanceError, balance_by_params, check_balance
+
+    try:
+        if balance == "params":
+            counts = balance_by_params(layers, pc.stages)
+        elif isinstance(balance, list):
+            counts = check_balance(balance, len(layers))
+        else:
+            return  # measured on each rank: the optimizer factory checks its own stage
+    except BalanceError:
+        return
+    how = {"parameters": "by parameters", "uniform": "uniformly"}.get(pc.partition, "")
+    how = f"pipeline.balance={pc.balance}" if pc.balance is not None else f"pipeline.partition={pc.partition} ({how})"
+    start = 0
+    for stage, count in enumerate(counts):
+        part = layers[start:start + count]
+        start += count
+        if not any(p.numel() for layer in part for p in layer.parameters()):
+            names = ", ".join(type(layer).__name__ for layer in part)
+            raise ConfigError(
+                f"pipeline stage {stage} of {len(counts)} got {count} layer{'s' if count != 1 else ''} ({names}) "
+                f"and no parameters: {how} split the model's {len(layers)} layers as {counts}; {_stage_fix(model)}"
+            )
 
 
 def _register(mode: str, description: str) -> None:
