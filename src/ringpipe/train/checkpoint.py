@@ -15,7 +15,17 @@ from typing import Any
 
 import torch
 
-__all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "latest_checkpoint", "list_checkpoints"]
+__all__ = [
+    "CheckpointError",
+    "save_checkpoint",
+    "load_checkpoint",
+    "latest_checkpoint",
+    "list_checkpoints",
+    "checkpoint_step",
+    "read_header",
+    "resume_checkpoint",
+    "world_mismatch",
+]
 
 _NAME = re.compile(r"^step-(\d+)\.pt$")
 
@@ -38,6 +48,42 @@ def latest_checkpoint(directory: str | Path) -> Path | None:
     return ckpts[-1] if ckpts else None
 
 
+def checkpoint_step(path: str | Path) -> int:
+    """The step a checkpoint was taken at, from its name ``step-<step>.pt``."""
+    m = _NAME.match(Path(path).name)
+    if m is None:
+        raise CheckpointError(f"{str(path)!r} is not named like a checkpoint (step-<step>.pt)")
+    return int(m.group(1))
+
+
+def resume_checkpoint(run_dir: str | Path) -> Path:
+    """The checkpoint ``--resume`` continues from in ``run_dir``, or a :class:`CheckpointError` saying why none."""
+    run = Path(run_dir)
+    if not run.is_dir():
+        what = "is not a directory" if run.exists() else "does not exist"
+        raise CheckpointError(
+            f"--resume: the run directory {run} {what}; give the --run-dir of an earlier run, "
+            "or leave out --resume to start a new run"
+        )
+    path = latest_checkpoint(run / "checkpoints")
+    if path is None:
+        raise CheckpointError(
+            f"--resume: no checkpoint in {run / 'checkpoints'} (the run stopped before its first one); "
+            "start it again without --resume"
+        )
+    return path
+
+
+def world_mismatch(path: str | Path, ckpt: dict[str, Any], mode: str, world_size: int) -> str:
+    """Why a run of ``mode`` on ``world_size`` ranks cannot continue checkpoint ``ckpt`` ("" if it can)."""
+    if ckpt["mode"] == mode and ckpt["world_size"] == world_size:
+        return ""
+    return (
+        f"--resume: {path} was written by mode {ckpt['mode']!r} on {ckpt['world_size']} ranks; "
+        f"this run is mode {mode!r} on {world_size}: resume with the same mode and number of processes"
+    )
+
+
 def save_checkpoint(directory: str | Path, step: int, payload: dict[str, Any], keep: int) -> Path:
     """Write ``payload`` as ``step-<step>.pt`` atomically and delete all but the newest ``keep``."""
     d = Path(directory)
@@ -54,10 +100,19 @@ def save_checkpoint(directory: str | Path, step: int, payload: dict[str, Any], k
     return final
 
 
-def load_checkpoint(path: str | Path) -> dict[str, Any]:
+def read_header(path: str | Path) -> dict[str, Any]:
+    """A checkpoint's run description (step, mode, world size, config, ...) without its tensors' data.
+
+    The file is memory-mapped, so that only what is read is loaded.
+    """
+    ckpt = load_checkpoint(path, mmap=True)
+    return {k: v for k, v in ckpt.items() if k not in ("engine", "ranks")}
+
+
+def load_checkpoint(path: str | Path, mmap: bool = False) -> dict[str, Any]:
     p = Path(path)
     try:
-        return torch.load(p, map_location="cpu", weights_only=True)
+        return torch.load(p, map_location="cpu", weights_only=True, mmap=mmap)
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint {str(p)!r} does not exist") from None
     except Exception as exc:  # a truncated or foreign file: say which one

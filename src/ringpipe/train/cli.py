@@ -7,13 +7,18 @@ import contextlib
 import datetime
 import importlib
 import logging
+import multiprocessing
 import os
+import re
+import shlex
+import signal
 import subprocess
 import sys
 import textwrap
 import typing
 from collections.abc import Sequence
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 from pydantic import BaseModel
@@ -21,6 +26,7 @@ from pydantic import BaseModel
 from ringpipe.train.config import (
     ASYNC_KEYS,
     MODE_NAMES,
+    PIPELINE_MODES,
     ConfigError,
     DPConfig,
     PipelineConfig,
@@ -31,7 +37,12 @@ from ringpipe.train.config import (
     load_config,
     mitigations_help,
     read_file,
+    resolve_raw,
+    validate,
 )
+
+if typing.TYPE_CHECKING:
+    from ringpipe.train.loop import StopRequest
 
 __all__ = ["add_parser", "add_train_parser", "run_train", "resolve_run_dir"]
 
@@ -53,6 +64,9 @@ modes:
 run directory: config.yaml (resolved), metrics.jsonl, checkpoints/, curves.png, summary.json;
   with several processes also comm_profile.txt and doctor.txt (observe.profile), events.json and
   timeline.json (observe.timeline: a Chrome trace of every rank's communication)
+
+Ctrl-C stops at the next log window (every step on one process): checkpoint, evaluation, summary
+  (stop_reason: interrupt), exit code 130; continue with --resume. A second Ctrl-C stops at once.
 
 examples:
   ringpipe train
@@ -193,7 +207,9 @@ def resolve_run_dir(run_dir: str | None, mode: str, resume: bool, root: Path = P
     return root / f"{stamp}-{mode}"
 
 
-def _build_config(args: argparse.Namespace, run_dir: Path | None) -> TrainConfig:
+def _build_config(args: argparse.Namespace, run_dir: Path | None, header: dict[str, Any] | None = None) -> TrainConfig:
+    """The run's config; with ``header`` (the checkpoint to resume), a mode or world that differs from
+    the checkpoint's is refused first, before the config's sections are checked against its mode."""
     overrides = list(args.overrides)
     for flag, key in ((args.mode, "mode"), (args.nprocs, "nprocs"), (args.backend, "backend")):
         if flag is not None:
@@ -201,25 +217,125 @@ def _build_config(args: argparse.Namespace, run_dir: Path | None) -> TrainConfig
     base = None
     if args.resume and args.config is None and run_dir is not None and (run_dir / "config.yaml").is_file():
         base = read_file(run_dir / "config.yaml")
-    cfg = load_config(args.config, overrides, base=base)
+    raw = resolve_raw(args.config, overrides, base=base)
+    if header is not None:
+        _check_resume_world(header, raw)
+    cfg = validate(raw)
     env_backend = os.environ.get("RINGPIPE_BACKEND")
     if env_backend and args.backend is None and "backend" not in cfg.model_fields_set:
         cfg = load_config(args.config, [f"backend={env_backend}", *overrides], base=base)
     return cfg
 
 
+def _check_resume_world(header: dict[str, Any], raw: dict[str, Any]) -> None:
+    """Refuse to resume a checkpoint with another mode or number of processes than it was written with."""
+    from ringpipe.env import detect
+    from ringpipe.train.checkpoint import CheckpointError, world_mismatch
+
+    mode = raw.get("mode", TrainConfig.model_fields["mode"].default)
+    nprocs = raw.get("nprocs", TrainConfig.model_fields["nprocs"].default)
+    if not isinstance(mode, str) or not isinstance(nprocs, int):
+        return  # validation names the bad value
+    topology = detect()
+    world = topology.size if topology.launcher != "single" else 1 if mode == "single" else nprocs
+    error = world_mismatch(header["path"], header, mode, world)
+    if error:
+        raise CheckpointError(error)
+
+
+def _nothing_left(header: dict[str, Any], cfg: TrainConfig, run_dir: Path) -> str:
+    """Why resuming checkpoint ``header`` with ``cfg`` would train no step ("" if it would)."""
+    from ringpipe.train.loop import nothing_to_resume
+
+    records, replicas = header.get("records"), header.get("replicas")
+    if not records or not replicas:
+        return ""  # a checkpoint that does not say: the ranks check it after loading the data
+    return nothing_to_resume(run_dir, int(header["step"]), cfg.total_steps(records, replicas), cfg.max_steps)
+
+
+def _world_fits(cfg: TrainConfig) -> str:
+    """Why ``cfg.nprocs`` local processes cannot run ``cfg`` ("" if they can)."""
+    if cfg.mode in PIPELINE_MODES and cfg.pipeline is not None and cfg.nprocs % cfg.pipeline.stages:
+        stages = cfg.pipeline.stages
+        return (
+            f"mode {cfg.mode!r} runs pipelines of pipeline.stages={stages} processes, but nprocs={cfg.nprocs} "
+            f"is not a multiple of {stages}: set --nprocs to a multiple of {stages} or change pipeline.stages"
+        )
+    return ""
+
+
 def _worker(comm: Any, raw: dict[str, Any], run_dir: str, resume: bool, progress: bool, verbose: bool) -> Any:
-    """Entry point on every rank (spawned, or under a launcher)."""
+    """Entry point on every rank (spawned, or under a launcher): rank 0's summary, the others' stop reason."""
     import torch
 
-    from ringpipe.train.config import validate
     from ringpipe.train.logs import configure_rank_logging
-    from ringpipe.train.loop import train
+    from ringpipe.train.loop import NothingToResume, train
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1") or 1))
     configure_rank_logging(comm.rank, comm.size, verbose)
-    summary = train(comm, validate(raw), Path(run_dir), resume=resume, progress=progress)
-    return summary if comm.rank == 0 else None
+    try:
+        summary = train(comm, validate(raw), Path(run_dir), resume=resume, progress=progress)
+    except NothingToResume as exc:  # raised alike on every rank, before any of them trains
+        return {"nothing_to_resume": str(exc)}
+    return summary if comm.rank == 0 else {"stop_reason": summary["stop_reason"]}
+
+
+def _forward_stop() -> StopRequest:
+    """SIGINT in the parent of spawned ranks: the first is passed on to the ranks, which stop
+    gracefully and report (a terminal's Ctrl-C reaches them too: they take both as one); a
+    repeat raises ``KeyboardInterrupt`` here, and the parent stops the ranks at once. A forked
+    rank inherits the handler, and with it a request made before its training loop took over."""
+    from ringpipe.train.loop import StopRequest
+
+    parent = os.getpid()
+
+    class ForwardStop(StopRequest):
+        def __call__(self, signum: int, frame: FrameType | None) -> None:
+            first = not self.requested
+            super().__call__(signum, frame)
+            if first and os.getpid() == parent:
+                for child in multiprocessing.active_children():
+                    if child.pid is not None:
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(child.pid, signal.SIGINT)
+
+    return ForwardStop()
+
+
+def _stop_children(timeout: float = 5.0) -> None:
+    """Terminate the spawned ranks (a second Ctrl-C), killing those that do not exit in ``timeout``."""
+    children = multiprocessing.active_children()
+    for child in children:
+        child.terminate()
+    for child in children:
+        child.join(timeout)
+        if child.is_alive():
+            child.kill()
+
+
+def _interrupted(run_dir: Path) -> int:
+    """Say where an interrupted run can continue from; the exit code of Ctrl-C."""
+    from ringpipe.train.checkpoint import checkpoint_step, latest_checkpoint
+
+    ckpt = latest_checkpoint(run_dir / "checkpoints")
+    if ckpt is None:
+        print(f"ringpipe train: interrupted before the first checkpoint; nothing to resume in {run_dir}",
+              file=sys.stderr)
+    else:
+        print(f"ringpipe train: interrupted at step {checkpoint_step(ckpt)}; continue with: "
+              f"ringpipe train --resume --run-dir {shlex.quote(str(run_dir))}", file=sys.stderr)
+    return 130
+
+
+# A rank's failure that every rank meets alike (a config or checkpoint problem) needs no rank number.
+_SAME_ON_EVERY_RANK = re.compile(
+    r"^rank \d+ failed: (?:ringpipe\.[\w.]+\.)?"
+    r"(?:ConfigError|CheckpointError|NothingToResume|ModeUnavailable|RegistryError|BalanceError): "
+)
+
+
+def _error_text(exc: BaseException) -> str:
+    return _SAME_ON_EVERY_RANK.sub("", str(exc), count=1)
 
 
 def _in_launched_world() -> bool:
@@ -230,23 +346,44 @@ def _in_launched_world() -> bool:
 
 def run_train(args: argparse.Namespace) -> int:
     """Run ``ringpipe train``: returns the process exit code."""
+    try:
+        return _run_train(args)
+    except KeyboardInterrupt:  # Ctrl-C before the run started (a run in progress stops by itself)
+        print("ringpipe train: interrupted", file=sys.stderr)
+        return 130
+
+
+def _run_train(args: argparse.Namespace) -> int:
     verbose = bool(getattr(args, "verbose", False))
+    from ringpipe.env import EnvironmentError_
+    from ringpipe.train.checkpoint import CheckpointError, read_header, resume_checkpoint
+
+    header: dict[str, Any] | None = None
     try:
         pre_dir = resolve_run_dir(args.run_dir, "x", args.resume) if (args.run_dir or args.resume) else None
-        cfg = _build_config(args, pre_dir)
-    except ConfigError as exc:
+        if args.resume and pre_dir is not None and not args.print_config:
+            path = resume_checkpoint(pre_dir)
+            header = {**read_header(path), "path": path}
+        cfg = _build_config(args, pre_dir, header)
+    except (ConfigError, EnvironmentError_) as exc:
         print(f"ringpipe train: {exc}", file=sys.stderr)
         return 2
+    except CheckpointError as exc:
+        print(f"ringpipe train: {exc}", file=sys.stderr)
+        return 1
     if args.print_config:
         import yaml
 
         print(yaml.safe_dump(dump_config(cfg), sort_keys=False), end="")
         return 0
     run_dir = pre_dir or resolve_run_dir(None, cfg.mode, False)
+    if header is not None:
+        done = _nothing_left(header, cfg, run_dir)
+        if done:
+            print(f"ringpipe train: {done}", file=sys.stderr)
+            return 0
     raw = dump_config(cfg)
     progress = not args.no_progress
-
-    from ringpipe.env import EnvironmentError_
 
     try:
         launched = _in_launched_world()
@@ -255,6 +392,10 @@ def run_train(args: argparse.Namespace) -> int:
         return 2
     if launched:
         return _run_in_world(cfg, raw, args, progress, verbose)
+    error = _world_fits(cfg)
+    if error:
+        print(f"ringpipe train: {error}", file=sys.stderr)
+        return 2
     if cfg.backend == "mpi" and cfg.nprocs > 1:
         try:
             return _reexec_mpirun(cfg, run_dir, args)
@@ -278,14 +419,28 @@ def run_train(args: argparse.Namespace) -> int:
             from ringpipe.launch import spawn
 
             log.info("starting %d local processes (%s, mode %s) -> %s", cfg.nprocs, cfg.backend, cfg.mode, run_dir)
-            summary = spawn(_worker, cfg.nprocs, backend=cfg.backend,
-                            args=(raw, str(run_dir), args.resume, progress, verbose),
-                            env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})[0]
+            with _forward_stop().installed():
+                summary = spawn(_worker, cfg.nprocs, backend=cfg.backend,
+                                args=(raw, str(run_dir), args.resume, progress, verbose),
+                                env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})[0]
+    except KeyboardInterrupt:  # a second Ctrl-C: stop at once, keep the newest checkpoint
+        _stop_children()
+        return _interrupted(run_dir)
     except (ConfigError, RegistryError, ValueError, RuntimeError, FileNotFoundError) as exc:
-        print(f"ringpipe train: {exc}", file=sys.stderr)
+        print(f"ringpipe train: {_error_text(exc)}", file=sys.stderr)
         return 1
+    return _finish(summary, run_dir)
+
+
+def _finish(summary: dict[str, Any] | None, run_dir: Path) -> int:
+    """Report rank 0's result; the exit code."""
+    if summary is None:  # the ranks were stopped by Ctrl-C before they could report
+        return _interrupted(run_dir)
+    if "nothing_to_resume" in summary:
+        print(f"ringpipe train: {summary['nothing_to_resume']}", file=sys.stderr)
+        return 0
     _report(summary, run_dir)
-    return 0
+    return _interrupted(run_dir) if summary.get("stop_reason") == "interrupt" else 0
 
 
 def _run_in_world(cfg: TrainConfig, raw: dict[str, Any], args: argparse.Namespace, progress: bool,
@@ -293,6 +448,7 @@ def _run_in_world(cfg: TrainConfig, raw: dict[str, Any], args: argparse.Namespac
     from ringpipe.comm import init_world, shutdown_world
 
     comm = init_world(cfg.backend)
+    run_dir: str | None = None
     try:
         if cfg.nprocs != comm.size and "nprocs" in cfg.model_fields_set and comm.rank == 0:
             log.warning("nprocs=%d is ignored: the launcher started %d ranks", cfg.nprocs, comm.size)
@@ -300,11 +456,15 @@ def _run_in_world(cfg: TrainConfig, raw: dict[str, Any], args: argparse.Namespac
         name = str(resolve_run_dir(args.run_dir, cfg.mode, args.resume)) if comm.rank == 0 else None
         run_dir = comm.broadcast_object(name) if comm.size > 1 else name
         summary = _worker(comm, raw, str(run_dir), args.resume, progress, verbose)
+    except KeyboardInterrupt:  # a second Ctrl-C: stop at once, keep the newest checkpoint
+        if comm.rank == 0 and run_dir is not None:
+            return _interrupted(Path(run_dir))
+        return 130
     finally:
         shutdown_world()
     if comm.rank == 0:
-        _report(summary, Path(str(run_dir)))
-    return 0
+        return _finish(summary, Path(str(run_dir)))
+    return 130 if summary.get("stop_reason") == "interrupt" else 0
 
 
 def _reexec_mpirun(cfg: TrainConfig, run_dir: Path, args: argparse.Namespace) -> int:

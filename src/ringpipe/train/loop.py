@@ -5,15 +5,25 @@ Every rank runs :func:`train`. Epochs are counted from the global step as
 boundary is crossed, and a checkpoint follows every ``checkpoint.every_epochs`` epochs. The
 state that makes a resumed run equal to an uninterrupted one is saved: engine (model and
 optimizer), LR schedule, each rank's RNG state, batch-stream position and partial metric sums.
+
+Ctrl-C (SIGINT) stops a run as ``max_steps`` does: the ranks agree to stop at the next step
+that closes a log window (every step on one process), save a checkpoint there, evaluate and
+write the summary, with ``stop_reason`` "interrupt". A second Ctrl-C, a second or more after
+the first, stops at once (``KeyboardInterrupt``), keeping the newest checkpoint.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import signal
+import threading
 import time
+from collections.abc import Iterator
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import numpy as np
@@ -24,9 +34,10 @@ from ringpipe.comm import Communicator
 from ringpipe.comm.events import blocked_ns
 from ringpipe.train.checkpoint import (
     CheckpointError,
-    latest_checkpoint,
     load_checkpoint,
+    resume_checkpoint,
     save_checkpoint,
+    world_mismatch,
 )
 from ringpipe.train.config import TrainConfig, dump_config
 from ringpipe.train.datasets import Dataset, load_dataset
@@ -36,11 +47,70 @@ from ringpipe.train.modes import Engine, ModeContext, build_engine
 from ringpipe.train.sampling import ShardStream, eval_indices
 from ringpipe.train.schedules import build_schedule
 
-__all__ = ["train", "seed_everything", "node_first", "write_observations"]
+__all__ = ["train", "seed_everything", "node_first", "write_observations", "NothingToResume", "StopRequest",
+           "nothing_to_resume"]
 
 log = logging.getLogger(__name__)
 
 CHECKPOINT_VERSION = 1
+
+
+#: A second SIGINT within this many seconds of the first is the same Ctrl-C delivered twice (to the
+#: process group by the terminal, and forwarded by the parent of spawned ranks); a later one stops at once.
+REPEAT_S = 1.0
+
+
+class NothingToResume(CheckpointError):
+    """``--resume`` of a run whose checkpoint is already at its last step (or at ``max_steps``)."""
+
+
+def nothing_to_resume(run_dir: str | Path, step: int, total: int, max_steps: int | None) -> str:
+    """Why a run at ``step`` of ``total`` has nothing left to train ("" if it has)."""
+    if step >= total:
+        return f"the run in {run_dir} is already complete (step {step} of {total}); nothing to resume"
+    if max_steps is not None and step >= max_steps:
+        return (
+            f"the run in {run_dir} already stopped at max_steps={max_steps} (step {step} of {total}); "
+            "nothing to resume: resume with --set max_steps=null (or a larger max_steps) to continue"
+        )
+    return ""
+
+
+class StopRequest:
+    """SIGINT handler: the first signal asks the loop to stop; a repeat after ``REPEAT_S`` seconds interrupts."""
+
+    def __init__(self) -> None:
+        self.at: float | None = None
+
+    @property
+    def requested(self) -> bool:
+        return self.at is not None
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        now = time.monotonic()
+        if self.at is None:
+            self.at = now
+        elif now - self.at > REPEAT_S:
+            raise KeyboardInterrupt
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[StopRequest]:
+        """Handle SIGINT with this request inside the block (main thread only, unless SIGINT is ignored).
+
+        A request already made to the handler it replaces is kept: a rank forked by a parent that
+        was asked to stop (or asked while it started) stops too.
+        """
+        current = signal.getsignal(signal.SIGINT)
+        if isinstance(current, StopRequest) and self.at is None:
+            self.at = current.at
+        if threading.current_thread() is not threading.main_thread() or current in (signal.SIG_IGN, None):
+            yield self
+            return
+        previous = signal.signal(signal.SIGINT, self)
+        try:
+            yield self
+        finally:
+            signal.signal(signal.SIGINT, previous)
 
 
 def seed_everything(seed: int) -> None:
@@ -81,21 +151,48 @@ class _Tally:
         self.value += t
 
     def reduce(self, comm: Communicator) -> tuple[float, float, int]:
-        total = self.value.clone()
+        loss, acc, count, _ = self.reduce_flag(comm, False)
+        return loss, acc, count
+
+    def reduce_flag(self, comm: Communicator, flag: bool) -> tuple[float, float, int, bool]:
+        """``reduce`` that also tells, in the same allreduce, whether any rank raised ``flag``."""
+        total = torch.cat((self.value, torch.tensor([1.0 if flag else 0.0], dtype=torch.float64)))
         if comm.size > 1:
             comm.allreduce(total)
-        loss_sum, correct, count = (float(v) for v in total)
+        loss_sum, correct, count, flags = (float(v) for v in total)
         self.value.zero_()
         if count == 0:
-            return math.nan, math.nan, 0
-        return loss_sum / count, correct / count, int(count)
+            return math.nan, math.nan, 0, flags > 0
+        return loss_sum / count, correct / count, int(count), flags > 0
+
+
+def _model_mismatch(saved: dict[str, Any], current: dict[str, Any]) -> str:
+    """The first difference between the model weights of two engine states ("" if none is found)."""
+    where = f"stage {saved['stage']}: " if "stage" in saved else ""
+    if "balance" in saved and list(saved["balance"]) != list(current.get("balance", [])):
+        return f"its pipeline stages hold {list(saved['balance'])} layers, this config's {list(current['balance'])}"
+    for key in ("model", "module"):  # data-parallel engines, pipeline stages
+        old, new = saved.get(key), current.get(key)
+        if not (isinstance(old, dict) and isinstance(new, dict)):
+            continue
+        for name in [*old, *(k for k in new if k not in old)]:
+            if name not in new:
+                return f"{where}{name} is in the checkpoint but not in this model"
+            if name not in old:
+                return f"{where}{name} of this model is not in the checkpoint"
+            if tuple(old[name].shape) != tuple(new[name].shape):
+                return (f"{where}{name} has shape {list(old[name].shape)} in the checkpoint, "
+                        f"{list(new[name].shape)} in this model")
+    return ""
 
 
 class _Run:
     """The state of one run on one rank."""
 
-    def __init__(self, comm: Communicator, cfg: TrainConfig, run_dir: Path, progress: bool) -> None:
+    def __init__(self, comm: Communicator, cfg: TrainConfig, run_dir: Path, progress: bool,
+                 stop: StopRequest | None = None) -> None:
         self.comm, self.cfg, self.run_dir, self.progress = comm, cfg, run_dir, progress
+        self.stop = stop or StopRequest()
         self.is_root = comm.rank == 0
         seed_everything(cfg.seed)
         with node_first(comm):
@@ -121,6 +218,10 @@ class _Run:
         self.epoch_tally = _Tally()
         self.metrics = MetricsWriter(run_dir, self.is_root)
         self.train_time = 0.0
+        self.wall_before = 0.0  # wall time of the run's earlier parts (resumed runs)
+        self.wall_start: float | None = None  # when this part's loop started
+        self.saved_step = -1
+        self.stop_reason = ""
         self.step_windows: list[tuple[int, int, int]] = []  # (start ns, end ns, blocked ns)
         self.last_eval: dict[str, Any] = {}
         self.last_train: dict[str, Any] = {}
@@ -160,6 +261,9 @@ class _Run:
             "engine": self.engine.state_dict() if self.engine.shared_state else None,
             "ranks": ranks,
             "train_time": self.train_time,
+            "wall_time": self.wall_time(),
+            "records": self.records,
+            "replicas": self.engine.replicas,
             "last_eval": self.last_eval,
             "last_train": self.last_train,
         }
@@ -169,35 +273,34 @@ class _Run:
         if payload is not None:
             path = save_checkpoint(self.run_dir / "checkpoints", self.step, payload, self.cfg.checkpoint.keep)
             log.debug("checkpoint %s", path)
+        self.saved_step = self.step
         if self.comm.size > 1:
             self.comm.barrier()
 
     def resume(self) -> None:
         ckpt: dict[str, Any] | None = None
-        error = ""
+        error, path = "", ""
         if self.is_root:
-            path = latest_checkpoint(self.run_dir / "checkpoints")
-            if path is None:
-                error = f"--resume: no checkpoint in {self.run_dir / 'checkpoints'}"
-            else:
-                try:
-                    ckpt = load_checkpoint(path)
-                except CheckpointError as exc:
-                    error = str(exc)
-                if ckpt is not None and (ckpt["world_size"] != self.comm.size or ckpt["mode"] != self.cfg.mode):
-                    error = (
-                        f"--resume: {path} was written by mode {ckpt['mode']!r} on {ckpt['world_size']} ranks; "
-                        f"this run is mode {self.cfg.mode!r} on {self.comm.size}: resume with the same mode "
-                        "and number of processes"
-                    )
-                log.info("resuming from %s (step %d)", path, ckpt["step"] if ckpt else -1)
+            try:
+                found = resume_checkpoint(self.run_dir)
+                path = str(found)
+                ckpt = load_checkpoint(found)
+                error = world_mismatch(found, ckpt, self.cfg.mode, self.comm.size)
+            except CheckpointError as exc:
+                error = str(exc)
+            if not error:
+                assert ckpt is not None
+                log.info("resuming from %s (step %d)", path, ckpt["step"])
         if self.comm.size > 1:
-            error, ckpt = self.comm.broadcast_object((error, ckpt if not error else None))
+            error, path, ckpt = self.comm.broadcast_object((error, path, ckpt if not error else None))
         if error:
             raise CheckpointError(error)
         assert ckpt is not None
+        done = nothing_to_resume(self.run_dir, int(ckpt["step"]), self.total_steps, self.cfg.max_steps)
+        if done:
+            raise NothingToResume(done)  # before anything in the run directory changes
         mine = ckpt["ranks"][self.comm.rank]
-        self.engine.load_state_dict(ckpt["engine"] if self.engine.shared_state else mine["engine"])
+        self._load_engine(ckpt["engine"] if self.engine.shared_state else mine["engine"], path)
         self.schedule.load_state_dict(mine["schedule"])
         self.stream.load_state_dict(mine["stream"])
         self.window.value = mine["window"].clone()
@@ -205,8 +308,35 @@ class _Run:
         _set_rng_state(mine["rng"])
         self.step = int(ckpt["step"])
         self.train_time = float(ckpt["train_time"])
+        self.wall_before = float(ckpt.get("wall_time", self.train_time))
         self.last_eval, self.last_train = dict(ckpt["last_eval"]), dict(ckpt["last_train"])
         self.metrics.truncate_after(self.step)
+
+    def _load_engine(self, state: dict[str, Any], path: str) -> None:
+        """Load the engine's state; a checkpoint of another model is refused on every rank, saying how."""
+        error = ""
+        try:
+            self.engine.load_state_dict(state)
+        except (RuntimeError, ValueError, KeyError) as exc:
+            try:
+                first = _model_mismatch(state, self.engine.state_dict())
+            except Exception:  # the engine's own state is only read to name the difference
+                first = ""
+            first = first or str(exc).strip().splitlines()[-1].strip()
+            error = (
+                f"--resume: the model in {path} does not match this config's model ({first}): resume with the "
+                f"run's own config ({self.run_dir / 'config.yaml'}; leave out the --config or --set that "
+                f"changed the model), or start a new run in another --run-dir"
+            )
+        if self.comm.size > 1:
+            error = next((e for e in self.comm.allgather_object(error) if e), "")
+        if error:
+            raise CheckpointError(error)
+
+    def wall_time(self) -> float:
+        """Wall time of the loop over the run's parts so far (resumed runs count every part)."""
+        now = time.perf_counter() - self.wall_start if self.wall_start is not None else 0.0
+        return self.wall_before + now
 
     # ------------------------------------------------------------------ evaluation
 
@@ -233,7 +363,7 @@ class _Run:
     def run(self) -> dict[str, Any]:
         cfg, e = self.cfg, self.engine
         start_step = self.step
-        wall0 = time.perf_counter()
+        self.wall_start = time.perf_counter()
         bar = self._bar()
         window_start_time = time.perf_counter()
         window_steps = 0
@@ -255,9 +385,11 @@ class _Run:
                 at_eval = epoch is not None or self.step == self.total_steps
                 # A train record every log_every steps and at each evaluation (so that epoch sums
                 # are complete); an interruption by max_steps keeps the window open in the checkpoint.
+                # Ctrl-C: the ranks agree at the end of a log window (in its allreduce).
+                stop = self.comm.size == 1 and self.stop.requested
                 if self.step % cfg.log_every == 0 or at_eval:
                     self.epoch_tally.value += self.window.value
-                    self._log_train(bar, window_steps, time.perf_counter() - window_start_time)
+                    stop = self._log_train(bar, window_steps, time.perf_counter() - window_start_time)
                     window_start_time, window_steps = time.perf_counter(), 0
                 if at_eval:
                     self._log_eval(epoch_window_start)
@@ -265,8 +397,13 @@ class _Run:
                     every = cfg.checkpoint.every_epochs
                     if self.step == self.total_steps or (every and epoch is not None and epoch % every == 0):
                         self.save()
-            if self.step < self.total_steps and self.step > start_step:
-                self.save()  # stopped by max_steps: resumable from here
+                if stop and self.step < self.stop_step:
+                    self.stop_reason = "interrupt"
+                    if self.is_root:
+                        log.warning("interrupted: stopping at step %d (checkpoint, evaluation, summary)", self.step)
+                    break
+            if self.step < self.total_steps and self.step > start_step and self.saved_step != self.step:
+                self.save()  # stopped by max_steps or Ctrl-C: resumable from here
             if window_steps:
                 # Stopped inside a log window: record it (marked partial, dropped on resume) for the
                 # curves and the summary; the checkpoint above keeps the window open.
@@ -274,13 +411,14 @@ class _Run:
         finally:
             bar.close()
         interrupted = self.step < self.total_steps
+        if not self.stop_reason:
+            self.stop_reason = "max_steps" if interrupted else "complete"
         if interrupted or not self.last_eval or self.last_eval.get("step") != self.step:
             loss, acc = self.evaluate()
             final_eval = {"test_loss": loss, "test_accuracy": acc}
         else:
             final_eval = self.last_eval
-        wall = time.perf_counter() - wall0
-        return self._summary(final_eval, interrupted, wall)
+        return self._summary(final_eval, interrupted, self.wall_time())
 
     def _bar(self) -> Any:
         from tqdm.auto import tqdm
@@ -295,8 +433,9 @@ class _Run:
             leave=False,
         )
 
-    def _log_train(self, bar: Any, steps: int, seconds: float, partial: bool = False) -> None:
-        loss, acc, count = self.window.reduce(self.comm)
+    def _log_train(self, bar: Any, steps: int, seconds: float, partial: bool = False) -> bool:
+        """Log the window's train record; returns whether any rank was asked to stop (Ctrl-C)."""
+        loss, acc, _, stop = self.window.reduce_flag(self.comm, self.stop.requested)
         rec: dict[str, Any] = {
             "kind": "train",
             "step": self.step,
@@ -311,6 +450,7 @@ class _Run:
         self.last_train = rec
         self.metrics.write(rec)
         bar.set_postfix(loss=f"{loss:.4f}", acc=f"{acc:.3f}", lr=f"{rec['lr']:.2e}", refresh=False)
+        return stop
 
     def _log_eval(self, since: int) -> None:
         train_loss, train_acc, _ = self.epoch_tally.reduce(self.comm)
@@ -359,6 +499,7 @@ class _Run:
             "train_time_s": self.train_time,
             "wall_time_s": wall,
             "interrupted": interrupted,
+            "stop_reason": self.stop_reason,
         }
 
 
@@ -391,13 +532,22 @@ def train(
     resume: bool = False,
     progress: bool = True,
 ) -> dict[str, Any]:
-    """Train ``cfg`` on this rank of ``comm``; rank 0 writes the run directory. Returns the summary."""
-    run = Path(run_dir)
+    """Train ``cfg`` on this rank of ``comm``; rank 0 writes the run directory. Returns the summary.
+
+    In the main thread, Ctrl-C (SIGINT) stops the run gracefully (see the module's description);
+    ``--resume`` of a run with no step left raises :class:`NothingToResume` before writing anything.
+    """
+    with StopRequest().installed() as stop:
+        return _train(comm, cfg, Path(run_dir), resume, progress, stop)
+
+
+def _train(comm: Communicator, cfg: TrainConfig, run: Path, resume: bool, progress: bool,
+           stop: StopRequest) -> dict[str, Any]:
     if comm.rank == 0 and not resume:
         run.mkdir(parents=True, exist_ok=True)
     if comm.size > 1:
         comm.barrier()
-    state = _Run(comm, cfg, run, progress)
+    state = _Run(comm, cfg, run, progress, stop)
     try:
         if resume:
             state.resume()  # refuses a mismatched checkpoint before anything is written
