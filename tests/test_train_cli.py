@@ -38,8 +38,11 @@ def _files(run) -> dict[str, tuple[bytes, int]]:
 
 def _interrupt(run, *argv: str, to_group: bool = True) -> tuple[int, str]:
     """Start ``ringpipe train``, send SIGINT after its first evaluation line; exit code and output."""
+    # SIGINT as a terminal leaves it: a test runner started in the background (or under nohup)
+    # passes it on ignored, and a program started with SIGINT ignored keeps ignoring it.
     proc = subprocess.Popen(_command(run, *argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=_env(), cwd=run.parent, start_new_session=True)
+                            env=_env(), cwd=run.parent, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     watchdog = threading.Timer(50, lambda: os.killpg(proc.pid, signal.SIGKILL))
     watchdog.start()
     try:
@@ -79,7 +82,24 @@ def test_stop_request_counts_a_repeat_within_a_second_as_one(monkeypatch):
         stop(signal.SIGINT, None)
 
 
-def test_stop_request_is_installed_for_its_block_and_keeps_an_earlier_request():
+@pytest.fixture
+def sigint_as_in_a_terminal():
+    """Python's own SIGINT handler, whatever this test process inherited (ignored when run in the background)."""
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, inherited)
+
+
+def test_stop_request_is_left_out_where_sigint_is_ignored():
+    inherited = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with StopRequest().installed():
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN  # as nohup or a background job asked
+    finally:
+        signal.signal(signal.SIGINT, inherited)
+
+
+def test_stop_request_is_installed_for_its_block_and_keeps_an_earlier_request(sigint_as_in_a_terminal):
     before = signal.getsignal(signal.SIGINT)
     earlier = StopRequest()
     earlier.at = 1.0
