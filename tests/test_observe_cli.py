@@ -151,7 +151,9 @@ def test_help_names_the_train_key_that_writes_events():
 def test_doctor_with_mpi_backend_starts_its_ranks_under_mpirun():
     out = _run("doctor", "-n", "2", "--backend", "mpi", "--size", "4K", "--reps", "1", "--json", timeout=110)
     assert out.returncode == 0, out.stderr[-2000:]
-    report = json.loads(out.stdout.strip().splitlines()[-1].split(":", 1)[1])  # [1,0]<stdout>:{...}
+    # [1,0]<stdout>:{...}; Open MPI's --tag-output can glue the next tag onto the line: decode from the brace
+    start = out.stdout.index('{"ranks"')
+    report = json.JSONDecoder().raw_decode(out.stdout, start)[0]
     assert report["ranks"] == 2
 
 
