@@ -34,7 +34,6 @@ from ringpipe.train.config import (
     bundled_configs,
     dp_algorithms,
     dump_config,
-    load_config,
     mitigations_help,
     read_file,
     resolve_raw,
@@ -218,13 +217,12 @@ def _build_config(args: argparse.Namespace, run_dir: Path | None, header: dict[s
     if args.resume and args.config is None and run_dir is not None and (run_dir / "config.yaml").is_file():
         base = read_file(run_dir / "config.yaml")
     raw = resolve_raw(args.config, overrides, base=base)
+    env_backend = os.environ.get("RINGPIPE_BACKEND")
+    if env_backend and args.backend is None and "backend" not in raw:
+        raw = {**raw, "backend": env_backend}
     if header is not None:
         _check_resume_world(header, raw)
-    cfg = validate(raw)
-    env_backend = os.environ.get("RINGPIPE_BACKEND")
-    if env_backend and args.backend is None and "backend" not in cfg.model_fields_set:
-        cfg = load_config(args.config, [f"backend={env_backend}", *overrides], base=base)
-    return cfg
+    return validate(raw)
 
 
 def _check_resume_world(header: dict[str, Any], raw: dict[str, Any]) -> None:
