@@ -15,13 +15,18 @@ LATE_RANK = str(Path(__file__).parent / "scripts" / "stall_late_rank.py")
 REASON = netns.can_create()
 
 
+def _env(**extra: str) -> dict[str, str]:
+    """This environment without the rendezvous settings of another job, one thread per rank, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME", "RINGPIPE_BACKEND")}
+    return {**env, "OMP_NUM_THREADS": "1", **extra}
+
+
 @pytest.mark.netns
 @pytest.mark.timeout(150)
 @pytest.mark.skipif(REASON is not None, reason=REASON or "")
 def test_two_hosts_launch():
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    for k in ("MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME", "RINGPIPE_BACKEND"):
-        env.pop(k, None)
+    env = _env()
     with netns.two_hosts() as (a, b):
         procs = []
         for node, host in enumerate((a, b)):
@@ -50,9 +55,7 @@ def test_two_hosts_launch():
 def test_two_hosts_mpirun_mpi_backend(tmp_path):
     """Open MPI across the two hosts (an rsh agent enters each namespace): the MPI communicator's world."""
     pytest.importorskip("mpi4py")
-    env = dict(os.environ, OMP_NUM_THREADS="1", RINGPIPE_BACKEND="mpi")
-    for k in ("MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME"):
-        env.pop(k, None)
+    env = _env(RINGPIPE_BACKEND="mpi")
     with netns.two_hosts() as hosts:
         cmd, extra = netns.mpirun_across(hosts, [sys.executable, SCRIPT], tmp_path / "hostfile", slots=2)
         out = subprocess.run(cmd, capture_output=True, text=True, env={**env, **extra}, timeout=120)
@@ -75,9 +78,7 @@ def test_two_hosts_mpi_stall_inspector_reaches_rank0_store(tmp_path):
     pytest.importorskip("mpi4py")
     from test_stall import assert_late_rank_named, late_rank_reports
 
-    env = dict(os.environ, OMP_NUM_THREADS="1", RINGPIPE_BACKEND="mpi", RINGPIPE_STALL_CHECK_SECONDS="1")
-    for k in ("MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME"):
-        env.pop(k, None)
+    env = _env(RINGPIPE_BACKEND="mpi", RINGPIPE_STALL_CHECK_SECONDS="1")
     with netns.two_hosts() as hosts:
         cmd, extra = netns.mpirun_across(hosts, [sys.executable, LATE_RANK], tmp_path / "hostfile", slots=2)
         out = subprocess.run(cmd, capture_output=True, text=True, env={**env, **extra}, timeout=120)
