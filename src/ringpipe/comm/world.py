@@ -7,7 +7,6 @@ import datetime
 import logging
 import os
 import socket
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -150,9 +149,6 @@ def init_world(
     return comm
 
 
-_AT_EXIT = False
-
-
 def _shutdown_at_exit() -> None:
     """Destroy the process group when the interpreter exits, if the program did not.
 
@@ -161,23 +157,23 @@ def _shutdown_at_exit() -> None:
     thread then dies and the process aborts ("terminate called without an active exception"),
     now and then, after the program's last line ran correctly. ``atexit`` runs while the
     interpreter is intact; :func:`shutdown_world` is idempotent, so an explicit call stays free.
+    Registered once however often a world is created.
     """
-    global _AT_EXIT
-    if not _AT_EXIT:
-        atexit.register(shutdown_world)
-        _AT_EXIT = True
+    atexit.unregister(shutdown_world)
+    atexit.register(shutdown_world)
 
 
 _INSPECTOR: StallInspector | None = None
 
 
-def _mpi_stall_store(topology: Topology) -> Callable[[], Any] | None:
+def _mpi_stall_store(topology: Topology) -> Any:
     """A key-value store for the stall inspector under MPI, which has no c10d store.
 
     Rank 0 serves a ``TCPStore`` on a free port and shares its address through MPI; the other
     ranks connect only when the inspector first needs the store (a stall), so a job that never
     stalls pays one small broadcast at start-up and an unreachable address costs nothing then.
-    Returns a factory for the store, or None where no store can be served.
+    Returns the store on rank 0, a function that opens it on the other ranks, or None where no
+    store can be served.
     """
     from mpi4py import MPI
 
@@ -201,7 +197,7 @@ def _mpi_stall_store(topology: Topology) -> Callable[[], Any] | None:
     if where is None:
         return None
     if served is not None:
-        return lambda: served
+        return served
     hosts, port = where
 
     def connect() -> Any:
