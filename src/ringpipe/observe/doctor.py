@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from ringpipe.comm.base import Communicator
+from ringpipe.comm.events import Event
 from ringpipe.observe.collect import JobEvents
 
 __all__ = ["Finding", "diagnose", "late_ranks", "placement", "link_findings", "ring_links", "compute_findings",
@@ -194,30 +195,27 @@ def ring_links(job: JobEvents, min_bytes: int = 1 << 16, min_samples: int = 3) -
     if p < 2:
         return []
     world = job.meta.get("comm", "world")
-    done: dict[tuple[int, str, int, int], tuple[int, int]] = {}  # (rank, coll, cid, step) -> (posted, done)
-    steps: list[tuple[int, str, int, int, Any]] = []
+    steps: dict[tuple[int, str, int, int], Event] = {}  # (rank, collective, cid, step) -> its receive
     for r in job.ranks:
         pred = (r.rank - 1) % p
         for e in r.events:
             d = e.detail or {}
             if not (e.op.endswith(".step") and d.get("algorithm") == "ring" and e.comm == world and e.peer == pred):
                 continue
-            key = (r.rank, str(d.get("collective")), int(d.get("cid", -1)), int(d.get("step", -1)))
-            done[key] = (e.start_ns, e.end_ns)
-            steps.append((*key, e))
+            steps[(r.rank, str(d.get("collective")), int(d.get("cid", -1)), int(d.get("step", -1)))] = e
     samples: dict[tuple[int, int], list[float]] = defaultdict(list)
-    for rank, coll, cid, step, e in steps:
+    for (rank, coll, cid, step), e in steps.items():
         if e.nbytes < min_bytes:
             continue
         pred = (rank - 1) % p
-        before = done.get((pred, coll, cid, step - 1))
+        before = steps.get((pred, coll, cid, step - 1))
         if before is not None:
-            sent = before[1]
+            sent = before.end_ns
         else:  # the first step of the collective: the sender posted its block when it started
-            first = done.get((pred, coll, cid, step))
+            first = steps.get((pred, coll, cid, step))
             if first is None:
                 continue
-            sent = first[0]
+            sent = first.start_ns
         took = e.end_ns - int((e.detail or {}).get("reduce_ns", 0)) - max(e.start_ns, sent)
         if took > 0:
             samples[(pred, rank)].append(e.nbytes / took)  # bytes per ns = GB/s
