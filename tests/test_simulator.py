@@ -141,8 +141,8 @@ def _hand_mitigated(names, m, k, *, lr, mom, wd, recompute=False, gb=0.999, eps=
     Stage 1 has staleness 0 and trains plainly (the loss of a micro-batch is divided by the
     size of its step). Stage 0 follows ``_STAGE0[(m, k)]`` with the formulas of ALGORITHMS.md §1:
 
-    - ``ws``: a stale forward clones the weights it uses; the later micro-batches of the same
-      step run forward and backward on that clone, and count as stale as the one that took it.
+    - ``ws``: every forward runs on the current weights; a stale one clones them, and its
+      backward runs on that clone (a micro-batch is never staler than without stashing).
     - ``aggmsnag`` (staleness 1 here): the forward runs on
       ``(1 - eta lam) theta - eta gamma v - eta g_partial`` (``v``, ``g_partial``: 0 if absent).
     - Gap Aware on stage 0 (the only stage of ``all_except_last`` with two stages): on a step
@@ -215,23 +215,18 @@ def _hand_mitigated(names, m, k, *, lr, mom, wd, recompute=False, gb=0.999, eps=
             gaps, stale_step = None, False
             continue
         j = int(ev[1:])
-        group = j // k
         if ev[0] == "F":
-            if ws and group in stashes:
-                a_f, b_f, d = stashes[group]
-                used[j] = (group, d)
-            else:
-                d = stale[j]
-                a_f, b_f = w["a"], w["b"]
-                if predict and d > 0:
-                    assert d == 1
-                    a_f, b_f = (
-                        (1 - lr * wd) * w[p] - lr * mom * (v[p] or 0.0) - lr * (g[p] or 0.0) for p in "ab"
-                    )
-                    predicted += 1
-                if ws and d > 0:
-                    stashes[group] = (a_f, b_f, d)
-                used[j] = (group if ws and d > 0 else None, d)
+            d = stale[j]
+            a_f, b_f = w["a"], w["b"]
+            if predict and d > 0:
+                assert d == 1
+                a_f, b_f = (
+                    (1 - lr * wd) * w[p] - lr * mom * (v[p] or 0.0) - lr * (g[p] or 0.0) for p in "ab"
+                )
+                predicted += 1
+            if ws and d > 0:
+                stashes[j] = (a_f, b_f)
+            used[j] = (j if ws and d > 0 else None, d)
             fw[j] = (a_f, b_f)
             h[j] = b_f * (a_f * x[j])
         else:
@@ -328,7 +323,7 @@ def test_aggmsnag_with_step_every_2_matches_hand_derivation(m, mom, wd):
 @pytest.mark.parametrize("recompute", [False, True])
 @pytest.mark.parametrize("m", [4, 6])
 def test_weight_stashing_with_step_every_2_matches_hand_derivation(m, recompute, mom, wd):
-    """One stash per step: F3 (after S1) and B2, B3 all run on the weights F2 stashed before S1."""
+    """F2 stashes theta_0 for B2; F3 runs after S1 on theta_1, and B3 (before S2) as well."""
     _assert_matches_hand("ws", m, 2, lr=0.1, mom=mom, wd=wd, recompute=recompute)
 
 

@@ -21,11 +21,11 @@ log = logging.getLogger(__name__)
 
 MITIGATIONS: dict[str, str] = {
     "stale": "no mitigation: forward and backward use whatever weights the stage holds",
-    "ws": "weight stashing (PipeDream): backward on the weights its forward used (one stash per step)",
+    "ws": "weight stashing (PipeDream): backward on the weights its forward used",
     "wp": "weight prediction: msnag for step_every=1, aggmsnag for step_every>1",
     "msnag": "weight prediction ignoring the partially accumulated gradient",
     "aggmsnag": "weight prediction using the partially accumulated gradient (step_every>1)",
-    "ga": "Gap Aware: divide stale gradients by 1 + Gap/C",
+    "ga": "Gap Aware: divide stale gradients by 1 + Gap/C (without ws: staleness-1 stages only)",
     "ga_jfl": "Gap Aware just for loss: backward on current weights, stash only sizes the gap "
     "(outside ga_stages: backward on current weights, no penalty, no stash)",
 }
@@ -101,12 +101,16 @@ def make_policy(
     ``all_except_last_two``. ``stale`` returns the no-op base :class:`WeightPolicy`.
 
     Gap Aware with stashing measures the gap against the stash; without stashing (SGD only)
-    it uses the staleness-1 estimate ``Gap = eta |g|`` on every chosen stage. On a stage
-    outside ``ga_stages``, ``ga`` is simply absent (``ws+ga`` there is ``ws``), while
-    ``ga_jfl`` keeps what its name promises everywhere: the backward runs on the current
-    weights (as ``stale`` with recomputation). Since no gap is measured there, the stage keeps
-    no stash (``ws+ga_jfl`` stashes only on the Gap-Aware stages); a predictor still shapes its
-    forwards. With ``step_every > 1`` one stash serves every micro-batch of a step. The caller
+    it uses ``Gap = eta |g|``, the gap of staleness 1, so it is refused on a stage whose
+    staleness can reach 2 (``ceil((num_stages - 1 - stage) / step_every)``), with an error
+    naming the stage and the fixes. On a stage outside ``ga_stages``, ``ga`` is simply absent
+    (``ws+ga`` there is ``ws``), while ``ga_jfl`` keeps what its name promises everywhere: the
+    backward runs on the current weights (as ``stale`` with recomputation). Since no gap is
+    measured there, the stage keeps no stash (``ws+ga_jfl`` stashes only on the Gap-Aware
+    stages); a predictor still shapes its forwards. ``nag_with_predictor``: at staleness 0 the
+    forward *and the backward* run one step ahead (a Nesterov look-ahead), the true weights
+    coming back before the step. With ``step_every > 1`` a stash is shared only by forwards
+    that ran on the same weights (see :mod:`~ringpipe.pipeline.staleness.combine`). The caller
     clears gradients only after ``after_step`` (the SGD statistics read ``p.grad`` when there
     is no momentum buffer), and ``aggmsnag`` expects ``p.grad`` cleared after every step.
     """
@@ -139,6 +143,15 @@ def make_policy(
             nag_with_predictor=nag_with_predictor,
         )
     just_for_loss = ga_name == "ga_jfl"
+    depth = num_stages - 1 - stage
+    max_staleness = -(-depth // step_every)
+    if ga_name == "ga" and ga_here and "ws" not in chosen and max_staleness > 1:
+        raise ValueError(
+            f"Gap Aware without weight stashing estimates the gap from the gradient (Gap = eta |g|), "
+            f"the gap of staleness 1 only; stage {stage} of {num_stages} has staleness up to "
+            f"{max_staleness} (step_every={step_every}) under ga_stages={ga_stages}. Add 'ws' (e.g. "
+            "'ws+ga') so the gap is measured, or use ga_stages='almost_last_partition' (staleness 1)"
+        )
     gap = None
     if ga_name and ga_here:
         gap = gap_aware_for(params, optimizer, big_gamma=ga_big_gamma, eps=ga_eps)
@@ -158,4 +171,5 @@ def make_policy(
         requires_recompute="ga_jfl" in chosen,
         step_every=step_every,
         name=name,
+        stage=stage,
     )

@@ -1,7 +1,8 @@
 """Weight stashing (PipeDream): keep the weights a forward used until its backward.
 
 At forward time the stage's parameters (after any prediction) are cloned under a key: the
-micro-batch's, or its optimizer step's when one stash serves every micro-batch of a step. At backward time the true weights are put aside, the stash is copied into
+micro-batch's, or the weight version's when several forwards ran on the same weights. At
+backward time the true weights are put aside, the stash is copied into
 the parameters (in place), the backward runs, and the true weights come back before the
 optimizer steps on them. Stashes are clones, never references, so later updates of the
 parameters do not change them (and they stay correct together with weight prediction).
@@ -29,6 +30,10 @@ class WeightStash:
 
     def __contains__(self, key: Hashable) -> bool:
         return key in self._stashes
+
+    def keys(self) -> list[Hashable]:
+        """The keys stashed now, oldest first."""
+        return list(self._stashes)
 
     @property
     def nbytes(self) -> int:
