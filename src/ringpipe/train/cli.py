@@ -354,14 +354,15 @@ def run_train(args: argparse.Namespace) -> int:
 def _run_train(args: argparse.Namespace) -> int:
     verbose = bool(getattr(args, "verbose", False))
     from ringpipe.env import EnvironmentError_
-    from ringpipe.train.checkpoint import CheckpointError, read_header, resume_checkpoint
+    from ringpipe.train.checkpoint import CheckpointError, find_resumable
 
     header: dict[str, Any] | None = None
     try:
         pre_dir = resolve_run_dir(args.run_dir, "x", args.resume) if (args.run_dir or args.resume) else None
         if args.resume and pre_dir is not None and not args.print_config:
-            path = resume_checkpoint(pre_dir)
-            header = {**read_header(path), "path": path}
+            found = find_resumable(pre_dir)  # the ranks move newer unusable ones aside, and say so
+            header = {k: v for k, v in found.checkpoint.items() if k not in ("engine", "ranks")}
+            header["path"] = found.path
         cfg = _build_config(args, pre_dir, header)
     except (ConfigError, EnvironmentError_) as exc:
         print(f"ringpipe train: {exc}", file=sys.stderr)

@@ -15,6 +15,7 @@ the first, stops at once (``KeyboardInterrupt``), keeping the newest checkpoint.
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import math
 import signal
@@ -34,9 +35,11 @@ from ringpipe.comm import Communicator
 from ringpipe.comm.events import blocked_ns
 from ringpipe.train.checkpoint import (
     CheckpointError,
-    load_checkpoint,
-    resume_checkpoint,
+    Resumable,
+    find_resumable,
+    remove_stale_temporaries,
     save_checkpoint,
+    set_aside,
     world_mismatch,
 )
 from ringpipe.train.config import TrainConfig, dump_config
@@ -221,6 +224,7 @@ class _Run:
         self.wall_before = 0.0  # wall time of the run's earlier parts (resumed runs)
         self.wall_start: float | None = None  # when this part's loop started
         self.saved_step = -1
+        self.drained: tuple[int, dict[str, Any] | None] | None = None  # streaming engines: (step, payload)
         self.stop_reason = ""
         self.step_windows: list[tuple[int, int, int]] = []  # (start ns, end ns, blocked ns)
         self.last_eval: dict[str, Any] = {}
@@ -268,11 +272,38 @@ class _Run:
             "last_train": self.last_train,
         }
 
-    def save(self) -> None:
-        payload = self._payload()
+    def save(self, gathered: tuple[dict[str, Any] | None] | None = None) -> None:
+        """Checkpoint the current step (collective); ``gathered``: its payload, already gathered."""
+        payload = gathered[0] if gathered is not None else self._payload()
         if payload is not None:
-            path = save_checkpoint(self.run_dir / "checkpoints", self.step, payload, self.cfg.checkpoint.keep)
+            path = save_checkpoint(self.run_dir / "checkpoints", payload["step"], payload, self.cfg.checkpoint.keep)
             log.debug("checkpoint %s", path)
+        self.saved_step = self.step
+        if self.comm.size > 1:
+            self.comm.barrier()
+
+    def note_drained(self) -> dict[str, Any] | None:
+        """A streaming engine just drained: keep this step's state (a copy), for a stop before the next drain."""
+        payload = self._payload()
+        self.drained = (self.step, copy.deepcopy(payload))
+        return payload
+
+    def save_drained(self) -> None:
+        """Stopped between drains (streaming engine): checkpoint the state of the last drain.
+
+        Saving here would first drain the micro-batches in flight, which an uninterrupted run
+        does not do: resumed from such a checkpoint, the run would see other weight versions.
+        From the last drain, ``--resume`` repeats the steps since then exactly.
+        """
+        assert self.drained is not None
+        step, payload = self.drained
+        if self.is_root:
+            log.warning(
+                "mode %s stopped at step %d with micro-batches in flight (the pipeline drains only at epoch "
+                "ends): the checkpoint is its state at its last drain, step %d; --resume repeats steps %d-%d "
+                "exactly", self.cfg.mode, self.step, step, step + 1, self.step)
+            if payload is not None and not (self.run_dir / "checkpoints" / f"step-{step:08d}.pt").exists():
+                save_checkpoint(self.run_dir / "checkpoints", step, payload, self.cfg.checkpoint.keep)
         self.saved_step = self.step
         if self.comm.size > 1:
             self.comm.barrier()
@@ -282,10 +313,9 @@ class _Run:
         error, path = "", ""
         if self.is_root:
             try:
-                found = resume_checkpoint(self.run_dir)
-                path = str(found)
-                ckpt = load_checkpoint(found)
-                error = world_mismatch(found, ckpt, self.cfg.mode, self.comm.size)
+                found = self._find_resumable()
+                path, ckpt = str(found.path), found.checkpoint
+                error = world_mismatch(found.path, ckpt, self.cfg.mode, self.comm.size)
             except CheckpointError as exc:
                 error = str(exc)
             if not error:
@@ -307,10 +337,25 @@ class _Run:
         self.epoch_tally.value = mine["epoch_tally"].clone()
         _set_rng_state(mine["rng"])
         self.step = int(ckpt["step"])
+        self.saved_step = self.step
         self.train_time = float(ckpt["train_time"])
         self.wall_before = float(ckpt.get("wall_time", self.train_time))
         self.last_eval, self.last_train = dict(ckpt["last_eval"]), dict(ckpt["last_train"])
         self.metrics.truncate_after(self.step)
+
+    def _find_resumable(self) -> Resumable:
+        """Rank 0: the newest good checkpoint; newer unusable ones are reported and moved aside,
+        temporary files of a save that never finished are removed."""
+        directory = self.run_dir / "checkpoints"
+        for tmp in remove_stale_temporaries(directory):
+            log.warning("removed %s, left by a run stopped while it saved a checkpoint", tmp)
+        found = find_resumable(self.run_dir)
+        for bad, reason in found.skipped:
+            set_aside(bad, reason.replace("--resume: ", ""))
+        if found.skipped:
+            log.warning("--resume: continuing from %s, the newest good checkpoint (step %d)",
+                        found.path, found.checkpoint["step"])
+        return found
 
     def _load_engine(self, state: dict[str, Any], path: str) -> None:
         """Load the engine's state; a checkpoint of another model is refused on every rank, saying how."""
@@ -369,6 +414,8 @@ class _Run:
         window_steps = 0
         epoch_window_start = len(self.step_windows)
         train_x, train_y = self.data.train.x, self.data.train.y
+        if e.streams:
+            self.note_drained()  # a fresh stream: the state is whole here
         try:
             while self.step < self.stop_step:
                 t0, b0 = time.perf_counter_ns(), blocked_ns()
@@ -394,16 +441,21 @@ class _Run:
                 if at_eval:
                     self._log_eval(epoch_window_start)
                     epoch_window_start = len(self.step_windows)
+                    gathered = (self.note_drained(),) if e.streams else None  # the engine drains at epoch ends
                     every = cfg.checkpoint.every_epochs
                     if self.step == self.total_steps or (every and epoch is not None and epoch % every == 0):
-                        self.save()
+                        self.save(gathered)
                 if stop and self.step < self.stop_step:
                     self.stop_reason = "interrupt"
                     if self.is_root:
                         log.warning("interrupted: stopping at step %d (checkpoint, evaluation, summary)", self.step)
                     break
             if self.step < self.total_steps and self.step > start_step and self.saved_step != self.step:
-                self.save()  # stopped by max_steps or Ctrl-C: resumable from here
+                # stopped by max_steps or Ctrl-C: resumable from here (or from the last drain)
+                if e.streams and self.drained is not None and self.drained[0] != self.step:
+                    self.save_drained()
+                else:
+                    self.save()
             if window_steps:
                 # Stopped inside a log window: record it (marked partial, dropped on resume) for the
                 # curves and the summary; the checkpoint above keeps the window open.

@@ -38,11 +38,33 @@ def _dumps(obj: Any, **kwargs: Any) -> str:
     return json.dumps(finite(obj), allow_nan=False, **kwargs)
 
 
+def _parse(text: str) -> tuple[list[dict[str, Any]], int]:
+    """The complete records of a metrics file, and the number of its lines after the first
+    that is not one (a record torn by a crash while it was written, and what follows it)."""
+    records: list[dict[str, Any]] = []
+    lines = text.split("\n")
+    complete = lines[:-1]  # a last line without its newline was cut short, unless it parses
+    if lines[-1].strip():
+        complete.append(lines[-1])
+    for i, line in enumerate(complete):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            record = None
+        if not isinstance(record, dict) or "step" not in record:
+            return records, len([rest for rest in complete[i:] if rest.strip()])
+        records.append(record)
+    return records, 0
+
+
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """The records of ``metrics.jsonl`` up to the first incomplete one ([] if the file is absent)."""
     p = Path(path)
     if not p.is_file():
         return []
-    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+    return _parse(p.read_text())[0]
 
 
 class MetricsWriter:
@@ -57,11 +79,18 @@ class MetricsWriter:
         """Keep only records up to ``step`` (resuming from a checkpoint taken at that step).
 
         Partial train records (a log window closed early because the run stopped) go too: the
-        resumed run logs that window in full.
+        resumed run logs that window in full. A torn tail (a crash while a record was written)
+        is cut back to the last complete record, with a warning.
         """
         if not self.enabled:
             return
-        self.records = [r for r in read_metrics(self.path) if r["step"] <= step and not r.get("partial")]
+        records, torn = _parse(self.path.read_text()) if self.path.is_file() else ([], 0)
+        if torn:
+            last = f"step {records[-1]['step']}" if records else "none"
+            logging.getLogger(__name__).warning(
+                "%s ends in %d incomplete line%s (a run stopped while writing it): cut back to the last "
+                "complete record (%s)", self.path, torn, "s" if torn > 1 else "", last)
+        self.records = [r for r in records if r["step"] <= step and not r.get("partial")]
         tmp = self.path.with_name(".metrics.jsonl.tmp")
         tmp.write_text("".join(_dumps(r) + "\n" for r in self.records))
         os.replace(tmp, self.path)

@@ -90,6 +90,10 @@ class Engine(ABC):
     lr_scale: float = 1.0
     #: True when every rank holds the same model and optimizer state (only rank 0's is saved)
     shared_state: bool = True
+    #: True when micro-batches stay in flight from one step into the next (mode async): the state
+    #: is whole only where the engine drains (epoch ends, the end of the run), so a run stopped
+    #: between drains is checkpointed as it was at its last drain
+    streams: bool = False
 
     @abstractmethod
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

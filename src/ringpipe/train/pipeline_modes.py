@@ -24,6 +24,7 @@ then only drives a stand-in optimizer for the logged rate.
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Any
 
@@ -195,11 +196,44 @@ class PipelineEngine(Engine):
 
     def state_dict(self) -> dict[str, Any]:
         self.trainer.drain()  # a checkpoint holds no micro-batch in flight
-        return {**self.trainer.state_dict(), "batches": self.batches}
+        state = {**self.trainer.state_dict(), "batches": self.batches}
+        gap_aware = _gap_aware(self.trainer)
+        if gap_aware is not None:  # Gap Aware's running statistics shape every later step
+            state["gap_aware"] = _gap_aware_state(gap_aware)
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.trainer.load_state_dict(state)
         self.batches = int(state.get("batches", 0))
+        gap_aware = _gap_aware(self.trainer)
+        if gap_aware is not None and "gap_aware" in state:
+            _load_gap_aware_state(gap_aware, state["gap_aware"])
+
+
+#: Gap Aware's statistics, for a GapAware without a state_dict of its own.
+_GAP_AWARE_STATE = ("updates", "running", "eta_max")
+
+
+def _gap_aware(trainer: Any) -> Any:
+    return getattr(getattr(trainer, "policy", None), "gap_aware", None)
+
+
+def _gap_aware_state(ga: Any) -> dict[str, Any]:
+    if hasattr(ga, "state_dict"):
+        return dict(ga.state_dict())
+    return {k: copy.deepcopy(getattr(ga, k)) for k in _GAP_AWARE_STATE if hasattr(ga, k)}
+
+
+def _load_gap_aware_state(ga: Any, state: dict[str, Any]) -> None:
+    if hasattr(ga, "load_state_dict"):
+        ga.load_state_dict(state)
+        return
+    for key, value in state.items():
+        if key == "running":
+            for mine, saved in zip(ga.running, value, strict=True):
+                mine.copy_(saved)
+        else:
+            setattr(ga, key, copy.deepcopy(value))
 
 
 #: The key that adds layers to each model (a deeper model gives every stage something to train).
