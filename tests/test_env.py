@@ -174,3 +174,13 @@ def test_with_hostnames_derives_nodes():
     assert (t.node_rank, t.num_nodes, t.local_rank, t.local_size) == (1, 3, 1, 2)
     assert t.ranks_on_node() == [2, 3]
     assert t.node_leaders() == [0, 2, 4]
+
+
+def test_torch_variables_copied_from_mpirun_keep_the_mpi_launcher():
+    """ringpipe launch --backend mpi exports RANK/WORLD_SIZE beside mpirun's own: the launcher is still MPI."""
+    env = {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+           "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}
+    t = detect(env)
+    assert (t.launcher, t.rank, t.size, t.local_rank) == ("openmpi", 1, 2, 1)
+    env["RANK"] = "0"  # disagreeing values: torchrun started this process under an mpirun
+    assert detect(env).launcher == "torchrun"

@@ -113,7 +113,7 @@ def test_plain_ddp_script_runs_unchanged():
 @pytest.mark.parametrize("mode, signal_env, cause", [
     ("agent", {}, "rank 1 failed with exit code 3"),
     ("agent", {"DIE_SIGNAL": "1"}, "rank 1 failed with signal SIGKILL"),
-    ("mp", {}, "rank 1 failed: exit code 3"),
+    ("mp", {}, "rank 1 failed with exit code 3"),
 ])
 def test_dead_rank_stops_the_job(mode, signal_env, cause):
     t0 = time.monotonic()

@@ -259,7 +259,7 @@ def detect(
     port = master_port or _port(env)
     partial = {name: _missing(env, name) for name in _LAUNCHERS}
 
-    if partial["torchrun"] == []:
+    if partial["torchrun"] == [] and not _copied_from_mpi(env, partial):
         n = "torchrun"
         size_ = _int(env, "WORLD_SIZE", n)
         lsize = _first_int(env, ["LOCAL_WORLD_SIZE"], None)
@@ -352,6 +352,20 @@ def detect(
     if problems:
         raise EnvironmentError_("incomplete launch environment:\n  " + "\n  ".join(problems))
     return Topology(launcher="single", master_addr=addr or "127.0.0.1", master_port=port)
+
+
+def _copied_from_mpi(env: Mapping[str, str], partial: Mapping[str, list[str] | None]) -> bool:
+    """Whether the torch variables are a copy of mpirun's (``ringpipe launch --backend mpi`` exports both).
+
+    The launcher is then mpirun: ranks that agree with Open MPI's (or Hydra's) own variables were
+    started by it, and its view (local ranks, rendezvous through MPI) is the one to keep.
+    """
+    pairs = (("openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"), ("mpich", "PMI_RANK", "PMI_SIZE"))
+    for name, rank, size in pairs:
+        if partial[name] == [] and env.get(rank, "").strip() == env.get("RANK", "").strip() \
+                and env.get(size, "").strip() == env.get("WORLD_SIZE", "").strip():
+            return True
+    return False
 
 
 #: Per launcher: the variables that show it started this process, the required ones (each entry a

@@ -16,7 +16,8 @@ from ringpipe.comm.base import CommError, Communicator
 from ringpipe.comm.stall import StallInspector
 from ringpipe.env import EnvironmentError_, Topology, detect
 
-__all__ = ["BACKENDS", "init_world", "shutdown_world", "pin_device", "free_port", "default_backend", "stall_inspector"]
+__all__ = ["BACKENDS", "init_world", "shutdown_world", "pin_device", "free_port", "default_backend",
+           "resolve_backend", "abort_mpi_job_on_exception", "stall_inspector"]
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +33,44 @@ def free_port(host: str = "") -> int:
 
 def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def resolve_backend(backend: str | None = None) -> str:
+    """The backend to use: the argument, else ``$RINGPIPE_BACKEND``, else :func:`default_backend`."""
+    source = "backend"
+    if not backend:
+        backend, source = os.environ.get("RINGPIPE_BACKEND", "").strip(), "RINGPIPE_BACKEND"
+    if not backend:
+        return default_backend()
+    backend = backend.lower()
+    if backend not in BACKENDS:
+        raise CommError(f"unknown backend {backend!r} (from {source}); valid backends: {', '.join(BACKENDS)}")
+    return backend
+
+
+def abort_mpi_job_on_exception(world: Any) -> None:
+    """Make an uncaught exception print its traceback, then abort every rank of the MPI job.
+
+    Without it, the failed rank's interpreter finalises MPI at exit, which waits for ranks that
+    are blocked in a collective with it: the job hangs. ``python -m mpi4py`` does the same.
+    Installed once; the previous hook still prints the traceback.
+    """
+    import sys
+
+    previous = sys.excepthook
+    if getattr(previous, "_ringpipe_mpi_abort", False) or world.Get_size() <= 1:
+        return
+
+    def hook(kind: Any, value: Any, tb: Any) -> None:
+        try:
+            previous(kind, value, tb)
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            world.Abort(1)
+
+    hook._ringpipe_mpi_abort = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
 
 
 def pin_device(topology: Topology) -> torch.device:
@@ -81,13 +120,14 @@ def init_world(
 ) -> Communicator:
     """Initialise the job's world communicator from the launch environment.
 
-    ``backend`` is ``gloo`` (CPU), ``nccl`` (CUDA) or ``mpi`` (mpi4py); by default NCCL where
-    CUDA is available and gloo otherwise. For gloo/NCCL the torch default process group is
-    initialised too, so plain ``torch.distributed`` and DDP code works alongside.
+    ``backend`` is ``gloo`` (CPU), ``nccl`` (CUDA) or ``mpi`` (mpi4py); without it
+    ``$RINGPIPE_BACKEND`` (which ``ringpipe launch --backend`` exports), else NCCL where CUDA is
+    available and gloo otherwise — the rule of :func:`ringpipe.init`, ``bench`` and ``doctor`` too.
+    For gloo/NCCL the torch default process group is initialised too, so plain
+    ``torch.distributed`` and DDP code works alongside. Under MPI an uncaught exception prints its
+    traceback and aborts the whole MPI job (see :func:`abort_mpi_job_on_exception`).
     """
-    backend = (backend or default_backend()).lower()
-    if backend not in BACKENDS:
-        raise CommError(f"unknown backend {backend!r}; valid backends: {', '.join(BACKENDS)}")
+    backend = resolve_backend(backend)
     topo = topology or detect()
 
     if backend == "mpi":
@@ -98,6 +138,7 @@ def init_world(
         from mpi4py import MPI
 
         world = MPI.COMM_WORLD
+        abort_mpi_job_on_exception(world)
         if world.Get_size() != topo.size:
             raise EnvironmentError_(
                 f"MPI world has {world.Get_size()} ranks but the environment says size={topo.size}: "

@@ -1,0 +1,60 @@
+"""Start a job's ranks: ``ringpipe launch`` on this machine (or one node of many), and :func:`spawn` inside Python.
+
+``ringpipe launch`` is a thin layer over existing process managers — torch's elastic agent for
+gloo/NCCL, ``mpirun`` for MPI, ``torch.multiprocessing`` for ``--mode mp`` — that gives every
+mode the same command line (:mod:`~ringpipe.launch.options`), the same rank environment, ranks
+that end with their launcher (:mod:`~ringpipe.launch.bootstrap`), whole lines prefixed with the
+rank and one report naming the rank that failed first (:mod:`~ringpipe.launch.relay`).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from ringpipe.launch.options import LaunchOptions, LaunchUsageError, launch_help, parse_launch_args, validate
+from ringpipe.launch.runners import mpirun_command
+from ringpipe.launch.spawn import WorkerFailed, local_rank_zero_first, spawn
+
+__all__ = ["spawn", "launch_main", "local_rank_zero_first", "WorkerFailed", "mpirun_command", "add_parser",
+           "parse_launch_args", "LaunchOptions", "LaunchUsageError"]
+
+
+def add_parser(sub: Any) -> None:
+    """Register ``launch``; its arguments are read by :func:`parse_launch_args`, untouched by argparse.
+
+    The subcommand's parser treats every word as a positional (no prefix characters), so the
+    launcher's options and the program's arguments reach :func:`launch_main` exactly as typed.
+    """
+    import argparse
+
+    p = sub.add_parser(
+        "launch",
+        help="start N processes of a script on this machine (or one node of several)",
+        description=launch_help(),
+        prefix_chars="\0",
+        add_help=False,
+    )
+    p.add_argument("argv", nargs=argparse.REMAINDER)
+    p.set_defaults(func=launch_main)
+
+
+def launch_main(args: Any) -> int:
+    """Run ``ringpipe launch`` with ``args.argv`` (the words after ``launch``) or a parsed LaunchOptions."""
+    from ringpipe.launch import runners
+
+    try:
+        opts = args if isinstance(args, LaunchOptions) else parse_launch_args(list(args.argv))
+        validate(opts)
+    except LaunchUsageError as exc:
+        print(f"ringpipe launch: {exc}", file=sys.stderr)
+        return 2
+    if opts.backend == "mpi":
+        try:
+            return runners.run_mpi(opts)
+        except FileNotFoundError as exc:
+            print(f"ringpipe launch: {exc}", file=sys.stderr)
+            return 1
+    if opts.mode == "mp":
+        return runners.run_mp(opts)
+    return runners.run_agent(opts)
