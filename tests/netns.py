@@ -1,8 +1,11 @@
-"""Two "hosts" on one machine: network namespaces joined by a veth pair, each with its own address.
+"""Hosts on one machine: network namespaces, each with its own address and hostname.
 
-Used by the multi-host tests and benchmarks. Needs root (``ip netns``); the namespaces and links
-are removed on exit. Addresses are taken from 10.213.0.0/24 and exist only inside the namespaces
-created here.
+:func:`two_hosts` joins two namespaces by a veth pair; :func:`bridged_hosts` joins any number
+through a bridge that lives in a namespace of its own (a switch), so that one host's link can
+be shaped (``tc tbf``) without touching the others'. Used by the multi-host tests and
+benchmarks. Needs root (``ip netns``); the namespaces and links are removed on exit, also on
+failure. Addresses are taken from 10.213.0.0/24 and exist only inside the namespaces created
+here.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ import contextlib
 import os
 import shutil
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -84,18 +87,94 @@ def two_hosts(delay_ms: float = 0.0, rate: str | None = None) -> Iterator[tuple[
 AGENT = str(Path(__file__).with_name("netns_agent.sh"))
 
 
-def mpirun_across(hosts: tuple[Host, ...], argv: list[str], hostfile: Path, slots: int = 1) -> tuple[list[str], dict[str, str]]:
+def _tbf(ns: str, dev: str, rate: str) -> list[str]:
+    """A token bucket on ``dev``'s egress inside ``ns`` (needs only sch_tbf)."""
+    return ["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate,
+            "burst", "64kb", "latency", "500ms"]
+
+
+@contextlib.contextmanager
+def bridged_hosts(count: int = 3, rates: dict[int, str] | None = None) -> Iterator[tuple[Host, ...]]:
+    """Yield ``count`` hosts (``rp-host-a``, ``rp-host-b``, ...) joined by a bridge in a switch namespace.
+
+    ``rates`` shapes host ``i``'s link in both directions (``{2: "50mbit"}``: host c's egress and
+    the switch's egress towards it), as a slow NIC, cable or switch port would.
+    """
+    tag = f"{os.getpid() % 100000}"
+    switch = f"rp-sw-{tag}"
+    letters = "abcdefghij"[:count]
+    hosts = tuple(Host(f"rp-{x}3-{tag}", f"10.213.0.{i + 1}", "eth0", f"rp-host-{x}") for i, x in enumerate(letters))
+    made: list[str] = []
+    try:
+        for ns in (switch, *(h.ns for h in hosts)):
+            _ip("netns", "add", ns)
+            made.append(ns)
+        _ip("-n", switch, "link", "add", "br0", "type", "bridge")
+        _ip("-n", switch, "link", "set", "br0", "up")
+        for i, h in enumerate(hosts):
+            port = f"p{letters[i]}"
+            _ip("-n", switch, "link", "add", port, "type", "veth", "peer", "name", h.ifname, "netns", h.ns)
+            _ip("-n", switch, "link", "set", port, "master", "br0")
+            _ip("-n", switch, "link", "set", port, "up")
+            _ip("-n", h.ns, "addr", "add", f"{h.addr}/24", "dev", h.ifname)
+            _ip("-n", h.ns, "link", "set", h.ifname, "up")
+            _ip("-n", h.ns, "link", "set", "lo", "up")
+            rate = (rates or {}).get(i)
+            if rate:
+                subprocess.run(_tbf(h.ns, h.ifname, rate), check=True, capture_output=True)
+                subprocess.run(_tbf(switch, port, rate), check=True, capture_output=True)
+        yield hosts
+    finally:
+        for ns in reversed(made):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def mpirun_across(hosts: tuple[Host, ...], argv: list[str], hostfile: Path,
+                  slots: int | Sequence[int] = 1) -> tuple[list[str], dict[str, str]]:
     """An Open MPI ``mpirun`` line, started inside the first host, with ``slots`` ranks on each host.
+
+    ``slots``: one count for every host, or one per host (``(4, 2, 2)``); ranks are placed in
+    host order.
 
     Open MPI reaches the other hosts through an rsh agent (``netns_agent.sh``) that enters the
     host's namespace instead of logging in with ssh; TCP only, over the namespaces' subnet.
     Returns the command and the environment variables it needs.
     """
-    hostfile.write_text("".join(f"{h.addr} slots={slots}\n" for h in hosts))
+    per_host = [slots] * len(hosts) if isinstance(slots, int) else list(slots)
+    hostfile.write_text("".join(f"{h.addr} slots={n}\n" for h, n in zip(hosts, per_host, strict=True)))
     subnet = "10.213.0.0/24"
-    cmd = [*hosts[0].prefix(), "mpirun", "--allow-run-as-root", "--oversubscribe", "-n", str(slots * len(hosts)),
+    cmd = [*hosts[0].prefix(), "mpirun", "--allow-run-as-root", "--oversubscribe", "-n", str(sum(per_host)),
            "--hostfile", str(hostfile), "--mca", "plm_rsh_agent", AGENT, "--mca", "btl", "self,tcp",
            "--mca", "btl_tcp_if_include", subnet, "--mca", "oob_tcp_if_include", subnet,
            "--bind-to", "none", "--tag-output", *argv]
     env = {"RP_NETNS_MAP": " ".join(f"{h.addr}={h.ns}:{h.hostname}" for h in hosts)}
     return cmd, env
+
+
+def launch_across(hosts: Sequence[Host], per_host: Sequence[int], argv: list[str], port: int,
+                  env: dict[str, str], timeout: float = 300) -> list[subprocess.CompletedProcess[str]]:
+    """``ringpipe launch --nnodes N`` inside every host, ``per_host[i]`` ranks on host ``i``; waits for all.
+
+    ``argv``: what each launcher runs (a script and its arguments, or ``-m module ...``). Ranks
+    are numbered host by host (host a's first). Returns each host's completed launcher; a
+    launcher still running at ``timeout`` is killed with its ranks.
+    """
+    import sys
+
+    procs = []
+    for node, (host, n) in enumerate(zip(hosts, per_host, strict=True)):
+        cmd = [*host.prefix(), sys.executable, "-m", "ringpipe.cli", "launch", "-n", str(n), "--nnodes",
+               str(len(hosts)), "--node-rank", str(node), "--rdzv-endpoint", f"{hosts[0].addr}:{port}", *argv]
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                      start_new_session=True))
+    done = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=timeout)
+            done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, 9)
+                p.wait()
+    return done

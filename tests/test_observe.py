@@ -68,15 +68,15 @@ def test_too_few_calls_give_no_verdict():
     assert late_ranks(_job(_allreduces(late_rank=1, n=3))) == []
 
 
-def test_unbalanced_placement_4_3_1_and_ring_crossings():
+def test_a_single_rank_host_is_the_placement_problem_and_even_spreads_are_not():
     hosts = ["a"] * 4 + ["b"] * 3 + ["c"]
-    job = _job([[] for _ in hosts], hosts=hosts)
-    found = placement(job)
+    found = placement(_job([[] for _ in hosts], hosts=hosts))
     f = found[0]
-    assert f.severity == "problem" and "unbalanced placement 4-3-1 over 3 hosts" in f.what
-    assert "crosses hosts 3 times" in f.evidence and "hierarchical" in f.fix
-    balanced = placement(_job([[] for _ in range(8)], hosts=["a"] * 4 + ["b"] * 4))
-    assert [f.severity for f in balanced] == ["info"]
+    assert f.severity == "problem" and f.what.startswith("placement 4-3-1: host c runs a single rank")
+    assert f.hosts == ("c",) and "2.0x as long as with 3-3-2" in f.evidence and "3-3-2" in f.fix
+    for shape in ([4, 2, 2], [3, 3, 2], [4, 4]):
+        hosts = [h for h, n in zip("abc", shape) for _ in range(n)]
+        assert [f.severity for f in placement(_job([[] for _ in hosts], hosts=hosts))] == ["info"], shape
 
 
 def test_oversubscribed_host_and_shared_binding():
@@ -104,7 +104,8 @@ def test_slow_link_and_the_cost_of_crossing_hosts():
     slow = [f for f in found if f.what.startswith("slow link")]
     assert [f.what for f in slow] == ["slow link: rank 1 (a) <-> rank 2 (b)"]
     crossing = [f for f in found if "crossing hosts" in f.what]
-    assert crossing[0].what == "crossing hosts costs 8.0x in bandwidth" and crossing[0].severity == "problem"
+    # Slower links between hosts than inside them are normal: information, not a problem.
+    assert crossing[0].what == "crossing hosts costs 8.0x in bandwidth" and crossing[0].severity == "info"
     # Problems come first in the full diagnosis.
     sev = [f.severity for f in diagnose(job, links)]
     assert sev == sorted(sev, key=lambda s: s != "problem")
@@ -143,8 +144,8 @@ def test_ring_links_measure_each_hop_from_the_runs_ring_steps():
         assert x["gbps"] == pytest.approx(hops[(x["src"], x["dst"])], rel=1e-6) and x["samples"] == 24
     found = diagnose(_ring_job(hops))
     crossing = [f for f in found if "crossing hosts" in f.what]
-    assert crossing[0].what == "crossing hosts costs 8.0x in bandwidth" and crossing[0].severity == "problem"
-    assert "from 48 ring steps of this job" in crossing[0].evidence
+    assert crossing[0].what == "crossing hosts costs 8.0x in bandwidth" and crossing[0].severity == "info"
+    assert "from 96 collective steps of this job" in crossing[0].evidence  # 4 hops x 24 steps
 
 
 def test_a_late_rank_does_not_make_its_links_look_slow():
@@ -160,7 +161,7 @@ def test_a_slow_hop_is_named_from_the_runs_ring_steps():
     found = diagnose(_ring_job(hops, hosts=("h",) * 6))
     slow = [f for f in found if f.what.startswith("slow link")]
     assert [f.what for f in slow] == ["slow link: rank 2 (h) <-> rank 3 (h)"]
-    assert slow[0].severity == "problem" and "ring steps of this job" in slow[0].evidence
+    assert slow[0].severity == "problem" and "collective steps of this job" in slow[0].evidence
     assert any(f.what == "slowest ring hop: rank 2 <-> rank 3" for f in found)
 
 
@@ -232,7 +233,7 @@ def test_doctor_names_the_rank_that_keeps_the_others_waiting(tmp_path):
     late = [f for f in findings if "arrives late" in f[1]]
     # Rank 1 arrives last at the native allreduce; the ring allreduce right after it starts together.
     assert {rank for rank, _ in late} == {1}, findings
-    assert "rank 1 (host " in late[0][1] and late[0][1].endswith("arrives late at allreduce on world")
+    assert "rank 1 (host " in late[0][1] and late[0][1].endswith("arrives late at allreduce of 4.0 KiB on world")
     assert {r.rank for r in job.ranks} == {0, 1, 2}
     steps = [e for e in job.ranks[0].events if e.op == "allreduce.step"]
     assert steps and all(e.detail["algorithm"] == "ring" for e in steps)
@@ -276,7 +277,7 @@ REASON = netns.can_create()
 @pytest.mark.timeout(180)
 @pytest.mark.skipif(REASON is not None, reason=REASON or "")
 def test_doctor_finds_the_slow_cross_host_links():
-    """Two namespace hosts whose link is shaped to 200 Mbit/s: the doctor blames crossing hosts."""
+    """Two namespace hosts whose link is shaped to 200 Mbit/s: every cross-host link reads slower than the others."""
     env = _env()
     with netns.two_hosts(rate="200mbit") as (a, b):
         procs = []
@@ -292,7 +293,7 @@ def test_doctor_finds_the_slow_cross_host_links():
     report = json.loads(line.split(":", 1)[1] if not line.startswith("{") else line)
     assert report["hosts"] == ["rp-host-a", "rp-host-a", "rp-host-b", "rp-host-b"]
     crossing = [f for f in report["findings"] if "crossing hosts costs" in f["what"]]
-    assert crossing and crossing[0]["severity"] == "problem", report["findings"]
+    assert crossing and crossing[0]["severity"] == "info", report["findings"]
     cross = [x["gbps"] for x in report["links"] if (x["src"] < 2) != (x["dst"] < 2)]
     same = [x["gbps"] for x in report["links"] if (x["src"] < 2) == (x["dst"] < 2)]
     assert len(cross) == 4 and len(same) == 2 and max(cross) < min(same)
@@ -302,7 +303,8 @@ def test_doctor_finds_the_slow_cross_host_links():
 @pytest.mark.timeout(180)
 @pytest.mark.skipif(REASON is not None, reason=REASON or "")
 def test_doctor_blames_the_cross_host_hops_from_a_runs_events(tmp_path):
-    """No probe: ring allreduces over two hosts joined by a 200 Mbit/s link, then `ringpipe doctor EVENTS`."""
+    """No probe: ring allreduces over two hosts joined by a 200 Mbit/s link, then `ringpipe doctor EVENTS`: the
+    cross-host hops read slower (with two hosts there is no third to tell a slow host from crossing hosts)."""
     env = _env()
     events = tmp_path / "events.json"
     script = str(Path(__file__).parent / "scripts" / "ring_events.py")
@@ -325,4 +327,4 @@ def test_doctor_blames_the_cross_host_hops_from_a_runs_events(tmp_path):
     assert sorted(hops) == [(0, 1), (1, 2), (2, 3), (3, 0)], report["links"]
     assert max(hops[(1, 2)], hops[(3, 0)]) < min(hops[(0, 1)], hops[(2, 3)]), hops
     crossing = [f for f in report["findings"] if "crossing hosts costs" in f["what"]]
-    assert crossing and crossing[0]["severity"] == "problem", report["findings"]
+    assert crossing and crossing[0]["severity"] == "info", report["findings"]

@@ -6,52 +6,18 @@ import json
 import os
 import subprocess
 import sys
-import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ringpipe.comm.base import Communicator
+from ringpipe.observe.probe import doctor_job
 
 #: Where ``ringpipe train`` writes a run's events (observe.timeline) and how to ask for them.
 _EVENTS_HOWTO = "`ringpipe train --set observe.timeline=true` writes events.json into the run directory"
 
-__all__ = ["add_parser", "doctor_main", "trace_main", "doctor_job"]
-
-
-def doctor_job(comm: Communicator, nbytes: int, reps: int, all_pairs: bool | None) -> dict[str, Any] | None:
-    """The probe every rank runs: compute, links, ring and native allreduce; rank 0 gets the result."""
-    from ringpipe import collectives
-    from ringpipe.observe.collect import collect_events
-    from ringpipe.observe.doctor import compute_probe, diagnose, run_probe
-
-    comm.log.clear()
-    comm.barrier()
-    compute_ms = compute_probe()
-    comm.barrier()
-    links = run_probe(comm, nbytes, all_pairs) if comm.size > 1 else []
-    x = torch.ones(max(1, nbytes // 4))
-    # The ring, the hierarchical cure for several hosts, and the backend's own allreduce.
-    algorithms = ["ring", "hierarchical", "native"] if comm.topology.num_nodes > 1 else ["ring", "native"]
-    timings: dict[str, list[float]] = {name: [] for name in algorithms}
-    for _ in range(reps):
-        for name in timings:
-            comm.barrier()
-            t0 = time.perf_counter()
-            if name == "native":
-                comm.allreduce(x, "sum")
-            else:
-                collectives.allreduce(comm, x, "sum", algorithm=name)
-            timings[name].append(time.perf_counter() - t0)
-    slowest = comm.allgather_object({k: min(v) for k, v in timings.items()})
-    job = collect_events(comm, info={"compute_ms": compute_ms, "threads": torch.get_num_threads()})
-    if job is None:
-        return None
-    findings = diagnose(job, links)
-    allreduce_ms = {k: 1e3 * max(s[k] for s in slowest) for k in timings}
-    return {"job": job, "links": links, "findings": findings, "allreduce_ms": allreduce_ms}
+__all__ = ["add_parser", "doctor_main", "trace_main", "doctor_job", "load_events_arg"]
 
 
 def _print_report(result: dict[str, Any], nbytes: int, as_json: bool) -> None:
@@ -66,6 +32,7 @@ def _print_report(result: dict[str, Any], nbytes: int, as_json: bool) -> None:
             "allreduce_ms": result.get("allreduce_ms", {}),
             "compute_ms": [r.info.get("compute_ms") for r in job.ranks],
             "findings": [asdict(f) for f in findings],
+            "verified": result.get("verified"),
         }), flush=True)
         return
     extra = []
@@ -82,11 +49,36 @@ def _print_report(result: dict[str, Any], nbytes: int, as_json: bool) -> None:
         ms = result["allreduce_ms"]
         extra.append(f"allreduce of {nbytes} bytes (slowest rank, best of the runs): "
                      + ", ".join(f"{name} {t:.2f} ms" for name, t in ms.items()))
-    print(format_report(job, findings, extra), flush=True)
+    v = result.get("verified")
+    if v:
+        extra.append(f"verify: ring {v['before_ms']:.2f} ms before, {v['fix']} {v['after_ms']:.2f} ms after "
+                     f"(median of {v['runs']} interleaved runs each)")
+    # One write: under mpirun --tag-output the report's lines stay whole and in order.
+    sys.stdout.write(format_report(job, findings, extra) + "\n")
+    sys.stdout.flush()
 
 
-def _load_events(path: str) -> Any:
-    """The events of ``path``: an events file, or a run directory holding events.json."""
+def _sniff(path: Path) -> None:
+    """ValueError naming what ``path`` is when it cannot be an events file (binary, image, empty)."""
+    with path.open("rb") as f:
+        head = f.read(4096)
+    if not head.strip():
+        raise ValueError(f"{path} is empty: the run wrote no events (did it end before collect_events, or "
+                         f"was the disk full?); {_EVENTS_HOWTO}")
+    kinds = {b"\x89PNG": "a PNG image", b"%PDF": "a PDF document", b"PK\x03\x04": "a zip archive (a torch "
+             "checkpoint?)", b"\x80": "a pickle (a torch checkpoint?)", b"\x1f\x8b": "a gzip file"}
+    for magic, kind in kinds.items():
+        if head.startswith(magic):
+            raise ValueError(f"{path} is {kind}, not an events file; give the events.json of a run ({_EVENTS_HOWTO})")
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        if exc.start < len(head) - 4:  # not just a character cut at the end of the sample
+            raise ValueError(f"{path} is a binary file, not an events file (JSON text); {_EVENTS_HOWTO}") from None
+
+
+def load_events_arg(path: str) -> Any:
+    """The events of ``path``: an events file, a run directory holding events.json, or a timeline beside its events."""
     from ringpipe.observe.collect import load_events
 
     given = Path(path)
@@ -94,12 +86,32 @@ def _load_events(path: str) -> Any:
         if not (given / "events.json").is_file():
             raise IsADirectoryError(f"{path} is a directory without events.json; give the events file ({_EVENTS_HOWTO})")
         given = given / "events.json"
+    if given.is_file():
+        _sniff(given)
+        timeline = given.with_name(given.stem + ".events.json")
+        if given.suffix == ".json" and not given.name.endswith(".events.json") and _is_trace(given):
+            if timeline.is_file():
+                print(f"ringpipe: {given} is a Chrome timeline; reading its events from {timeline}", file=sys.stderr)
+                given = timeline
+            else:
+                raise ValueError(f"{given} is a Chrome timeline, not an events file; give the events file written "
+                                 f"beside it ({timeline.name}: RINGPIPE_TIMELINE=FILE.json writes "
+                                 f"FILE.events.json; {_EVENTS_HOWTO})")
     try:
-        return load_events(given)
+        job = load_events(given)
     except KeyError as exc:
         raise ValueError(f"{given}: not a complete ringpipe events file (no {exc} entry)") from None
     except (TypeError, IndexError) as exc:
         raise ValueError(f"{given}: not a well-formed ringpipe events file ({exc})") from None
+    if job.size == 0 or not any(r.events for r in job.ranks):
+        raise ValueError(f"{given} holds no events ({job.size} ranks, 0 events): nothing to analyse; record "
+                         f"communication before saving ({_EVENTS_HOWTO})")
+    return job
+
+
+def _is_trace(path: Path) -> bool:
+    with path.open("rb") as f:
+        return b'"traceEvents"' in f.read(64)
 
 
 def _usage_error(command: str, exc: BaseException | str) -> int:
@@ -109,26 +121,37 @@ def _usage_error(command: str, exc: BaseException | str) -> int:
 
 def _doctor_events(args: Any) -> int:
     """``ringpipe doctor EVENTS``: the profile and the findings of a recorded run."""
-    from ringpipe.observe.doctor import diagnose, ring_links
+    from ringpipe.observe.doctor import diagnose, run_links
     from ringpipe.observe.table import format_profile
 
     try:
-        job = _load_events(args.events)
+        job = load_events_arg(args.events)
     except (ValueError, OSError) as exc:
         return _usage_error("doctor", exc)
-    links = ring_links(job)  # the run's own ring steps stand in for the probe
+    links = run_links(job)  # the run's own collective steps stand in for the probe
     findings = diagnose(job, links)
     if not args.json:
         print(format_profile(job) + "\n", flush=True)
     _print_report({"job": job, "findings": findings, "links": links}, 0, args.json)
-    return 1 if any(f.severity == "problem" for f in findings) and args.strict else 0
+    return _strict(args, findings)
+
+
+def _strict(args: Any, findings: list[Any]) -> int:
+    """Exit 1 under --strict when a problem was found, saying so (not a crash)."""
+    problems = sum(f.severity == "problem" for f in findings)
+    if not (problems and args.strict):
+        return 0
+    print(f"ringpipe doctor --strict: {problems} problem(s) found, exit status 1 (the doctor itself ran fine)",
+          file=sys.stderr, flush=True)
+    return 1
 
 
 def _doctor_mpirun(args: Any) -> int:
     """Start ``-n`` ranks of this same probe under mpirun (the mpi backend needs it)."""
     from ringpipe.launch import mpirun_command
 
-    argv = ["doctor", "--backend", "mpi", "--size", str(args.size), "--reps", str(args.reps), "--pairs", args.pairs]
+    argv = ["doctor", "--backend", "mpi", "--size", str(args.size), "--reps", str(args.reps), "--pairs", args.pairs,
+            "--verify", str(args.verify)]
     for flag, value in (("--save-events", args.save_events), ("--plot", args.plot)):
         if value is not None:
             argv += [flag, str(value)]
@@ -153,6 +176,8 @@ def doctor_main(args: Any) -> int:
         return _usage_error("doctor", exc)
     if args.reps < 1:
         return _usage_error("doctor", f"--reps must be >= 1, got {args.reps}")
+    if args.verify < 0:
+        return _usage_error("doctor", f"--verify must be >= 0 runs, got {args.verify}")
     if args.nprocs is not None and args.nprocs < 1:
         return _usage_error("doctor", f"-n must be >= 1, got {args.nprocs}")
     backend = (args.backend or os.environ.get("RINGPIPE_BACKEND") or "gloo").lower()
@@ -176,7 +201,7 @@ def doctor_main(args: Any) -> int:
         from ringpipe.launch import WorkerFailed, spawn
 
         try:
-            results = spawn(doctor_job, args.nprocs, backend, args=(nbytes, args.reps, pairs))
+            results = spawn(doctor_job, args.nprocs, backend, args=(nbytes, args.reps, pairs, args.verify))
         except WorkerFailed as exc:  # names the rank that failed
             print(f"ringpipe doctor: {exc}; the other ranks were stopped", file=sys.stderr)
             return 1
@@ -189,7 +214,7 @@ def doctor_main(args: Any) -> int:
         except (CommError, EnvironmentError_) as exc:
             return _usage_error("doctor", exc)
         try:
-            result = doctor_job(comm, nbytes, args.reps, pairs)
+            result = doctor_job(comm, nbytes, args.reps, pairs, args.verify)
         finally:
             shutdown_world()
     if result is None:
@@ -199,11 +224,21 @@ def doctor_main(args: Any) -> int:
 
         save_events(args.save_events, result["job"])
     if args.plot and result["links"]:
-        from ringpipe.observe.doctor import plot_links
+        from ringpipe.observe.plots import plot_links
 
         plot_links(result["job"], result["links"], args.plot)
+        print(f"ringpipe doctor: links drawn in {args.plot}", file=sys.stderr, flush=True)
     _print_report(result, nbytes, args.json)
-    return 1 if any(f.severity == "problem" for f in result["findings"]) and args.strict else 0
+    return _strict(args, result["findings"])
+
+
+def _beside(events: str) -> Path:
+    """Where a timeline goes by default: beside its events (in the run directory), never the current one."""
+    given = Path(events)
+    if given.is_dir():
+        return given / "timeline.json"
+    stem = given.name.removesuffix(".json").removesuffix(".events")
+    return given.with_name(("timeline" if stem == "events" else stem + ".timeline") + ".json")
 
 
 def trace_main(args: Any) -> int:
@@ -211,8 +246,8 @@ def trace_main(args: Any) -> int:
     from ringpipe.observe.timeline import write_timeline
 
     try:
-        job = _load_events(args.events)
-        out = write_timeline(args.output, job)
+        job = load_events_arg(args.events)
+        out = write_timeline(args.output or _beside(args.events), job)
     except (ValueError, OSError) as exc:
         return _usage_error("trace", exc)
     print(format_profile(job), flush=True)
@@ -243,6 +278,8 @@ def add_parser(sub: Any) -> None:
                    help="links to probe: every pair, ring neighbours, or all pairs up to 8 ranks (auto)")
     d.add_argument("--save-events", default=None, metavar="FILE", help="also save the probe's events here")
     d.add_argument("--plot", default=None, metavar="FILE.png", help="draw the probed links as a rank x rank heat map")
+    d.add_argument("--verify", type=int, nargs="?", const=5, default=0, metavar="RUNS",
+                   help="time the recommended fix against the ring in RUNS more interleaved runs (default 5)")
     d.add_argument("--json", action="store_true", help="one JSON object instead of the report")
     d.add_argument("--strict", action="store_true", help="exit 1 when a problem is found")
     d.set_defaults(func=doctor_main)
@@ -254,5 +291,7 @@ def add_parser(sub: Any) -> None:
     )
     t.add_argument("events", help="events file or a run directory holding events.json (ringpipe.observe.save_events "
                    "or `ringpipe train --set observe.timeline=true`)")
-    t.add_argument("-o", "--output", default="timeline.json", help="timeline file to write (default timeline.json)")
+    t.add_argument("-o", "--output", default=None,
+                   help="timeline file to write (default: beside the events: timeline.json in a run directory, "
+                   "NAME.timeline.json for NAME.json)")
     t.set_defaults(func=trace_main)

@@ -98,7 +98,12 @@ def _rank_info() -> dict[str, Any]:
         cpus = sorted(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         cpus = list(range(os.cpu_count() or 1))
-    return {"pid": os.getpid(), "cpus": cpus, "cpu_count": os.cpu_count() or 1}
+    info: dict[str, Any] = {"pid": os.getpid(), "cpus": cpus, "cpu_count": os.cpu_count() or 1}
+    try:  # one id per booted kernel: containers and network namespaces of one machine share it
+        info["machine"] = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        pass
+    return info
 
 
 def collect_events(

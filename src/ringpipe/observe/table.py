@@ -14,12 +14,14 @@ from typing import Any
 
 from ringpipe.comm.events import Event, human_bytes
 from ringpipe.observe.collect import JobEvents
+from ringpipe.observe.regions import EXPECTED_OP
 
 __all__ = ["profile", "format_profile", "busy_ns"]
 
 
 def _top_level(events: list[Event]) -> list[Event]:
-    return [e for e in events if "." not in e.op]
+    """The calls a program made (not their steps and headers, not its declared expected work)."""
+    return [e for e in events if "." not in e.op and e.op != EXPECTED_OP]
 
 
 def busy_ns(events: list[Event]) -> int:

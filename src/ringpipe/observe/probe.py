@@ -1,0 +1,245 @@
+"""The doctor's probe, run by every rank of a job: compute, links, allreduce algorithms, the fix.
+
+Measurements are taken one at a time while the other ranks wait in a *quiet* barrier (they
+poll with short sleeps instead of spinning, as Open MPI's blocking calls do), so that on a
+machine with few cores the measured rank or pair is not slowed by its waiting peers:
+
+1. a compute probe on each rank in turn (a slow CPU, not contention, makes a rank slow);
+2. latency and bandwidth of every pair of ranks (on large jobs: ring neighbours and one pair
+   of each two hosts), the best of a few ping-pongs (contention only ever slows a transfer);
+3. the ring, the hierarchical and the backend's own allreduce at the user's message size,
+   interleaved, and, when a host's link is slow, a ring among the ranks of the other hosts;
+4. with ``verify``, more interleaved runs of the ring and of the fix the timings favour.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from ringpipe.comm.base import Communicator, Work
+from ringpipe.observe.collect import member_hosts
+
+__all__ = ["compute_probe", "run_probe", "quiet_barrier", "doctor_job", "probe_pairs"]
+
+_PROBE_TAG = 7_100_000
+_QUIET_TAG = 7_100_001
+
+
+def _quiet(comm: Communicator, work: Work, pause: float = 0.0005) -> None:
+    """Wait for ``work`` without spinning: MPI's blocking wait polls a core, so poll it with sleeps.
+
+    c10d's waits block in the kernel already (and gloo's receive reports completion only to
+    ``wait``), so there the plain wait is the quiet one.
+    """
+    if comm.backend == "mpi":
+        while not work.is_completed():
+            time.sleep(pause)
+    work.wait()
+
+
+def quiet_barrier(comm: Communicator) -> None:
+    """A barrier whose waiting ranks sleep between polls instead of spinning on a core."""
+    if comm.size == 1:
+        return
+    t = torch.zeros(1)
+    if comm.rank == 0:
+        for q in range(1, comm.size):
+            _quiet(comm, comm.irecv(t, q, _QUIET_TAG))
+        for q in range(1, comm.size):
+            comm.isend(t, q, _QUIET_TAG).wait()
+    else:
+        comm.isend(t, 0, _QUIET_TAG).wait()
+        _quiet(comm, comm.irecv(t, 0, _QUIET_TAG))
+
+
+def probe_pairs(hosts: list[str], all_pairs: bool) -> list[tuple[int, int]]:
+    """Rank pairs to probe: every pair, or ring neighbours plus one pair of every two hosts."""
+    size = len(hosts)
+    if all_pairs:
+        return [(a, b) for a in range(size) for b in range(a + 1, size)]
+    pairs = {(min(r, (r + 1) % size), max(r, (r + 1) % size)) for r in range(size) if size > 1}
+    first = {h: hosts.index(h) for h in dict.fromkeys(hosts)}
+    firsts = sorted(first.values())
+    pairs |= {(a, b) for i, a in enumerate(firsts) for b in firsts[i + 1:]}
+    return sorted(pairs)
+
+
+def _pingpong(comm: Communicator, peer: int, buf: torch.Tensor, reps: int, first: bool) -> list[float]:
+    """One-way times (s) of ``reps`` round trips of ``buf`` with ``peer``."""
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        if first:
+            comm.send(buf, peer, _PROBE_TAG)
+            comm.recv(buf, peer, _PROBE_TAG)
+        else:
+            comm.recv(buf, peer, _PROBE_TAG)
+            comm.send(buf, peer, _PROBE_TAG)
+        times.append((time.perf_counter() - t0) / 2)
+    return times
+
+
+def compute_probe(reps: int = 3, n: int = 256, iters: int = 20) -> float:
+    """Best time in ms of ``iters`` ``n x n`` matrix products (the same work on every rank)."""
+    a = torch.randn(n, n, generator=torch.Generator().manual_seed(0))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            a = torch.tanh(a @ a / n)
+        times.append(time.perf_counter() - t0)
+    return 1e3 * min(times)
+
+
+def compute_in_turn(comm: Communicator, retries: int = 2) -> float:
+    """This rank's :func:`compute_probe`, each rank timed alone while the others wait quietly.
+
+    A rank 1.5x slower than the median is timed again (up to ``retries`` times, best kept):
+    another process that took the core for a moment is gone the next time, a slow CPU is not.
+    """
+    mine = float("inf")
+    todo = list(range(comm.size))
+    for _ in range(1 + retries):
+        for r in todo:
+            quiet_barrier(comm)
+            if comm.rank == r:
+                mine = min(mine, compute_probe())
+        quiet_barrier(comm)
+        every = comm.allgather_object(mine) if comm.size > 1 else [mine]
+        med = statistics.median(every)
+        todo = [r for r, t in enumerate(every) if t >= 1.5 * med]
+        if not todo:
+            break
+    return mine
+
+
+def _measure(comm: Communicator, a: int, b: int, small: torch.Tensor, big: torch.Tensor) -> dict[str, Any] | None:
+    """One link's latency and bandwidth; the lower rank of the pair returns it."""
+    if comm.rank not in (a, b):
+        return None
+    peer, first = (b, True) if comm.rank == a else (a, False)
+    _pingpong(comm, peer, small, 2, first)  # connect and warm up
+    lat = statistics.median(_pingpong(comm, peer, small, 10, first))
+    bw_t = min(_pingpong(comm, peer, big, 3, first))
+    if not first:
+        return None
+    return {"src": a, "dst": b, "latency_us": 1e6 * lat, "gbps": big.numel() * 4 / max(bw_t, 1e-12) / 1e9}
+
+
+def _suspects(hosts: list[str], links: list[dict[str, Any]], slow: float) -> list[tuple[int, int]]:
+    """Rank pairs below ``slow`` times the median of their host pair (worth measuring again)."""
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for x in links:
+        groups.setdefault(tuple(sorted((hosts[x["src"]], hosts[x["dst"]]))), []).append(x)  # type: ignore[arg-type]
+    out = []
+    for group in groups.values():
+        med = statistics.median(x["gbps"] for x in group)
+        out += [(x["src"], x["dst"]) for x in group if x["gbps"] < slow * med]
+    return sorted(out)
+
+
+def run_probe(comm: Communicator, nbytes: int = 4 << 20, all_pairs: bool | None = None,
+              retries: int = 2) -> list[dict[str, Any]]:
+    """Measure links pair by pair (one pair at a time); every rank calls it and gets all links.
+
+    All pairs on up to 8 ranks, ring neighbours and one pair per two hosts above. Each link: the
+    median one-way latency of 8-byte messages and the bandwidth of the best of three ``nbytes``
+    ping-pongs, as seen by the lower rank of the pair. A link far slower than the others of its
+    host pair is measured again (up to ``retries`` times, best kept): a moment of contention
+    passes, a bad link stays slow.
+    """
+    from ringpipe.observe.links import SLOW
+
+    if all_pairs is None:
+        all_pairs = comm.size <= 8
+    small = torch.zeros(2, dtype=torch.float32)
+    big = torch.zeros(max(1, nbytes // 4), dtype=torch.float32)
+    hosts = member_hosts(comm)
+    todo = probe_pairs(hosts, all_pairs)
+    best: dict[tuple[int, int], dict[str, Any]] = {}
+    for _ in range(1 + retries):
+        mine = []
+        for a, b in todo:
+            link = _measure(comm, a, b, small, big)
+            if link is not None:
+                mine.append(link)
+            quiet_barrier(comm)
+        for part in comm.allgather_object(mine):
+            for x in part:
+                key = (x["src"], x["dst"])
+                if key not in best or x["gbps"] > best[key]["gbps"]:
+                    best[key] = x
+        links = [best[k] for k in sorted(best)]
+        todo = _suspects(hosts, links, SLOW)
+        if not todo:
+            break
+    return [best[k] for k in sorted(best)]
+
+
+def _allreduce(comm: Communicator, name: str, x: torch.Tensor) -> None:
+    from ringpipe import collectives
+
+    if name == "native":
+        comm.allreduce(x, "sum")
+    else:
+        collectives.allreduce(comm, x, "sum", algorithm=name)
+
+
+def _time(world: Communicator, sub: Communicator | None, name: str, x: torch.Tensor) -> float:
+    """Seconds of one allreduce ``name`` on ``sub`` (0 on ranks outside it); every world rank calls it."""
+    quiet_barrier(world)
+    t0 = time.perf_counter()
+    if sub is not None:
+        _allreduce(sub, name, x)
+    return time.perf_counter() - t0 if sub is not None else 0.0
+
+
+def doctor_job(comm: Communicator, nbytes: int, reps: int, all_pairs: bool | None,
+               verify: int = 0) -> dict[str, Any] | None:
+    """The probe every rank runs (see the module docstring); rank 0 gets the result, the others None."""
+    from ringpipe.observe.collect import collect_events
+    from ringpipe.observe.doctor import ALGORITHMS, candidate, diagnose, without_key
+    from ringpipe.observe.links import slow_hosts
+
+    comm.log.clear()
+    quiet_barrier(comm)
+    compute_ms = compute_in_turn(comm)
+    links = run_probe(comm, nbytes, all_pairs) if comm.size > 1 else []
+    hosts = member_hosts(comm)
+    x = torch.ones(max(1, nbytes // 4))
+    names = [a for a in ALGORITHMS if a != "hierarchical" or len(set(hosts)) > 1]
+    subs: dict[str, Communicator | None] = {name: comm for name in names}
+    # A slow host (every rank sees the same links, so all agree): time the ring without it.
+    from ringpipe.observe.collect import JobEvents, RankEvents
+
+    shape = JobEvents([RankEvents(r, h, []) for r, h in enumerate(hosts)])
+    for h in slow_hosts(shape, links) if comm.size > 1 else []:
+        others = [r for r, host in enumerate(hosts) if host != h]
+        if len(others) > 1:
+            subs[without_key(h)] = comm.split(others, name=f"doctor-without-{h}")
+    times: dict[str, list[float]] = {k: [] for k in subs}
+    for _ in range(reps):
+        for key, sub in subs.items():
+            times[key].append(_time(comm, sub, "ring" if key.startswith("without ") else key, x))
+    every = comm.allgather_object({k: min(v) for k, v in times.items()})
+    allreduce_ms = {k: 1e3 * max(s[k] for s in every) for k in times}
+    verified = None
+    fix = candidate(allreduce_ms, slow_hosts(shape, links)) if verify > 0 else None
+    if fix is not None:
+        before, after = [], []
+        for _ in range(verify):
+            before.append(_time(comm, comm, "ring", x))
+            after.append(_time(comm, subs.get(fix, comm), "ring" if fix.startswith("without ") else fix, x))
+        runs = comm.allgather_object((before, after))
+        b = statistics.median(max(r[0][i] for r in runs) for i in range(verify))
+        a = statistics.median(max(r[1][i] for r in runs) for i in range(verify))
+        verified = {"fix": fix, "runs": verify, "before_ms": 1e3 * b, "after_ms": 1e3 * a}
+    job = collect_events(comm, info={"compute_ms": compute_ms, "threads": torch.get_num_threads()})
+    if job is None:
+        return None
+    findings = diagnose(job, links, allreduce_ms, nbytes, verified)
+    return {"job": job, "links": links, "findings": findings, "allreduce_ms": allreduce_ms, "verified": verified}
