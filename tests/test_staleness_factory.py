@@ -122,3 +122,19 @@ def test_ga_jfl_policy_needs_stash_and_gap_together():
     with pytest.raises(ValueError, match="both a weight stash and a Gap Aware object, or neither"):
         MitigationPolicy(stash=WeightStash([p]), just_for_loss=True)
     assert MitigationPolicy(just_for_loss=True).stash is None
+
+
+def test_gap_aware_without_a_stash_is_refused_beyond_staleness_1():
+    """``Gap = eta |g|`` is the gap of staleness 1: deeper stages must stash, and the error says so."""
+    p = torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.SGD([p], lr=0.1, momentum=0.9)
+    # 4 stages, step_every=2: stage 0 has depth 3, staleness up to 2; stage 1 depth 2, staleness 1
+    with pytest.raises(ValueError, match=r"stage 0 of 4 has staleness up to 2 \(step_every=2\).*Add 'ws'"):
+        make_policy("ga", [p], opt, stage=0, num_stages=4, step_every=2)
+    assert make_policy("ga", [p], opt, stage=1, num_stages=4, step_every=2).gap_aware is not None
+    assert make_policy("ws+ga", [p], opt, stage=0, num_stages=4).gap_aware is not None
+    assert make_policy("ga", [p], opt, stage=0, num_stages=4, ga_stages="almost_last_partition").gap_aware is None
+    # a policy built by hand still refuses a micro-batch it cannot penalise correctly
+    pol = make_policy("ga", [p], opt, stage=1, num_stages=4, step_every=2)
+    with pytest.raises(ValueError, match="stage 1: micro-batch 5 has staleness 2.*add 'ws'"):
+        pol.before_forward(5, 2)

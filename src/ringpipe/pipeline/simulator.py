@@ -1,8 +1,19 @@
-"""Single-process simulator of the asynchronous 1F1B pipeline: the weight-version oracle.
+"""Single-process simulator of the asynchronous 1F1B pipeline: schedules, staleness and plumbing.
 
-It replays, in one process, the weight versions an N-stage PipeDream pipeline without flush
-uses, stage by stage, with the same :class:`~ringpipe.pipeline.policy.WeightPolicy` objects
-the multi-process executor calls; the multi-process run must match it.
+It replays, in one process, an N-stage PipeDream pipeline without flush, stage by stage, with
+the same :class:`~ringpipe.pipeline.policy.WeightPolicy` objects the multi-process executor
+calls. It is good for what does not depend on those objects being right: the event order of
+each stage, the staleness of every micro-batch, the order of the policy hooks, and training
+curves of the mitigations where no process is wanted (``benchmarks/staleness.py``).
+
+**What it does not check.** Because it builds its policies with
+:func:`~ringpipe.pipeline.staleness.make_policy` and calls the same hooks as the executor, a
+wrong mitigation formula (weight prediction, Gap Aware's penalty, its statistics, which
+weights a stash holds) is wrong in the simulator too, and the two agree. Those formulas are
+checked against a reference that shares no code with them: hand-made tensors in the staleness
+tests, and a one-process reference of the whole pipeline written from the papers' formulas,
+which the multi-process runs must match (``tests/test_pipeline_reference.py`` and
+``tests/test_pipeline_async.py``).
 
 **Event order.** Stage ``i`` of ``N`` with ``M`` micro-batches runs
 :func:`async_stage_order`: warm-up forwards ``F0 .. F(N-1-i)``, then ``B(j), F(j+N-i)``
