@@ -79,7 +79,7 @@ def test_resume_restores_each_stage_schedule(tmp_path):
     assert rc == 0 and full["steps"] == 45  # 1438 records / 64: epoch 1 ends at step 23
     part = tmp_path / "part"
     rc, cut, _ = train(part, *sets([*cfg, "max_steps=23"]))
-    assert rc == 0 and cut["interrupted"] and cut["steps"] == 23
+    assert rc == 0 and not cut["complete"] and cut["steps"] == 23
     rc, resumed, resumed_metrics = train(part, "--resume", "--set", "max_steps=null")
     assert rc == 0 and resumed["steps"] == full["steps"]
     assert _strip(resumed_metrics) == _strip(full_metrics)
@@ -88,10 +88,10 @@ def test_resume_restores_each_stage_schedule(tmp_path):
     # uninterrupted run does not drain there); the run resumes from its last drain, exactly.
     mid = tmp_path / "mid"
     rc, cut, _ = train(mid, *sets([*cfg, "max_steps=17"]))
-    assert rc == 0 and cut["interrupted"] and cut["steps"] == 17
+    assert rc == 0 and not cut["complete"] and cut["steps"] == 17
     assert [p.name for p in (mid / "checkpoints").glob("step-*.pt")] == ["step-00000000.pt"]
     rc, resumed, resumed_metrics = train(mid, "--resume", "--set", "max_steps=null")
-    assert rc == 0 and resumed["steps"] == full["steps"] and not resumed["interrupted"]
+    assert rc == 0 and resumed["steps"] == full["steps"] and resumed["complete"]
     assert _strip(resumed_metrics) == _strip(full_metrics)
     assert resumed["test_loss"] == full["test_loss"] and resumed["final_lr"] == full["final_lr"]
 

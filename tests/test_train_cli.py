@@ -117,7 +117,7 @@ def test_ctrl_c_single_process_stops_gracefully(tmp_path):
     assert rc == 130, out[-3000:]
     assert "Traceback" not in out and "KeyboardInterrupt" not in out
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["stop_reason"] == "interrupt" and summary["interrupted"]
+    assert summary["stop_reason"] == "interrupt" and not summary["complete"]
     step = summary["steps"]
     assert f"ringpipe train: interrupted at step {step}; continue with: ringpipe train --resume --run-dir {run}" in out
     assert latest_checkpoint(run / "checkpoints").name == f"step-{step:08d}.pt"
@@ -221,7 +221,7 @@ def test_resume_with_another_pipeline_model_is_refused_clearly(tmp_path, capsys)
 def test_resume_of_a_finished_run_leaves_it_untouched(tmp_path, capsys):
     run = tmp_path / "run"
     rc, summary, _ = train(run, *sets([*SMALL, "mode=single", "epochs=0.2"]))
-    assert rc == 0 and summary["stop_reason"] == "complete" and not summary["interrupted"]
+    assert rc == 0 and summary["stop_reason"] == "complete" and summary["complete"]
     steps = summary["steps"]
     before = _files(run)
     capsys.readouterr()
@@ -329,5 +329,5 @@ def test_pipeline_run_is_quiet_and_tidy(tmp_path):
     assert not (run / ".mplconfig").exists() and (run / "curves.png").stat().st_size > 0
     assert not [p for p in tmp.iterdir() if "matplotlib" in p.name] and list(home.iterdir()) == []
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["stop_reason"] == "complete" and not summary["interrupted"]
+    assert summary["stop_reason"] == "complete" and summary["complete"]
     assert yaml.safe_load((run / "config.yaml").read_text())["mode"] == "gpipe"

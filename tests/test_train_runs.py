@@ -77,10 +77,10 @@ def test_resume_equals_uninterrupted(tmp_path, mode, nprocs):
     cfg = [*TINY, "epochs=2", f"mode={mode}", f"nprocs={nprocs}", "model.dropout=0.2", "checkpoint.keep=2",
            "optimizer.name=sgd", "schedule.name=cosine", "schedule.warmup_epochs=0.5"]
     rc, full, full_metrics = train(tmp_path / "full", *sets(cfg))
-    assert rc == 0 and not full["interrupted"]
+    assert rc == 0 and full["complete"]
     part = tmp_path / "part"
     rc, cut, _ = train(part, *sets([*cfg, "max_steps=17"]))
-    assert rc == 0 and cut["interrupted"] and cut["steps"] == 17
+    assert rc == 0 and not cut["complete"] and cut["steps"] == 17
     assert (part / "checkpoints" / "step-00000017.pt").exists()
     rc, resumed, resumed_metrics = train(part, "--resume", "--set", "max_steps=null")
     assert rc == 0 and resumed["steps"] == full["steps"]
@@ -94,14 +94,14 @@ def test_failed_resume_keeps_saved_config(tmp_path, capsys):
     """A refused --resume (another mode) leaves config.yaml as it was, so a later resume still works."""
     run = tmp_path / "run"
     rc, cut, _ = train(run, *sets([*TINY, "mode=single", "max_steps=3"]))
-    assert rc == 0 and cut["interrupted"]
+    assert rc == 0 and not cut["complete"]
     saved = (run / "config.yaml").read_text()
     capsys.readouterr()
     rc, _, _ = train(run, "--resume", "--mode", "dp")
     assert rc == 1 and "mode 'single'" in capsys.readouterr().err
     assert (run / "config.yaml").read_text() == saved
     rc, resumed, _ = train(run, "--resume", "--set", "max_steps=null")
-    assert rc == 0 and resumed["mode"] == "single" and not resumed["interrupted"]
+    assert rc == 0 and resumed["mode"] == "single" and resumed["complete"]
 
 
 def _isolated(tmp_path) -> tuple[dict[str, str], dict[str, object]]:
@@ -158,7 +158,7 @@ def test_run_shorter_than_log_every(tmp_path):
     """max_steps < log_every: the open window is logged (partial), summary.json is valid JSON, curves drawn."""
     run = tmp_path / "run"
     rc, summary, metrics = train(run, *sets([*TINY, "mode=single", "log_every=10", "max_steps=3"]))
-    assert rc == 0 and summary["interrupted"] and summary["steps"] == 3
+    assert rc == 0 and not summary["complete"] and summary["steps"] == 3
     summary = _strict_json(run / "summary.json")
     assert all(v is not None for v in summary.values()), summary
     assert math.isfinite(summary["final_loss"])

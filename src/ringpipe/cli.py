@@ -1,4 +1,4 @@
-"""`ringpipe train | launch | bench | doctor | trace`: argument parsing only."""
+"""`ringpipe train | data | launch | bench | doctor | trace`: argument parsing only."""
 
 from __future__ import annotations
 
@@ -13,10 +13,21 @@ __all__ = ["main", "build_parser"]
 # Subcommands live next to what they drive; each module offers add_parser(subparsers).
 _SUBCOMMANDS = (
     "ringpipe.train.cli",
+    "ringpipe.train.fetch",
     "ringpipe.launch",
     "ringpipe.observe.bench",
     "ringpipe.observe.cli",
 )
+
+
+def _version() -> str:
+    """The installed distribution's version (read without importing ringpipe's torch-based modules)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("ringpipe")
+    except PackageNotFoundError:  # running from a source tree that is not installed
+        return "unknown (not installed)"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -25,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Distributed training on PyTorch: data parallel, pipelines, collectives, and where the time goes.",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in _SUBCOMMANDS:
         try:

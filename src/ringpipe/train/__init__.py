@@ -1,7 +1,32 @@
-"""The config-driven trainer behind ``ringpipe train``: config, data, models, modes, loop, outputs."""
+"""The config-driven trainer behind ``ringpipe train``: config, data, models, modes, loop, outputs.
 
-from ringpipe.train.config import ConfigError, TrainConfig, load_config
-from ringpipe.train.loop import train
-from ringpipe.train.modes import MODES, Engine, ModeUnavailable
+The names below are imported on first use, so that ``ringpipe train --help`` and the config
+checks do not import torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __all__ = ["ConfigError", "Engine", "MODES", "ModeUnavailable", "TrainConfig", "load_config", "train"]
+
+_HOME = {
+    "ConfigError": "ringpipe.train.config",
+    "TrainConfig": "ringpipe.train.config",
+    "load_config": "ringpipe.train.config",
+    "train": "ringpipe.train.loop",
+    "Engine": "ringpipe.train.modes",
+    "MODES": "ringpipe.train.modes",
+    "ModeUnavailable": "ringpipe.train.modes",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOME:
+        raise AttributeError(f"module 'ringpipe.train' has no attribute {name!r}")
+    return getattr(importlib.import_module(_HOME[name]), name)
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

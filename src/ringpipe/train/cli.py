@@ -54,13 +54,18 @@ configuration:
   with 2 warmup epochs. Keys (sections are chosen by their `name`):
 {keys}
   batch_size is per data-parallel replica; epochs are counted as step x global_batch / records.
+  optimizer.lr is the rate of one process: with optimizer.scale_lr (default true) it is multiplied
+  by the number of data-parallel replicas (the rate logged), and warmup starts from the unscaled rate.
+  dp.backward_passes_per_step and pipeline.microbatches split each step's batch; a step is one batch.
 
 modes:
 {modes}
 
 {mitigations}
 
-run directory: config.yaml (resolved), metrics.jsonl, checkpoints/, curves.png, summary.json;
+run directory: one run each: a new run needs a new or empty --run-dir (--resume continues the run in it,
+  --overwrite replaces it); default runs/<date>-<time>-<mode>-<random>.
+  config.yaml (resolved), metrics.jsonl, checkpoints/ (checksummed), curves.png, summary.json;
   with several processes also comm_profile.txt and doctor.txt (observe.profile), events.json and
   timeline.json (observe.timeline: a Chrome trace of every rank's communication)
 
@@ -74,6 +79,7 @@ examples:
   ringpipe train --run-dir runs/cnn --resume --set max_steps=null
   ringpipe train --config async --set mitigations=wp,ws --set step_every=2
   torchrun --nproc-per-node 4 -m ringpipe.cli train --config ddp
+  ringpipe data fetch mnist && ringpipe train --config mnist
   mpirun -n 2 python -m ringpipe.cli train --mode dp
 """
 
@@ -157,6 +163,18 @@ def _epilog() -> str:
                           bundled=", ".join(bundled_configs()))
 
 
+def _epilog_when_shown(parser: argparse.ArgumentParser) -> None:
+    """Build the epilog (which imports the mode registry, and with it torch) only when help is printed."""
+    plain = parser.format_help
+
+    def format_help() -> str:
+        if parser.epilog is None:
+            parser.epilog = _epilog()
+        return plain()
+
+    parser.format_help = format_help  # type: ignore[method-assign]
+
+
 def add_train_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register the ``train`` subcommand on an ``argparse`` subparsers object."""
     p = subparsers.add_parser(
@@ -167,7 +185,6 @@ def add_train_parser(subparsers: Any) -> argparse.ArgumentParser:
             "(--nprocs), or on the world of a launcher (torchrun, mpirun, srun, ringpipe launch), "
             "which is detected. Writes everything into the run directory and nowhere else."
         ),
-        epilog=_epilog(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--config", "-c", metavar="FILE", default=None,
@@ -182,10 +199,15 @@ def add_train_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--run-dir", "-o", metavar="DIR", default=None,
                    help="where outputs go (default: runs/<timestamp>-<mode>; with --resume: the newest run in runs/)")
     p.add_argument("--resume", action="store_true",
-                   help="continue from the newest checkpoint of --run-dir with its saved config (--set still applies)")
+                   help="continue from the newest good checkpoint of --run-dir with its saved config (--set still applies)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the run in a non-empty --run-dir (a new run is otherwise refused there)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
     p.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
+    p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                   help="debug logging on every rank")
     p.set_defaults(func=run_train)
+    _epilog_when_shown(p)
     return p
 
 
@@ -194,16 +216,17 @@ add_parser = add_train_parser
 
 
 def resolve_run_dir(run_dir: str | None, mode: str, resume: bool, root: Path = Path("runs")) -> Path:
-    """The run directory: as given; for --resume the newest under ``root``; else a new timestamped one."""
+    """The run directory: as given; for --resume the newest under ``root``; else a new, unique one (created)."""
+    from ringpipe.train.rundir import new_run_dir, newest_run
+
     if run_dir:
         return Path(run_dir)
     if resume:
-        runs = sorted((p for p in root.glob("*") if (p / "checkpoints").is_dir()), key=lambda p: p.stat().st_mtime)
-        if not runs:
+        newest = newest_run(root)
+        if newest is None:
             raise ConfigError(f"--resume without --run-dir: no run with checkpoints under {root}/; give --run-dir")
-        return runs[-1]
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    return root / f"{stamp}-{mode}"
+        return newest
+    return new_run_dir(root, mode)
 
 
 def _build_config(args: argparse.Namespace, run_dir: Path | None, header: dict[str, Any] | None = None) -> TrainConfig:
@@ -262,7 +285,8 @@ def _world_fits(cfg: TrainConfig) -> str:
     return ""
 
 
-def _worker(comm: Any, raw: dict[str, Any], run_dir: str, resume: bool, progress: bool, verbose: bool) -> Any:
+def _worker(comm: Any, raw: dict[str, Any], run_dir: str, resume: bool, progress: bool, verbose: bool,
+            overwrite: bool = False) -> Any:
     """Entry point on every rank (spawned, or under a launcher): rank 0's summary, the others' stop reason."""
     import torch
 
@@ -272,7 +296,7 @@ def _worker(comm: Any, raw: dict[str, Any], run_dir: str, resume: bool, progress
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1") or 1))
     configure_rank_logging(comm.rank, comm.size, verbose)
     try:
-        summary = train(comm, validate(raw), Path(run_dir), resume=resume, progress=progress)
+        summary = train(comm, validate(raw), Path(run_dir), resume=resume, progress=progress, overwrite=overwrite)
     except NothingToResume as exc:  # raised alike on every rank, before any of them trains
         return {"nothing_to_resume": str(exc)}
     return summary if comm.rank == 0 else {"stop_reason": summary["stop_reason"]}
@@ -375,9 +399,17 @@ def _run_train(args: argparse.Namespace) -> int:
 
         print(yaml.safe_dump(dump_config(cfg), sort_keys=False), end="")
         return 0
-    run_dir = pre_dir or resolve_run_dir(None, cfg.mode, False)
+    from ringpipe.train.datasets import data_problem
+    from ringpipe.train.rundir import run_dir_problem
+
+    # Everything that can be checked is, before any process starts or the run directory is made.
+    problem = data_problem(cfg.data) or (run_dir_problem(pre_dir, args.resume, args.overwrite) if pre_dir else "")
+    if problem:
+        print(f"ringpipe train: {problem}", file=sys.stderr)
+        return 2
     if header is not None:
-        done = _nothing_left(header, cfg, run_dir)
+        assert pre_dir is not None
+        done = _nothing_left(header, cfg, pre_dir)
         if done:
             print(f"ringpipe train: {done}", file=sys.stderr)
             return 0
@@ -390,11 +422,12 @@ def _run_train(args: argparse.Namespace) -> int:
         print(f"ringpipe train: {exc}", file=sys.stderr)
         return 2
     if launched:
-        return _run_in_world(cfg, raw, args, progress, verbose)
+        return _run_in_world(cfg, raw, args, progress, verbose)  # rank 0 names the run directory
     error = _world_fits(cfg)
     if error:
         print(f"ringpipe train: {error}", file=sys.stderr)
         return 2
+    run_dir = pre_dir or resolve_run_dir(None, cfg.mode, False)
     if cfg.backend == "mpi" and cfg.nprocs > 1:
         try:
             return _reexec_mpirun(cfg, run_dir, args)
@@ -411,7 +444,7 @@ def _run_train(args: argparse.Namespace) -> int:
 
             comm = init_world(cfg.backend)
             try:
-                summary = _worker(comm, raw, str(run_dir), args.resume, progress, verbose)
+                summary = _worker(comm, raw, str(run_dir), args.resume, progress, verbose, args.overwrite)
             finally:
                 shutdown_world()
         else:
@@ -420,7 +453,7 @@ def _run_train(args: argparse.Namespace) -> int:
             log.info("starting %d local processes (%s, mode %s) -> %s", cfg.nprocs, cfg.backend, cfg.mode, run_dir)
             with _forward_stop().installed():
                 summary = spawn(_worker, cfg.nprocs, backend=cfg.backend,
-                                args=(raw, str(run_dir), args.resume, progress, verbose),
+                                args=(raw, str(run_dir), args.resume, progress, verbose, args.overwrite),
                                 env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})[0]
     except KeyboardInterrupt:  # a second Ctrl-C: stop at once, keep the newest checkpoint
         _stop_children()
@@ -454,7 +487,7 @@ def _run_in_world(cfg: TrainConfig, raw: dict[str, Any], args: argparse.Namespac
         # Rank 0 names the run directory, so that every rank writes to the same place.
         name = str(resolve_run_dir(args.run_dir, cfg.mode, args.resume)) if comm.rank == 0 else None
         run_dir = comm.broadcast_object(name) if comm.size > 1 else name
-        summary = _worker(comm, raw, str(run_dir), args.resume, progress, verbose)
+        summary = _worker(comm, raw, str(run_dir), args.resume, progress, verbose, args.overwrite)
     except KeyboardInterrupt:  # a second Ctrl-C: stop at once, keep the newest checkpoint
         if comm.rank == 0 and run_dir is not None:
             return _interrupted(Path(run_dir))
@@ -478,7 +511,8 @@ def _reexec_mpirun(cfg: TrainConfig, run_dir: Path, args: argparse.Namespace) ->
             argv += [flag, str(value)]
     for item in args.overrides:
         argv += ["--set", item]
-    argv += [f for f, on in (("--resume", args.resume), ("--no-progress", args.no_progress)) if on]
+    argv += [f for f, on in (("--resume", args.resume), ("--overwrite", args.overwrite),
+                             ("--no-progress", args.no_progress)) if on]
     cmd = mpirun_command(cfg.nprocs, [sys.executable, "-m", "ringpipe.cli", *argv])
     log.info("starting %d ranks under mpirun: %s", cfg.nprocs, " ".join(cmd))
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))

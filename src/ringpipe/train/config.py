@@ -17,6 +17,7 @@ pipeline would refuse.
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 import textwrap
@@ -54,6 +55,7 @@ __all__ = [
     "apply_overrides",
     "parse_override",
     "dump_config",
+    "did_you_mean",
 ]
 
 #: Every mode the schema knows (whether it can run in this build is decided by ``modes``).
@@ -417,7 +419,7 @@ class TrainConfig(_Section):
     @classmethod
     def _known_mode(cls, v: str) -> str:
         if v not in MODE_NAMES:
-            raise ValueError(f"unknown mode {v!r}; valid modes: {', '.join(MODE_NAMES)}")
+            raise ValueError(f"unknown mode {v!r}{did_you_mean(v, MODE_NAMES)}; valid modes: {', '.join(MODE_NAMES)}")
         return v
 
     @model_validator(mode="before")
@@ -582,10 +584,12 @@ def _format_error(err: ValidationError, raw: Mapping[str, Any]) -> str:
         if e["type"] == "extra_forbidden":
             valid = _valid_keys(raw, clean[:-1])
             hint = f"; valid keys here: {', '.join(valid)}" if valid else ""
-            lines.append(f"{field}: unknown key (value {e['input']!r}){hint}")
+            lines.append(f"{field}: unknown key (value {e['input']!r}){did_you_mean(clean[-1], valid)}{hint}")
         elif e["type"] == "union_tag_invalid":
             ctx = e.get("ctx", {})
-            lines.append(f"{field}.name={ctx.get('tag')!r}: unknown name; valid names: {ctx.get('expected_tags')}")
+            tag, expected = str(ctx.get("tag")), str(ctx.get("expected_tags", ""))
+            names = [n.strip(" '\"") for n in expected.split(",")]
+            lines.append(f"{field}.name={tag!r}: unknown name{did_you_mean(tag, names)}; valid names: {expected}")
         elif e["type"] == "missing":
             lines.append(f"{field}: required field is missing")
         elif field == "<root>":
@@ -595,6 +599,12 @@ def _format_error(err: ValidationError, raw: Mapping[str, Any]) -> str:
         else:
             lines.append(f"{field}={e['input']!r}: {msg}")
     return "invalid configuration:\n  " + "\n  ".join(lines)
+
+
+def did_you_mean(word: str, choices: Iterable[str]) -> str:
+    """``" (did you mean 'epochs'?)"`` for the closest of ``choices``, or "" when none is close."""
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def _is_tag(raw: Mapping[str, Any], path: Sequence[str], part: str) -> bool:
@@ -706,8 +716,9 @@ def read_file(path: str | Path) -> dict[str, Any]:
             f"bundled example: {', '.join(bundled_configs())}"
         )
     if not p.is_file():
+        hint = did_you_mean(p.stem, bundled_configs()) if p.parent == Path(".") else ""
         raise ConfigError(
-            f"config file {str(p)!r} does not exist; give a path, or the name of a bundled example: "
+            f"config file {str(p)!r} does not exist{hint}; give a path, or the name of a bundled example: "
             f"{', '.join(bundled_configs())}"
         )
     text = p.read_text()

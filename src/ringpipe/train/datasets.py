@@ -19,7 +19,7 @@ import torch
 from ringpipe.train.formats import FormatError, read_cifar_batch, read_idx
 from ringpipe.train.registry import Registry
 
-__all__ = ["Dataset", "Split", "DATASETS", "load_dataset", "DatasetError"]
+__all__ = ["Dataset", "Split", "DATASETS", "load_dataset", "DatasetError", "data_problem"]
 
 #: Seed of the generator that draws train/test splits and synthetic data (not the training seed).
 SPLIT_SEED = 1234
@@ -97,23 +97,75 @@ _IDX_FILES = {
 }
 
 
-def _find(root: Path, stem: str, dataset: str) -> Path:
-    for folder in (root, root / "raw", root / dataset / "raw", root / dataset):
+#: torchvision's folder for each IDX dataset (``torchvision.datasets.MNIST(root)`` writes ``root/MNIST/raw``).
+_TORCHVISION_FOLDER = {"mnist": "MNIST", "fashion_mnist": "FashionMNIST"}
+
+
+def _find(root: Path, stem: str, dataset: str) -> Path | None:
+    tv = _TORCHVISION_FOLDER.get(dataset, dataset)
+    for folder in (root, root / "raw", root / dataset / "raw", root / dataset, root / tv / "raw", root / tv):
         for name in (stem, stem + ".gz", stem.replace("-idx", ".idx")):
             if (folder / name).is_file():
                 return folder / name
-    raise DatasetError(
-        f"{dataset}: {stem}[.gz] not found in {root} (nor in raw/ or {dataset}/raw/); the directory must hold "
-        f"{', '.join(_IDX_FILES.values())} (optionally .gz)"
+    return None
+
+
+def _get_them(name: str, root: Path) -> str:
+    """Where to get a dataset's files, for an error about them."""
+    from ringpipe.train.fetch import SOURCES
+
+    urls = ", ".join(f.urls()[0] for f in SOURCES[name])
+    tv = {"mnist": "MNIST", "fashion_mnist": "FashionMNIST", "cifar10": "CIFAR10"}[name]
+    return (
+        f"get them with `ringpipe data fetch {name.replace('_', '-')} --root {root}` (checks each file's MD5), or "
+        f"by hand from {urls}; torchvision's layout is read too (torchvision.datasets.{tv}(root={str(root)!r}, "
+        "download=True)); or set data.root to where the files are"
     )
+
+
+def data_problem(cfg: Any) -> str:
+    """Why the files of data section ``cfg`` cannot be read ("" if they can, or need none), with where to get them."""
+    if cfg.name not in ("mnist", "fashion_mnist", "cifar10"):
+        return ""
+    root = Path(cfg.root).expanduser()
+    if not root.is_dir():
+        what = "is not a directory" if root.exists() else "does not exist"
+        return f"{cfg.name}: data.root={str(root)!r} {what}: {_get_them(cfg.name, root)}"
+    if cfg.name == "cifar10":
+        folder = _cifar_folder(root)
+        if not sorted(folder.glob("data_batch_*")) or not (folder / "test_batch").is_file():
+            packed = " (cifar-10-python.tar.gz is there: unpack it with tar -xzf)" if (
+                root / "cifar-10-python.tar.gz").is_file() else ""
+            return (f"cifar10: data.root={str(root)!r} must hold data_batch_1..5 and test_batch (directly or in "
+                    f"cifar-10-batches-py/){packed}: {_get_them(cfg.name, root)}")
+        return ""
+    missing = [stem for stem in _IDX_FILES.values() if _find(root, stem, cfg.name) is None]
+    if missing:
+        tv = _TORCHVISION_FOLDER[cfg.name]
+        return (
+            f"{cfg.name}: {', '.join(m + '[.gz]' for m in missing)} not found in {root} (nor in raw/, {cfg.name}/raw/ "
+            f"or torchvision's {tv}/raw/): {_get_them(cfg.name, root)}"
+        )
+    return ""
+
+
+def _cifar_folder(root: Path) -> Path:
+    return root / "cifar-10-batches-py" if (root / "cifar-10-batches-py").is_dir() else root
+
+
+def _found(root: Path, stem: str, dataset: str) -> Path:
+    path = _find(root, stem, dataset)
+    assert path is not None  # data_problem checked it
+    return path
 
 
 @DATASETS.register("mnist", "fashion_mnist")
 def idx_dataset(cfg: Any) -> Dataset:
+    problem = data_problem(cfg)
+    if problem:
+        raise DatasetError(problem)
     root = Path(cfg.root).expanduser()
-    if not root.is_dir():
-        raise DatasetError(f"{cfg.name}: data.root={str(root)!r} is not a directory")
-    arrays = {k: read_idx(_find(root, stem, cfg.name)) for k, stem in _IDX_FILES.items()}
+    arrays = {k: read_idx(_found(root, stem, cfg.name)) for k, stem in _IDX_FILES.items()}
     for split in ("train", "test"):
         imgs, labels = arrays[f"{split}_images"], arrays[f"{split}_labels"]
         if imgs.ndim != 3 or labels.ndim != 1 or len(imgs) != len(labels):
@@ -131,15 +183,12 @@ def idx_dataset(cfg: Any) -> Dataset:
 
 @DATASETS.register("cifar10")
 def cifar10(cfg: Any) -> Dataset:
-    root = Path(cfg.root).expanduser()
-    folder = root / "cifar-10-batches-py" if (root / "cifar-10-batches-py").is_dir() else root
+    problem = data_problem(cfg)
+    if problem:
+        raise DatasetError(problem)
+    folder = _cifar_folder(Path(cfg.root).expanduser())
     train_files = sorted(folder.glob("data_batch_*"))
     test_file = folder / "test_batch"
-    if not train_files or not test_file.is_file():
-        raise DatasetError(
-            f"cifar10: data.root={str(root)!r} must hold data_batch_1..5 and test_batch "
-            f"(directly or in cifar-10-batches-py/)"
-        )
     parts = [read_cifar_batch(f) for f in train_files]
     xtr = np.concatenate([p[0] for p in parts]).astype(np.float32) / 255.0
     ytr = np.concatenate([p[1] for p in parts])

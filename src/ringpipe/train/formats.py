@@ -4,7 +4,8 @@ IDX (LeCun et al., the MNIST distribution format): two zero bytes, a type code (
 0x09 int8, 0x0B int16, 0x0C int32, 0x0D float32, 0x0E float64), the number of dimensions,
 then each dimension as a big-endian uint32 and the data in big-endian order. Files may be
 gzipped. CIFAR-10's python batches are pickled dicts with ``data`` (N x 3072 uint8, channel
-planes R, G, B of 32 x 32 pixels) and ``labels``.
+planes R, G, B of 32 x 32 pixels) and ``labels``; they are unpickled with only numpy's array
+and dtype constructors allowed, so a crafted batch file cannot run code.
 """
 
 from __future__ import annotations
@@ -25,6 +26,21 @@ _IDX_CODES = {np.dtype(v).newbyteorder(">").str.lstrip("<>|="): k for k, v in _I
 
 class FormatError(ValueError):
     """A data file does not follow its format; the message names the file and what is wrong."""
+
+
+#: The globals a CIFAR-10 batch names (numpy arrays and scalars, under numpy 1 and 2 module names).
+_ARRAY_GLOBALS = {(mod, name) for mod in ("numpy.core.multiarray", "numpy._core.multiarray")
+                  for name in ("_reconstruct", "scalar")} | {("numpy", "ndarray"), ("numpy", "dtype"),
+                                                             ("_codecs", "encode")}  # bytes in protocol 2
+
+
+class _ArraysOnly(pickle.Unpickler):
+    """An unpickler that rebuilds containers, numbers, strings and numpy arrays, and nothing else."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _ARRAY_GLOBALS:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"refused global {module}.{name} (a CIFAR-10 batch holds only arrays)")
 
 
 def _open(path: Path) -> bytes:
@@ -80,7 +96,7 @@ def read_cifar_batch(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
     p = Path(path)
     try:
         with p.open("rb") as f:
-            obj: Any = pickle.load(f, encoding="bytes")
+            obj: Any = _ArraysOnly(f, encoding="bytes").load()
     except (pickle.UnpicklingError, EOFError, ValueError) as exc:
         raise FormatError(f"{p}: not a CIFAR-10 python batch ({exc})") from None
     if not isinstance(obj, dict):

@@ -47,6 +47,7 @@ from ringpipe.train.datasets import Dataset, load_dataset
 from ringpipe.train.metrics import MetricsWriter, plot_curves, write_json_atomic
 from ringpipe.train.models import build_model
 from ringpipe.train.modes import Engine, ModeContext, build_engine
+from ringpipe.train.rundir import clear_run_dir
 from ringpipe.train.sampling import ShardStream, eval_indices
 from ringpipe.train.schedules import build_schedule
 
@@ -531,28 +532,47 @@ class _Run:
             )
 
     def _summary(self, final_eval: dict[str, Any], interrupted: bool, wall: float) -> dict[str, Any]:
-        e = self.engine
+        e, cfg = self.engine, self.cfg
         samples = self.step * self.global_batch
+        micro, steps_per_batch = _micro_batches(cfg)
         return {
-            "mode": self.cfg.mode,
+            "mode": cfg.mode,
             "world_size": self.comm.size,
             "replicas": e.replicas,
-            "model": self.cfg.model.name,
-            "dataset": self.cfg.data.name,
+            "model": cfg.model.name,
+            "dataset": cfg.data.name,
             "epochs": round(self.epoch_at(self.step), 6),
+            "epochs_configured": cfg.epochs,
             "steps": self.step,
+            "optimizer_steps": self.step * steps_per_batch,
             "global_batch": self.global_batch,
+            "micro_batch": cfg.batch_size // micro,
+            "samples": samples,
+            "records": self.records,
             "test_accuracy": final_eval["test_accuracy"],
             "test_loss": final_eval["test_loss"],
             "final_loss": self.last_train.get("loss", math.nan),
+            "lr": cfg.optimizer.lr,
+            "lr_scale": e.lr_scale,
             "final_lr": self.schedule.get_last_lr()[0],
             "samples_per_second": samples / self.train_time if self.train_time > 0 else 0.0,
             "comm_share": self.comm_share(),
             "train_time_s": self.train_time,
             "wall_time_s": wall,
-            "interrupted": interrupted,
+            "complete": not interrupted,
             "stop_reason": self.stop_reason,
         }
+
+
+def _micro_batches(cfg: TrainConfig) -> tuple[int, int]:
+    """(micro-batches per batch, optimizer steps per batch): gradient accumulation and pipelines
+    split each step's batch; only mode async steps more than once per batch (every step_every)."""
+    if cfg.dp is not None:
+        return cfg.dp.backward_passes_per_step, 1
+    if cfg.pipeline is not None:
+        micro = cfg.pipeline.microbatches
+        return micro, micro // (cfg.pipeline.step_every or micro) if cfg.mode == "async" else 1
+    return 1, 1
 
 
 def write_observations(comm: Communicator, run: Path, timeline: bool) -> None:
@@ -583,19 +603,23 @@ def train(
     run_dir: str | Path,
     resume: bool = False,
     progress: bool = True,
+    overwrite: bool = False,
 ) -> dict[str, Any]:
     """Train ``cfg`` on this rank of ``comm``; rank 0 writes the run directory. Returns the summary.
 
     In the main thread, Ctrl-C (SIGINT) stops the run gracefully (see the module's description);
-    ``--resume`` of a run with no step left raises :class:`NothingToResume` before writing anything.
+    ``--resume`` of a run with no step left raises :class:`NothingToResume` before writing anything;
+    ``overwrite`` removes an earlier run's outputs from ``run_dir`` first.
     """
     with StopRequest().installed() as stop:
-        return _train(comm, cfg, Path(run_dir), resume, progress, stop)
+        return _train(comm, cfg, Path(run_dir), resume, progress, stop, overwrite)
 
 
 def _train(comm: Communicator, cfg: TrainConfig, run: Path, resume: bool, progress: bool,
-           stop: StopRequest) -> dict[str, Any]:
+           stop: StopRequest, overwrite: bool) -> dict[str, Any]:
     if comm.rank == 0 and not resume:
+        if overwrite:
+            clear_run_dir(run)
         run.mkdir(parents=True, exist_ok=True)
     if comm.size > 1:
         comm.barrier()
@@ -614,5 +638,6 @@ def _train(comm: Communicator, cfg: TrainConfig, run: Path, resume: bool, progre
         state.engine.close()
     if comm.rank == 0:
         write_json_atomic(run / "summary.json", summary)
-        plot_curves(run, state.metrics.records)
+        plot_curves(run, state.metrics.records, title=f"{run.name}: mode {cfg.mode}, {comm.size} "
+                    f"process{'es' if comm.size > 1 else ''}")
     return summary

@@ -1,4 +1,4 @@
-"""Run outputs: ``metrics.jsonl``, ``summary.json``, a PNG of the loss/accuracy curves, the summary table."""
+"""Run outputs: ``metrics.jsonl``, ``summary.json``, a PNG of the loss, accuracy and rate curves, the summary table."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ __all__ = [
     "read_metrics",
     "write_json_atomic",
     "plot_curves",
+    "curves_figure",
     "format_summary",
 ]
 
@@ -133,9 +134,8 @@ def _matplotlib_cache() -> Iterator[None]:
             del os.environ["MPLCONFIGDIR"]
 
 
-def plot_curves(run_dir: str | Path, records: Sequence[dict[str, Any]]) -> Path:
-    """Loss and accuracy against epochs (train and test) as ``<run-dir>/curves.png`` (empty axes without data)."""
-    run = Path(run_dir)
+def curves_figure(records: Sequence[dict[str, Any]], title: str = "") -> Any:
+    """The figure of ``curves.png``: loss, accuracy (train and test) and learning rate against epochs."""
     train = [r for r in records if r["kind"] == "train"]
     evals = [r for r in records if r["kind"] == "eval"]
     with _matplotlib_cache():
@@ -147,24 +147,37 @@ def plot_curves(run_dir: str | Path, records: Sequence[dict[str, Any]]) -> Path:
     def series(rows: Sequence[dict[str, Any]], key: str) -> list[float]:
         return [math.nan if r.get(key) is None else r[key] for r in rows]  # null: a missing point
 
-    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (ax_loss, ax_acc, ax_lr) = plt.subplots(1, 3, figsize=(15, 4))
     if train:
         ax_loss.plot(series(train, "epoch"), series(train, "loss"), ".-", label="train", alpha=0.7)
         ax_acc.plot(series(train, "epoch"), series(train, "accuracy"), ".-", label="train", alpha=0.7)
+        ax_lr.plot(series(train, "epoch"), series(train, "lr"), ".-", label="lr")
     if evals:
         ax_loss.plot(series(evals, "epoch"), series(evals, "test_loss"), "o-", label="test")
         ax_acc.plot(series(evals, "epoch"), series(evals, "test_accuracy"), "o-", label="test")
     ax_loss.set(xlabel="epoch", ylabel="loss", title="loss")
     ax_acc.set(xlabel="epoch", ylabel="accuracy", title="accuracy", ylim=(0, 1.02))
-    for ax in (ax_loss, ax_acc):
+    ax_lr.set(xlabel="epoch", ylabel="learning rate", title="learning rate (as scaled for the replicas)")
+    for ax in (ax_loss, ax_acc, ax_lr):
         ax.grid(alpha=0.3)
         if train or evals:
-            ax.legend()
+            if ax is not ax_lr:
+                ax.legend()
         else:
             ax.text(0.5, 0.5, "no records", ha="center", va="center", transform=ax.transAxes)
+    if title:
+        fig.suptitle(title)
     fig.tight_layout()
-    out = run / "curves.png"
-    fig.savefig(out, dpi=100)
+    return fig
+
+
+def plot_curves(run_dir: str | Path, records: Sequence[dict[str, Any]], title: str = "") -> Path:
+    """:func:`curves_figure` as ``<run-dir>/curves.png`` (empty axes without data); ``title`` names the run."""
+    import matplotlib.pyplot as plt
+
+    fig = curves_figure(records, title)
+    out = Path(run_dir) / "curves.png"
+    fig.savefig(out, dpi=100, metadata={"Title": title} if title else None)
     plt.close(fig)
     return out
 
@@ -179,11 +192,30 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
+def _notes(summary: dict[str, Any]) -> list[str]:
+    """What the table's numbers mean where they could mislead."""
+    notes = []
+    epochs, configured = summary.get("epochs"), summary.get("epochs_configured")
+    samples, records = summary.get("samples"), summary.get("records")
+    if epochs is not None and configured is not None and samples and records and epochs > configured:
+        over = samples - configured * records
+        notes.append(f"epochs = samples / records = {samples} / {records}: a step takes a whole global batch, so "
+                     f"the last one ran {over:.0f} samples past epoch {configured:g}")
+    if summary.get("micro_batch") not in (None, summary.get("global_batch")):
+        notes.append(f"steps count batches of global_batch samples, each split into micro-batches of "
+                     f"{summary['micro_batch']} per replica; optimizer_steps counts the updates")
+    scale = summary.get("lr_scale")
+    if scale not in (None, 1.0) and summary.get("lr") is not None:
+        notes.append(f"lr {summary['lr']:g} is the single-process rate; optimizer.scale_lr (default true) "
+                     f"multiplied it by {scale:g}, the rate logged and in final_lr")
+    return notes
+
+
 def format_summary(summary: dict[str, Any]) -> str:
-    """The closing table: one ``key  value`` row per summary entry."""
+    """The closing table: one ``key  value`` row per summary entry, then notes on what may mislead."""
     rows = [(k, _fmt(v)) for k, v in summary.items() if not isinstance(v, dict | list)]
     width = max(len(k) for k, _ in rows)
     vwidth = max(len(v) for _, v in rows)
     line = "+" + "-" * (width + 2) + "+" + "-" * (vwidth + 2) + "+"
     body = [f"| {k.ljust(width)} | {v.rjust(vwidth)} |" for k, v in rows]
-    return "\n".join([line, *body, line])
+    return "\n".join([line, *body, line, *(f"note: {n}" for n in _notes(summary))])
