@@ -1,7 +1,10 @@
 """Communicator over MPI through mpi4py: CPU tensors are passed as buffers without copies.
 
-float16 and bfloat16 have no MPI datatype; they travel as raw 16-bit words for point-to-point
-and broadcast, and are reduced in float32 (then cast back) for reductions. With a CUDA-aware
+Every dtype of :data:`DTYPES` works with every operation. float16 and bfloat16 have no MPI
+datatype: they travel as raw 16-bit words (bool as bytes) wherever data only moves, and are
+reduced in a float32 copy cast back afterwards; bool is reduced in an int32 copy (sum and max
+are a logical or, min and product a logical and, average is true where every rank is true),
+so that no count of ranks can wrap it. With a CUDA-aware
 MPI (Open MPI built with CUDA, ``MPIX_Query_cuda_support``), CUDA tensors are passed directly
 after a stream synchronisation; otherwise CUDA tensors are refused with an explanation.
 """
@@ -17,7 +20,13 @@ from ringpipe.comm.base import CommError, Communicator, ReduceOp, Work
 from ringpipe.comm.events import EventLog
 from ringpipe.env import Topology
 
-__all__ = ["MPICommunicator", "mpi_available", "cuda_aware_mpi"]
+__all__ = ["MPICommunicator", "mpi_available", "cuda_aware_mpi", "DTYPES"]
+
+#: Every dtype the MPI communicator serves in every operation.
+DTYPES = (
+    torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+    torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.bool,
+)  # fmt: skip
 
 try:  # mpi4py is an optional extra (pip install ringpipe[mpi])
     from mpi4py import MPI
@@ -39,17 +48,21 @@ def cuda_aware_mpi() -> bool:
         return False
 
 
-_WIDE = {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.bool: torch.uint8}
+#: The widening copy a reduction of a dtype MPI cannot reduce runs in.
+_WIDE = {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.bool: torch.int32}
 
 
 def _mpi_op(op: ReduceOp) -> Any:
-    return {
+    ops = {
         ReduceOp.SUM: MPI.SUM,
         ReduceOp.AVERAGE: MPI.SUM,
         ReduceOp.MIN: MPI.MIN,
         ReduceOp.MAX: MPI.MAX,
         ReduceOp.PRODUCT: MPI.PROD,
-    }[op]
+    }
+    if op not in ops:
+        raise CommError(f"the mpi backend has no native {op.value} reduction; use ringpipe.collectives for it")
+    return ops[op]
 
 
 class MPICommunicator(Communicator):
