@@ -167,15 +167,25 @@ def init_world(
                         "set: export both (the address and a free port of rank 0's host)"
                     )
                 # Under torchrun the agent already serves the store at MASTER_ADDR:MASTER_PORT
-                # (TORCHELASTIC_USE_AGENT_STORE); env:// joins it instead of binding the port again.
-                agent = topo.launcher == "torchrun" and "TORCHELASTIC_USE_AGENT_STORE" in os.environ
-                dist.init_process_group(
-                    backend,
-                    init_method="env://" if agent else f"tcp://{addr}:{port}",
-                    rank=topo.rank,
-                    world_size=topo.size,
-                    timeout=timeout,
-                )
+                # (TORCHELASTIC_USE_AGENT_STORE): join it instead of binding the port again, under a
+                # prefix of this restart's number: the agent keeps its store across restarts
+                # (--max-restarts), and the keys of the ranks that failed would otherwise be read
+                # as this attempt's (a rank connecting to a dead peer's address).
+                if topo.launcher == "torchrun" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+                    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+                    client = dist.TCPStore(addr, port, world_size=topo.size, is_master=False, timeout=timeout)
+                    dist.init_process_group(
+                        backend,
+                        store=dist.PrefixStore(f"/ringpipe/attempt_{attempt}", client),
+                        rank=topo.rank,
+                        world_size=topo.size,
+                        timeout=timeout,
+                    )
+                else:
+                    dist.init_process_group(
+                        backend, init_method=f"tcp://{addr}:{port}", rank=topo.rank, world_size=topo.size,
+                        timeout=timeout,
+                    )
         comm = TorchCommunicator(backend, topo, device=device)
 
     if topo.size > 1:

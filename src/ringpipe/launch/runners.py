@@ -51,7 +51,9 @@ def _common_env(opts: LaunchOptions, relay: OutputRelay) -> dict[str, str]:
 
 def _failures(relay: OutputRelay, codes: dict[int, int], times: dict[int, float] | None = None) -> list[Failure]:
     """Combine exit statuses (rank -> status) with the ranks' records and last error lines."""
-    records = {int(r["rank"]): r for r in relay.records() if str(r.get("rank", "")).isdigit()}
+    records_ = [r for r in relay.records() if str(r.get("rank", "")).isdigit()]
+    last = max((int(r.get("attempt", 0)) for r in records_), default=0)  # the last restart's failures
+    records = {int(r["rank"]): r for r in records_ if int(r.get("attempt", 0)) == last}
     out = []
     for rank in sorted(set(codes) | set(records)):
         rec = records.get(rank, {})
@@ -96,11 +98,14 @@ def run_agent(opts: LaunchOptions) -> int:
     cmd += _rank_command(opts)
     os.environ.update(_common_env(opts, relay))
     os.environ["RINGPIPE_LAUNCH_SLOTS"] = "local"
-    # The agent's own log lines repeat what the report says; -v on ringpipe shows them.
+    # The agent's own log lines repeat what the report says (-v on ringpipe shows them); a restart
+    # is announced in one line.
     if not logging.getLogger().isEnabledFor(logging.DEBUG):
-        logging.getLogger("torch.distributed.elastic").setLevel(
-            logging.WARNING if opts.max_restarts else logging.CRITICAL)
+        logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
         logging.getLogger("torch.distributed.run").setLevel(logging.ERROR)
+        agent_log = logging.getLogger("torch.distributed.elastic.agent.server.api")
+        agent_log.setLevel(logging.INFO)
+        agent_log.addFilter(_RestartNote(opts.max_restarts))
     try:
         torchrun.main(cmd)
     except ChildFailedError as exc:
@@ -119,6 +124,21 @@ def run_agent(opts: LaunchOptions) -> int:
         return 1
     relay.close()
     return 0
+
+
+class _RestartNote(logging.Filter):
+    """Replace the agent's log lines by one line per restart."""
+
+    def __init__(self, max_restarts: int) -> None:
+        super().__init__()
+        self.max_restarts, self.done = max_restarts, 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "will restart worker group" in str(record.msg) and "attempts left" in str(record.msg):
+            self.done += 1
+            print(f"ringpipe launch: a rank failed; restarting every rank (restart {self.done} of "
+                  f"{self.max_restarts})", file=sys.stderr, flush=True)
+        return False
 
 
 def _route_interface(host: str) -> str | None:
