@@ -21,11 +21,14 @@ setup() {
   fi
   local vpy="$VENV/bin/python"
   # torch is pinned to the CPU build 2.13.0 when missing; an unpinned torch would pull CUDA wheels.
+  # pip shows its progress bars here: downloading torch can take minutes on a first run.
   if ! "$vpy" -c "import torch" 2>/dev/null; then
-    "$vpy" -m pip install -q "torch==2.13.0"
+    echo "run.sh: installing torch 2.13.0 (first run only; a large download)" >&2
+    "$vpy" -m pip install --progress-bar on "torch==2.13.0"
   fi
   if ! "$vpy" -c "import ringpipe, pydantic, tqdm, matplotlib, sklearn, yaml" 2>/dev/null; then
-    "$vpy" -m pip install -q -e .
+    echo "run.sh: installing ringpipe and its dependencies into $VENV (first run only)" >&2
+    "$vpy" -m pip install --progress-bar on -e .
   fi
 }
 
@@ -44,10 +47,12 @@ setup_tests() {
   fi
   local vpy="$VENV/bin/python"
   if ! "$vpy" -c "import pytest, pytest_timeout, hypothesis" 2>/dev/null; then
-    "$vpy" -m pip install -q -e ".[dev]"
+    echo "run.sh: installing the test tools (first run only)" >&2
+    "$vpy" -m pip install --progress-bar on -e ".[dev]"
   fi
   if command -v mpirun >/dev/null && ! "$vpy" -c "import mpi4py" 2>/dev/null; then
-    "$vpy" -m pip install -q -e ".[mpi]"
+    echo "run.sh: installing mpi4py (first run only; it compiles against Open MPI)" >&2
+    "$vpy" -m pip install --progress-bar on -e ".[mpi]"
   fi
 }
 
