@@ -72,10 +72,10 @@ def test_size_sweep_refuses_what_cannot_advance():
     (["-b", "4", "-e", "32", "-f", "1.2"], [4, 8, 12, 16, 20, 24, 28]),
 ])
 def test_bench_sweeps_that_hung_finish_on_one_rank_with_a_note(sweep, expected):
-    out = _run("bench", "allreduce", *sweep, "-a", "ring", "-n", "2", "-w", "0", "--json", timeout=50)
+    out = _run("bench", "allreduce", *sweep, "-a", "ring", "--iters", "2", "-w", "0", "--json", timeout=50)
     assert out.returncode == 0, out.stderr
     assert [json.loads(line)["bytes"] for line in out.stdout.splitlines()] == expected
-    assert "running on 1 rank" in out.stderr and "ringpipe launch -n N -m ringpipe.cli bench allreduce" in out.stderr
+    assert "running on 1 rank" in out.stderr and "add -n N" in out.stderr
 
 
 # ----------------------------------------------------------------------------- one-line errors
@@ -86,7 +86,9 @@ def test_bench_sweeps_that_hung_finish_on_one_rank_with_a_note(sweep, expected):
     (["bench", "allreduce", "-b", "abc"], "ringpipe bench: size 'abc' is not understood"),
     (["bench", "allreduce", "-f", "1"], "ringpipe bench: -f must be > 1"),
     (["bench", "allreduce", "-b", "8K", "-e", "4K"], "ringpipe bench: -b 8192 is larger than -e 4096"),
-    (["bench", "allreduce", "-n", "0"], "ringpipe bench: -n (timed iterations per size) must be >= 1"),
+    (["bench", "allreduce", "--iters", "0"], "ringpipe bench: --iters (timed iterations per size) must be >= 1"),
+    (["bench", "allreduce", "-n", "0"], "ringpipe bench: -n (processes to start) must be >= 1"),
+    (["bench", "allreduce", "-b", "0", "-e", "0"], "ringpipe bench: -e 0 is smaller than one float32 element (4 bytes)"),
     (["bench", "allreduce", "-a", "nosuch"], "ringpipe bench: allreduce has no algorithm 'nosuch'"),
     (["bench", "allreduce", "-d", "nosuch"], "ringpipe bench: unknown dtype 'nosuch'"),
     (["bench", "allreduce", "--backend", "foo"], "ringpipe bench: unknown backend 'foo'"),
@@ -163,3 +165,115 @@ def test_doctor_with_mpi_backend_without_mpirun_says_what_to_do(tmp_path):
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert out.stderr.strip().splitlines() == [out.stderr.strip()]
     assert out.stderr.startswith("ringpipe doctor: ") and "--backend gloo" in out.stderr
+
+
+# ----------------------------------------------------------------------------- bench: processes, streaming, plot
+
+
+@pytest.mark.timeout(120)
+def test_bench_n_starts_that_many_processes_and_says_where_the_plot_went(tmp_path):
+    out = _run("bench", "allreduce", "-n", "2", "-b", "4K", "-e", "8K", "-a", "ring", "-i", "2", "-w", "0",
+               "--plot", "busbw.png", cwd=tmp_path, timeout=110)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.startswith("# ringpipe bench allreduce: 2 ranks, backend gloo, 2 iters"), out.stdout
+    assert [line.split()[0] for line in out.stdout.splitlines()[2:]] == ["4096", "8192"]
+    assert f"busbw plot written to {tmp_path / 'busbw.png'}" in out.stderr
+    assert (tmp_path / "busbw.png").stat().st_size > 0
+
+
+@pytest.mark.timeout(120)
+def test_bench_prints_each_row_as_soon_as_it_is_measured():
+    """The first row arrives while the sweep is still running (no waiting for the whole table)."""
+    proc = subprocess.Popen([*RINGPIPE, "bench", "allreduce", "-b", "4", "-e", "64M", "-f", "2", "-a", "ring",
+                             "-i", "20", "--json"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            env=_env())
+    try:
+        first = json.loads(proc.stdout.readline())
+        assert first["bytes"] == 4
+        assert proc.poll() is None  # still measuring the larger sizes
+    finally:
+        proc.kill()
+        proc.communicate()
+
+
+def test_busbw_plot_has_logarithmic_axes_with_readable_sizes():
+    from ringpipe.observe.bench import plot_figure
+
+    rows = [{"collective": "allreduce", "backend": "gloo", "ranks": 2, "algorithm": "ring", "bytes": 4 << k,
+             "busbw_gbps": 0.01 * (k + 1)} for k in range(0, 20, 2)]
+    fig = plot_figure(rows)
+    ax = fig.axes[0]
+    fig.canvas.draw()
+    assert ax.get_xscale() == "log" and ax.get_yscale() == "log"
+    labels = {t.get_text() for t in ax.get_xticklabels()}
+    assert {"256", "4K", "1M"} <= labels, labels  # sizes as people write them, not 2^12
+
+
+def test_links_heat_map_colours_on_a_log_scale_that_keeps_healthy_links_alike():
+    from matplotlib.colors import LogNorm
+
+    from ringpipe.observe.plots import links_figure
+
+    ranks = [RankEvents(r, h, [], {}) for r, h in enumerate(["a", "a", "b"])]
+    links = [{"src": 0, "dst": 1, "gbps": 1.0}, {"src": 0, "dst": 2, "gbps": 0.9}, {"src": 1, "dst": 2, "gbps": 1.1}]
+    norm = links_figure(JobEvents(ranks), links).axes[0].images[0].norm
+    assert isinstance(norm, LogNorm) and norm.vmax == pytest.approx(1.1) and norm.vmin <= 1.1 / 100
+    # 0.9 and 1.1 GB/s land within a few per cent of the scale of each other; 0.01 GB/s far below.
+    assert norm(1.1) - norm(0.9) < 0.05 and norm(0.9) - norm(0.011) > 0.9
+
+
+# ----------------------------------------------------------------------------- what doctor and trace are given
+
+
+@pytest.mark.timeout(60)
+def test_doctor_on_a_png_a_binary_file_an_empty_file_and_an_empty_run(tmp_path):
+    (tmp_path / "links.png").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 4)
+    (tmp_path / "blob.bin").write_bytes(bytes(range(256)) * 8)
+    (tmp_path / "empty.json").write_text("")
+    save_events(tmp_path / "none.json", JobEvents([], {"backend": "gloo"}))
+    for name, message in (("links.png", "links.png is a PNG image, not an events file"),
+                          ("blob.bin", "blob.bin is a binary file, not an events file"),
+                          ("empty.json", "empty.json is empty: the run wrote no events"),
+                          ("none.json", "none.json holds no events (0 ranks, 0 events)")):
+        out = _run("doctor", str(tmp_path / name), timeout=50)
+        assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+        assert out.stderr.strip().splitlines() == [out.stderr.strip()]
+        assert message in out.stderr, out.stderr
+
+
+@pytest.mark.timeout(60)
+def test_doctor_reads_a_horovod_style_timeline_through_the_events_beside_it(tmp_path):
+    (tmp_path / "timeline.json").write_text('{"traceEvents": []}')
+    out = _run("doctor", str(tmp_path / "timeline.json"), timeout=50)
+    assert out.returncode == 2 and "is a Chrome timeline, not an events file" in out.stderr
+    assert "timeline.events.json" in out.stderr
+    _events(tmp_path / "timeline.events.json")
+    out = _run("doctor", str(tmp_path / "timeline.json"), timeout=50)
+    assert out.returncode == 0, out.stderr
+    assert "ringpipe doctor: 2 ranks" in out.stdout and "reading its events from" in out.stderr
+
+
+@pytest.mark.timeout(60)
+def test_doctor_strict_says_why_it_exits_1(tmp_path):
+    ms = 1_000_000
+    ranks = [RankEvents(r, "h0", [Event("allreduce", 4096, -1, (100 * k + (30 if r == 1 else 0)) * ms,
+                                        (100 * k + 31) * ms, 0, "world", {}) for k in range(8)], {})
+             for r in range(2)]
+    save_events(tmp_path / "events.json", JobEvents(ranks, {"backend": "gloo"}))
+    out = _run("doctor", "--strict", str(tmp_path), timeout=50)
+    assert out.returncode == 1 and "rank 1 (host h0) arrives late" in out.stdout
+    assert out.stderr.strip() == ("ringpipe doctor --strict: 1 problem(s) found, exit status 1 (the doctor itself "
+                                  "ran fine)")
+
+
+@pytest.mark.timeout(60)
+def test_trace_writes_beside_the_events_not_into_the_current_directory(tmp_path):
+    run, cwd = tmp_path / "run", tmp_path / "cwd"
+    cwd.mkdir()
+    _events(run / "events.json")
+    _events(tmp_path / "job.json")
+    assert _run("trace", str(run), cwd=cwd, timeout=50).returncode == 0
+    assert _run("trace", str(tmp_path / "job.json"), cwd=cwd, timeout=50).returncode == 0
+    assert list(cwd.iterdir()) == []
+    assert json.loads((run / "timeline.json").read_text())["traceEvents"]
+    assert json.loads((tmp_path / "job.timeline.json").read_text())["traceEvents"]

@@ -41,7 +41,9 @@ def assert_late_rank_named(reports: dict[int, list[str]], size: int) -> None:
         assert reports[rank], reports
         text = reports[rank][0]
         assert text.startswith(f"rank {rank} has waited") and "in allreduce (4.0 KiB) on world" in text
-        assert f"not in any communication for 0.5 s: rank {late} (still computing" in text
+        # The late rank's real idle time: it has not communicated since before the others began to wait.
+        idle = re.search(rf"not in any communication: rank {late} for ([0-9.]+) s \(still computing", text)
+        assert idle and float(idle.group(1)) >= 1.0, text
         for other in range(late):  # every waiting rank published its state (by the second report)
             if other != rank:
                 assert any(f"rank {other} in allreduce (4.0 KiB) on world" in t for t in reports[rank]), reports
@@ -51,12 +53,31 @@ def _state(op, waiting_s=70.0, comm="world", nbytes=4 << 20, peer=-1):
     return {"state": "waiting", "op": op, "bytes": nbytes, "peer": peer, "comm": comm, "waiting_s": waiting_s}
 
 
-def test_message_names_waiting_and_missing_ranks():
-    text = describe(0, _state("allreduce", 61), {1: _state("allreduce", 60), 2: None, 3: {"state": "ok"}}, 60)
+def test_message_names_waiting_and_idle_ranks_with_their_real_idle_time():
+    others = {1: _state("allreduce", 60), 2: {"state": "idle", "since": 1000.0}, 3: {"state": "ok"}, 4: None}
+    text = describe(0, _state("allreduce", 61), others, 60, now=1011.0)
     assert text.startswith("rank 0 has waited 61 s in allreduce (4.0 MiB) on world")
     assert "waiting too: rank 1 in allreduce (4.0 MiB) on world (60 s)" in text
-    assert "not in any communication for 30 s: ranks 2, 3" in text
+    assert ("not in any communication: rank 2 for 11 s, rank 3 for less than 30 s, rank 4 (no report from it) "
+            "(still computing") in text
     assert "different collectives" not in text
+
+
+def test_an_idle_rank_publishes_since_when_it_is_out_of_communication():
+    class Store(dict):
+        def set(self, k, v):
+            self[k] = v
+
+    store = Store()
+    log = EventLog()
+    ev = log.begin("allreduce", 4096, -1, 0, "world")
+    EventLog.end(ev)
+    inspector = StallInspector(1, 2, log, seconds=0.2, store=store)
+    assert inspector.check() is None and "ringpipe/stall/1" not in store  # idle for less than 0.1 s
+    time.sleep(0.35)
+    inspector.check()
+    state = json.loads(store["ringpipe/stall/1"])
+    assert state["state"] == "idle" and time.time() - state["since"] >= 0.35
 
 
 def test_message_names_collectives_called_in_different_orders():

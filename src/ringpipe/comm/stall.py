@@ -7,8 +7,11 @@ every rank looks at the operations in flight at the choke point; when one has wa
 the process group) and reads what the other ranks published, then logs one warning such as::
 
     rank 0 has waited 61 s in allreduce (4.0 MiB) on world; waiting too: rank 1 in allreduce on
-    world (61 s); not in any communication for 30 s: rank 2 (still computing, stuck outside
+    world (61 s); not in any communication: rank 2 for 75 s (still computing, stuck outside
     ringpipe, or it took another code path)
+
+A rank publishes how long it has been out of communication (since its last operation ended)
+once that passes half the threshold, so the warning gives each idle rank's real idle time.
 
 Ranks that wait in different operations are named as such: the program calls collectives in a
 different order on different ranks. ``RINGPIPE_STALL_CHECK_SECONDS`` sets the threshold (60 by
@@ -40,8 +43,18 @@ def _what(state: dict[str, Any]) -> str:
     return f"{state['op']} ({human_bytes(int(state['bytes']))}) on {state['comm']}{peer}"
 
 
-def describe(rank: int, mine: dict[str, Any], others: dict[int, dict[str, Any] | None], seconds: float) -> str:
-    """The warning for ``rank`` waiting in ``mine``, given what each other rank published (None: nothing)."""
+def _seconds(x: float) -> str:
+    return f"{x:.1f} s" if x < 10 else f"{x:.0f} s"
+
+
+def describe(rank: int, mine: dict[str, Any], others: dict[int, dict[str, Any] | None], seconds: float,
+             now: float | None = None) -> str:
+    """The warning for ``rank`` waiting in ``mine``, given what each other rank published (None: nothing).
+
+    An idle rank publishes ``{"state": "idle", "since": UNIX_TIME}`` (when its last operation
+    ended); ``now`` (default: the current time) gives its idle time.
+    """
+    now = time.time() if now is None else now
     parts = [f"rank {rank} has waited {mine['waiting_s']:.0f} s in {_what(mine)}"]
     waiting = {r: s for r, s in others.items() if s and s.get("state") == "waiting"}
     idle = sorted(r for r, s in others.items() if not s or s.get("state") != "waiting")
@@ -49,9 +62,13 @@ def describe(rank: int, mine: dict[str, Any], others: dict[int, dict[str, Any] |
         parts.append("waiting too: " + ", ".join(
             f"rank {r} in {_what(s)} ({s['waiting_s']:.0f} s)" for r, s in sorted(waiting.items())))
     if idle:
-        who = ", ".join(str(r) for r in idle)
-        parts.append(f"not in any communication for {seconds / 2:g} s: rank{'s' if len(idle) > 1 else ''} {who} "
-                     "(still computing, stuck outside ringpipe, or it took another code path)")
+        def how_long(r: int) -> str:
+            s = others.get(r)
+            if s and s.get("state") == "idle" and "since" in s:
+                return f"rank {r} for {_seconds(max(0.0, now - float(s['since'])))}"
+            return f"rank {r} for less than {_seconds(seconds / 2)}" if s else f"rank {r} (no report from it)"
+        parts.append("not in any communication: " + ", ".join(how_long(r) for r in idle)
+                     + " (still computing, stuck outside ringpipe, or it took another code path)")
     ops = {(s["op"], s["comm"]) for s in [mine, *waiting.values()] if s.get("peer", -1) < 0}
     if len(ops) > 1:
         parts.append("the ranks wait in different collectives: the program calls them in a different "
@@ -70,7 +87,8 @@ class StallInspector:
         self._store, self.prefix = store, prefix
         self.interval = interval or min(5.0, max(0.1, seconds / 4))
         self.reports: list[str] = []
-        self._published = False
+        self._published: Any = False  # what this rank last published: False, True (waiting), ("idle", since)
+        self._started = time.perf_counter_ns()
         self._reported: dict[int, float] = {}  # id of the waiting event -> when last reported
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -102,7 +120,18 @@ class StallInspector:
         now = time.perf_counter_ns()
         ev = self._oldest_in_flight(now)
         waited = (now - ev[START]) / 1e9 if ev is not None else 0.0
-        if ev is None or waited < self.seconds / 2:
+        if ev is None:
+            # Out of communication since the last operation ended: say since when, once it matters.
+            since = self._last_end()
+            if (now - since) / 1e9 >= self.seconds / 2:
+                if self._published != ("idle", since):
+                    self._publish({"state": "idle", "since": time.time() - (now - since) / 1e9})
+                    self._published = ("idle", since)
+            elif self._published:
+                self._publish({"state": "ok"})
+                self._published = False
+            return None
+        if waited < self.seconds / 2:
             if self._published:
                 self._publish({"state": "ok"})
                 self._published = False
@@ -115,10 +144,16 @@ class StallInspector:
         if waited < self.seconds or (last is not None and now - last < self.seconds * 1e9):
             return None
         self._reported = {id(ev): now}
-        message = describe(self.rank, mine, self._read_others(), self.seconds)
+        message = describe(self.rank, mine, self._read_others(), self.seconds, time.time())
         log.warning("stall: %s", message)
         self.reports.append(message)
         return message
+
+    def _last_end(self) -> int:
+        """When this rank's last operation ended (when the inspector started, before any)."""
+        tail = list(itertools.islice(reversed(self.events._events), _TAIL))
+        ends = [ev[END] for ev in tail if ev[END]]
+        return max([self._started, *ends])
 
     @property
     def store(self) -> Any:

@@ -1,7 +1,9 @@
 """`ringpipe bench`: time ringpipe's collectives and the backend's native ones side by side.
 
 Runs inside every rank of a job started by any launcher (``ringpipe launch``, ``torchrun``,
-``mpirun``, ``srun``). Sizes sweep from ``-b`` to ``-e`` by factor ``-f`` as in nccl-tests;
+``mpirun``, ``srun``), or starts ``-n`` local processes itself (under ``mpirun`` for the mpi
+backend), as ``ringpipe doctor -n`` does. Rank 0 prints each row as soon as it is measured.
+Sizes sweep from ``-b`` to ``-e`` by factor ``-f`` as in nccl-tests;
 for every size and algorithm it reports the time per call (min / avg / max over ranks),
 ``algbw = S / t`` and ``busbw = algbw * factor`` (nccl-tests factors: ``2(p-1)/p`` for
 allreduce, ``(p-1)/p`` for allgather and reduce-scatter, 1 for broadcast and p2p, where ``S``
@@ -20,6 +22,7 @@ import os
 import re
 import sys
 import time
+import subprocess
 from collections.abc import Callable
 from typing import Any
 
@@ -163,10 +166,12 @@ def run_bench(
     warmup: int = 5,
     dtype: torch.dtype = torch.float32,
     check: bool = True,
+    on_row: Callable[[dict[str, Any]], None] | None = None,
 ) -> list[dict[str, Any]]:
     """Time ``collective`` for every size and algorithm; every rank returns the same rows.
 
     Sizes whose buffer rounds to the one of the size before (below one element) are measured once.
+    ``on_row`` is called with each row as soon as it is measured (on every rank).
     """
     algos = check_algorithms(collective, algorithms)
     if collective == "p2p" and comm.size < 2:
@@ -209,41 +214,65 @@ def run_bench(
                 "busbw_gbps": round(algbw * bus_factor(collective, comm.size), 4),
                 "wrong": sum(g[1] for g in gathered),
             })
+            if on_row is not None:
+                on_row(rows[-1])
     return rows
 
 
-def format_table(rows: list[dict[str, Any]]) -> str:
-    head = (f"{'size(B)':>11} {'count':>10} {'dtype':>8} {'algorithm':>19} {'min(us)':>10} "
-            f"{'avg(us)':>10} {'max(us)':>10} {'algbw':>8} {'busbw':>8} {'wrong':>6}")
-    lines = [head]
-    for r in rows:
-        lines.append(
-            f"{r['bytes']:>11} {r['count']:>10} {r['dtype']:>8} {r['algorithm']:>19} "
+_HEAD = (f"{'size(B)':>11} {'count':>10} {'dtype':>8} {'algorithm':>19} {'min(us)':>10} "
+         f"{'avg(us)':>10} {'max(us)':>10} {'algbw':>8} {'busbw':>8} {'wrong':>6}")
+
+
+def format_row(r: dict[str, Any]) -> str:
+    return (f"{r['bytes']:>11} {r['count']:>10} {r['dtype']:>8} {r['algorithm']:>19} "
             f"{r['time_min_us']:>10.1f} {r['time_us']:>10.1f} {r['time_max_us']:>10.1f} "
-            f"{r['algbw_gbps']:>8.3f} {r['busbw_gbps']:>8.3f} {r['wrong']:>6}"
-        )
-    return "\n".join(lines)
+            f"{r['algbw_gbps']:>8.3f} {r['busbw_gbps']:>8.3f} {r['wrong']:>6}")
 
 
-def plot(rows: list[dict[str, Any]], path: str) -> None:
-    """busbw against size, one line per algorithm (PNG, Agg backend)."""
+def format_table(rows: list[dict[str, Any]]) -> str:
+    return "\n".join([_HEAD, *(format_row(r) for r in rows)])
+
+
+def _human_size(n: float) -> str:
+    for unit in ("", "K", "M", "G"):
+        if n < 1024 or unit == "G":
+            return f"{n:g}{unit}"
+        n /= 1024
+    return f"{n:g}G"
+
+
+def plot_figure(rows: list[dict[str, Any]]) -> Any:
+    """busbw against size, one line per algorithm: both axes logarithmic, sizes labelled 4K, 1M, ... (nccl-tests' way)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, LogLocator
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for algo in dict.fromkeys(r["algorithm"] for r in rows):
         pts = [(r["bytes"], r["busbw_gbps"]) for r in rows if r["algorithm"] == algo]
         ax.plot([a for a, _ in pts], [b for _, b in pts], marker="o", label=algo)
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("size (bytes)")
+    ax.xaxis.set_major_locator(LogLocator(base=4))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: _human_size(x)))
+    if any(r["busbw_gbps"] > 0 for r in rows):
+        ax.set_yscale("log")
+    ax.set_xlabel("message size (bytes, log scale)")
     ax.set_ylabel("bus bandwidth (GB/s)")
     first = rows[0] if rows else {"collective": "?", "backend": "?", "ranks": "?"}
     ax.set_title(f"{first['collective']} on {first['ranks']} ranks ({first['backend']})")
-    ax.grid(True, alpha=0.3)
+    ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()
+    return fig
+
+
+def plot(rows: list[dict[str, Any]], path: str) -> None:
+    """Write :func:`plot_figure` to ``path`` (PNG, Agg backend)."""
+    import matplotlib.pyplot as plt
+
+    fig = plot_figure(rows)
     fig.savefig(path)
     plt.close(fig)
 
@@ -254,19 +283,74 @@ def _options(args: Any) -> tuple[list[int], list[str] | None, torch.dtype]:
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"unknown dtype {args.dtype!r} (e.g. float32, int32)")
     if args.iters < 1:
-        raise ValueError(f"-n (timed iterations per size) must be >= 1, got {args.iters}")
+        raise ValueError(f"--iters (timed iterations per size) must be >= 1, got {args.iters}")
     if args.warmup < 0:
         raise ValueError(f"-w (warm-up iterations per size) must be >= 0, got {args.warmup}")
+    if args.nprocs is not None and args.nprocs < 1:
+        raise ValueError(f"-n (processes to start) must be >= 1, got {args.nprocs}")
     item = torch.empty((), dtype=dtype).element_size()
-    sizes = _sizes(parse_size(args.begin), parse_size(args.end), args.factor, item)
+    begin, end = parse_size(args.begin), parse_size(args.end)
+    if end < item:
+        raise ValueError(f"-e {end} is smaller than one {args.dtype} element ({item} bytes): nothing to measure; "
+                         f"give -e {item} or more")
+    sizes = _sizes(begin, end, args.factor, item)
     algos = [a for a in args.algorithms.split(",") if a] if args.algorithms else None
     check_algorithms(args.collective, algos)
     return sizes, algos, dtype
 
 
+def bench_job(comm: Communicator, args: Any, sizes: list[int], algos: list[str] | None,
+              dtype: torch.dtype) -> int:
+    """The sweep every rank runs; rank 0 prints each row as measured and writes the plot. Returns the exit status."""
+    root = comm.rank == 0
+    if comm.size == 1:
+        print(f"ringpipe bench: running on 1 rank; for N ranks add -n N (`ringpipe bench {args.collective} -n 4`), "
+              f"or run under a launcher: `ringpipe launch -n N -m ringpipe.cli bench {args.collective} ...` or "
+              f"`mpirun -n N ringpipe bench {args.collective} --backend mpi ...`", file=sys.stderr, flush=True)
+        if args.collective == "p2p":
+            print("ringpipe bench: p2p needs at least 2 ranks", file=sys.stderr)
+            return 2
+    if root and not args.json:
+        print(f"# ringpipe bench {args.collective}: {comm.size} ranks, backend {comm.backend}, "
+              f"{args.iters} iters, {args.warmup} warm-up; times per call, bandwidths in GB/s", flush=True)
+        print(_HEAD, flush=True)
+
+    def show(row: dict[str, Any]) -> None:
+        if root:
+            print(json.dumps(row) if args.json else format_row(row), flush=True)
+
+    rows = run_bench(comm, args.collective, sizes, algos, args.iters, args.warmup, dtype,
+                     check=not args.no_check, on_row=show)
+    if root and args.plot:
+        plot(rows, args.plot)
+        print(f"ringpipe bench: busbw plot written to {os.path.abspath(args.plot)}", file=sys.stderr, flush=True)
+    return 1 if any(r["wrong"] for r in rows) else 0
+
+
+def _bench_mpirun(args: Any, argv: list[str]) -> int:
+    """Start ``-n`` ranks of this same command under mpirun (the mpi backend needs it)."""
+    from ringpipe.launch import mpirun_command
+
+    cmd = mpirun_command(args.nprocs, [sys.executable, "-m", "ringpipe.cli", "bench", *argv])
+    env = dict(os.environ, RINGPIPE_BACKEND="mpi", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    return subprocess.run(cmd, env=env).returncode
+
+
+def _argv_of(args: Any) -> list[str]:
+    """This bench's own options, for each rank that mpirun starts."""
+    argv = [args.collective, "-b", str(args.begin), "-e", str(args.end), "-f", str(args.factor),
+            "--iters", str(args.iters), "-w", str(args.warmup), "-d", args.dtype, "--backend", "mpi"]
+    if args.algorithms:
+        argv += ["-a", args.algorithms]
+    if args.plot:
+        argv += ["--plot", str(args.plot)]
+    return argv + [f for f, on in (("--no-check", args.no_check), ("--json", args.json)) if on]
+
+
 def bench_main(args: Any) -> int:
     from ringpipe.comm import init_world, shutdown_world
     from ringpipe.comm.base import CommError
+    from ringpipe.comm.world import BACKENDS
     from ringpipe.env import EnvironmentError_
 
     # Usage errors stop every rank alike before any of them communicates.
@@ -275,36 +359,38 @@ def bench_main(args: Any) -> int:
     except ValueError as exc:
         print(f"ringpipe bench: {exc}", file=sys.stderr)
         return 2
+    if parse_size(args.begin) < torch.empty((), dtype=dtype).element_size() and int(os.environ.get("RANK", "0")) == 0:
+        print(f"ringpipe bench: -b {args.begin} starts the sweep at one {args.dtype} element "
+              f"({sizes[0] or torch.empty((), dtype=dtype).element_size()} bytes)", file=sys.stderr)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    backend = args.backend or os.environ.get("RINGPIPE_BACKEND") or "gloo"
+    backend = (args.backend or os.environ.get("RINGPIPE_BACKEND") or "gloo").lower()
+    if backend not in BACKENDS:
+        print(f"ringpipe bench: unknown backend {backend!r}; valid backends: {', '.join(BACKENDS)}", file=sys.stderr)
+        return 2
+    launched = "WORLD_SIZE" in os.environ or "OMPI_COMM_WORLD_SIZE" in os.environ
+    if args.nprocs and args.nprocs > 1 and not launched:
+        if backend == "mpi":
+            try:
+                return _bench_mpirun(args, _argv_of(args))
+            except FileNotFoundError as exc:
+                print(f"ringpipe bench: --backend mpi with -n {args.nprocs} starts the ranks under mpirun: {exc}; "
+                      "or use --backend gloo", file=sys.stderr)
+                return 2
+        from ringpipe.launch import WorkerFailed, spawn
+
+        try:
+            return int(max(spawn(bench_job, args.nprocs, backend, args=(args, sizes, algos, dtype))))
+        except WorkerFailed as exc:
+            print(f"ringpipe bench: {exc}; the other ranks were stopped", file=sys.stderr)
+            return 1
     try:
         comm = init_world(backend)
     except (CommError, EnvironmentError_) as exc:
         print(f"ringpipe bench: {exc}", file=sys.stderr)
         return 2
     try:
-        if comm.size == 1:
-            print(f"ringpipe bench: running on 1 rank (-n is the number of timed iterations); for N ranks run "
-                  f"`ringpipe launch -n N -m ringpipe.cli bench {args.collective} ...` or "
-                  f"`mpirun -n N ringpipe bench {args.collective} --backend mpi ...`", file=sys.stderr)
-            if args.collective == "p2p":
-                print("ringpipe bench: p2p needs at least 2 ranks", file=sys.stderr)
-                return 2
-        rows = run_bench(comm, args.collective, sizes, algos, args.iters, args.warmup, dtype,
-                         check=not args.no_check)
-        if comm.rank == 0:
-            if args.json:
-                for row in rows:
-                    print(json.dumps(row), flush=True)
-            else:
-                print(f"# ringpipe bench {args.collective}: {comm.size} ranks, backend {comm.backend}, "
-                      f"{args.iters} iters, {args.warmup} warm-up; times per call, bandwidths in GB/s",
-                      flush=True)
-                print(format_table(rows), flush=True)
-            if args.plot:
-                plot(rows, args.plot)
-        return 1 if any(r["wrong"] for r in rows) else 0
+        return bench_job(comm, args, sizes, algos, dtype)
     finally:
         shutdown_world()
 
@@ -314,16 +400,20 @@ def add_parser(sub: Any) -> None:
         "bench",
         help="time collectives (ringpipe's algorithms and the native ones) over a size sweep",
         description=(
-            "Run under a launcher, e.g. `ringpipe launch -n 4 -m ringpipe.cli bench allreduce` or "
-            "`mpirun -n 4 ringpipe bench allreduce --backend mpi`. Prints one row per size and "
-            "algorithm: time (min/avg/max over ranks), algbw, busbw (nccl-tests factors), wrong results."
+            "Start N local processes with -n N (`ringpipe bench allreduce -n 4`; under mpirun with --backend "
+            "mpi), or run under a launcher: `ringpipe launch -n 4 -m ringpipe.cli bench allreduce`, "
+            "`mpirun -n 4 ringpipe bench allreduce --backend mpi`. Prints one row per size and algorithm "
+            "as it is measured: time (min/avg/max over ranks), algbw, busbw (nccl-tests factors), wrong results."
         ),
     )
     p.add_argument("collective", choices=COLLECTIVES)
     p.add_argument("-b", "--begin", default="4K", help="smallest size, bytes (4K, 1M, ...)")
     p.add_argument("-e", "--end", default="64M", help="largest size, bytes")
     p.add_argument("-f", "--factor", type=float, default=2.0, help="size multiplication factor")
-    p.add_argument("-n", "--iters", type=int, default=20, help="timed iterations per size")
+    p.add_argument("-n", "--nprocs", type=int, default=None,
+                   help="start N local processes (when not under a launcher), as everywhere in ringpipe")
+    p.add_argument("-i", "--iters", type=int, default=20,
+                   help="timed iterations per size (nccl-tests' -n; in ringpipe -n is the number of processes)")
     p.add_argument("-w", "--warmup", type=int, default=5, help="warm-up iterations per size")
     p.add_argument("-d", "--dtype", default="float32", help="element type (float32, float16, int32, ...)")
     p.add_argument("-a", "--algorithms", default=None,

@@ -79,15 +79,17 @@ def _sequences(job: JobEvents) -> dict[tuple[str, str, int], dict[int, list[tupl
     return calls
 
 
-def late_ranks(job: JobEvents, min_calls: int = 5, min_late_ms: float = 1.0) -> list[Finding]:
+def late_ranks(job: JobEvents, min_calls: int = 5, min_late_ms: float = 1.0, share: float = 0.1) -> list[Finding]:
     """Ranks that keep entering the same collectives last, from the job's events.
 
     The k-th call of an operation of one size on a communicator is the same collective on every
     rank (ranks call collectives in one order). A rank's arrival is counted without the
     expected work it declared since its previous call of that sequence. A rank is named when
-    it is the last to arrive in at least 60 % of at least ``min_calls`` calls, by a median of
-    ``min_late_ms`` or more, and by at least three times the median lateness of the other
-    ranks; once per rank, at the sequence where it kept the others waiting longest.
+    it is the last to arrive in at least 75 % of at least ``min_calls`` calls, by a median of
+    ``min_late_ms`` or more and at least three times the median lateness of the other ranks,
+    and when the time the others waited for it is at least ``share`` of the calls' span (a
+    millisecond of scheduling noise per call is no fault); once per rank, at the sequence where
+    it kept the others waiting longest.
     """
     expected = _expected(job)
     best: dict[int, tuple[float, Finding]] = {}
@@ -115,10 +117,12 @@ def late_ranks(job: JobEvents, min_calls: int = 5, min_late_ms: float = 1.0) -> 
             waited[order[-1]] += (arrivals[order[-1]] - arrivals[order[-2]]) / 1e9
             for r in ranks:
                 late[r].append((arrivals[r] - first) / 1e6)
+        span = (max(per_rank[r][n - 1][1] for r in ranks) - min(per_rank[r][0][0] for r in ranks)) / 1e9
         for r in ranks:
             med = statistics.median(late[r])
             others = statistics.median([x for q in ranks if q != r for x in late[q]])
-            if last[r] >= 0.6 * n and med >= min_late_ms and med >= 3 * others:
+            costly = waited[r] >= share * span
+            if last[r] >= 0.75 * n and med >= min_late_ms and med >= 3 * others and costly:
                 host = job.ranks[r].host
                 what = f"{op} of {human_bytes(nbytes)}" if op != "barrier" else op
                 f = Finding(
@@ -223,17 +227,18 @@ def recommend(job: JobEvents, allreduce_ms: Mapping[str, float], nbytes: int, li
 
 def diagnose(job: JobEvents, links: list[dict[str, Any]] | None = None,
              allreduce_ms: Mapping[str, float] | None = None, nbytes: int = 0,
-             verified: Mapping[str, Any] | None = None) -> list[Finding]:
+             verified: Mapping[str, Any] | None = None, lateness: bool = True) -> list[Finding]:
     """Every finding for ``job``: problems first, then measured fixes, then information.
 
     ``links``: probed links (default: the run's own collective steps); ``allreduce_ms``: the
     probe's allreduce timings at ``nbytes`` (``ring``, ``hierarchical``, ``native``, ``without
-    HOST``), from which a fix is recommended.
+    HOST``), from which a fix is recommended. ``lateness=False``: the events are a probe's own,
+    whose collectives start together by design; nobody's arrival is judged.
     """
     if links is None:  # no probe: the job's own collective steps
         links = run_links(job)
     where = placement(job, links)
-    late = late_ranks(job)
+    late = late_ranks(job) if lateness else []
     found = (where + compute_findings(job)
              + link_findings(job, links, busy_hosts=busy_hosts(where), late=[f.rank for f in late if f.rank is not None])
              + late + recommend(job, allreduce_ms or {}, nbytes, links, verified))

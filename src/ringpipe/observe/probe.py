@@ -29,15 +29,19 @@ _PROBE_TAG = 7_100_000
 _QUIET_TAG = 7_100_001
 
 
-def _quiet(comm: Communicator, work: Work, pause: float = 0.0005) -> None:
+def _quiet(comm: Communicator, work: Work, longest: float = 0.01) -> None:
     """Wait for ``work`` without spinning: MPI's blocking wait polls a core, so poll it with sleeps.
 
-    c10d's waits block in the kernel already (and gloo's receive reports completion only to
-    ``wait``), so there the plain wait is the quiet one.
+    The pause doubles up to ``longest`` (seven waiting ranks polling every half millisecond
+    would take a good part of a small machine's cores themselves). c10d's waits block in the
+    kernel already (and gloo's receive reports completion only to ``wait``), so there the plain
+    wait is the quiet one.
     """
     if comm.backend == "mpi":
+        pause = 0.0002
         while not work.is_completed():
             time.sleep(pause)
+            pause = min(2 * pause, longest)
     work.wait()
 
 
@@ -241,5 +245,5 @@ def doctor_job(comm: Communicator, nbytes: int, reps: int, all_pairs: bool | Non
     job = collect_events(comm, info={"compute_ms": compute_ms, "threads": torch.get_num_threads()})
     if job is None:
         return None
-    findings = diagnose(job, links, allreduce_ms, nbytes, verified)
+    findings = diagnose(job, links, allreduce_ms, nbytes, verified, lateness=False)
     return {"job": job, "links": links, "findings": findings, "allreduce_ms": allreduce_ms, "verified": verified}

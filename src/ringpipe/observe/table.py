@@ -1,9 +1,12 @@
 """The MPI-style communication profile: time, calls and bytes per operation and per rank.
 
 Modelled on the flat profiles of MPI tracing libraries (``mpi_profile.*`` of libmpitrace, mpiP):
-one row per operation with its calls, average message size, total bytes and the time spent in
-it (min / average / max over ranks, and the rank with the maximum), then one row per rank with
-its communication time and share of wall time. Algorithm steps and consistency headers
+one row per operation with its calls (over all ranks and per rank), average message size, total
+bytes, each rank's *total* time in it (min / average / max over ranks, and the rank with the
+maximum) and the time *per call*; then one row per rank with its communication time and share
+of wall time. For a training run (:mod:`ringpipe.observe.runreport`) the window is the
+training steps, and each rank's row also gives the time its steps were blocked on
+communication: rank 0's share is the summary's ``comm_share``. Algorithm steps and consistency headers
 (``allreduce.step``, ``allreduce.header``) are part of the call that made them and are not
 counted again; overlapping asynchronous operations count once in a rank's communication time.
 """
@@ -15,6 +18,7 @@ from typing import Any
 from ringpipe.comm.events import Event, human_bytes
 from ringpipe.observe.collect import JobEvents
 from ringpipe.observe.regions import EXPECTED_OP
+from ringpipe.observe.runreport import WINDOW_OP
 
 __all__ = ["profile", "format_profile", "busy_ns"]
 
@@ -37,8 +41,15 @@ def busy_ns(events: list[Event]) -> int:
     return total
 
 
+def _window(r: Any) -> Event | None:
+    return next((e for e in r.events if e.op == WINDOW_OP), None)
+
+
 def _wall_ns(r: Any) -> int:
-    """A rank's wall time: from its first to its last recorded operation."""
+    """A rank's wall time: its training window, else from its first to its last recorded operation."""
+    win = _window(r)
+    if win is not None:
+        return win.end_ns - win.start_ns
     if not r.events:
         return 0
     return max(e.end_ns for e in r.events) - min(e.start_ns for e in r.events)
@@ -62,24 +73,32 @@ def profile(job: JobEvents) -> dict[str, Any]:
             "calls": row["calls"],
             "avg_bytes": row["bytes"] / row["calls"] if row["calls"] else 0.0,
             "total_bytes": row["bytes"],
+            "calls_per_rank": row["calls"] / job.size,
             "min_ms": min(per_rank) / 1e6,
             "avg_ms": sum(per_rank) / job.size / 1e6,
             "max_ms": per_rank[worst] / 1e6,
             "max_rank": worst,
+            "per_call_ms": sum(per_rank) / row["calls"] / 1e6 if row["calls"] else 0.0,
         })
     op_rows.sort(key=lambda row: -row["avg_ms"])
     rank_rows = []
     for r in job.ranks:
         busy = busy_ns(_top_level(r.events))
         wall = _wall_ns(r)
-        rank_rows.append({
+        win = _window(r)
+        row = {
             "rank": r.rank,
             "host": r.host,
             "wall_ms": wall / 1e6,
             "comm_ms": busy / 1e6,
             "comm_share": busy / wall if wall else 0.0,
             "calls": len(_top_level(r.events)),
-        })
+        }
+        if win is not None:
+            step_ns, blocked = int(win.detail.get("step_ns", 0)), int(win.detail.get("blocked_ns", 0))
+            row.update(steps=int(win.detail.get("steps", 0)), step_ms=step_ns / 1e6, blocked_ms=blocked / 1e6,
+                       blocked_share=blocked / step_ns if step_ns else 0.0)
+        rank_rows.append(row)
     return {"ops": op_rows, "ranks": rank_rows, "meta": job.meta}
 
 
@@ -87,22 +106,37 @@ def format_profile(job: JobEvents) -> str:
     """The profile of ``job`` as a text table."""
     p = profile(job)
     hosts = len(set(job.hosts()))
+    steps = [row for row in p["ranks"] if "steps" in row]
+    window = (f"window: the {steps[0]['steps']} training steps of each rank (from its first step to its last, as in "
+              "summary.json; start-up and final evaluation left out)" if steps else
+              "window: each rank's first to last recorded operation")
     lines = [
         f"Communication profile: {job.size} ranks on {hosts} host{'s' if hosts != 1 else ''}, "
         f"backend {job.meta.get('backend', '?')}",
+        window,
+        "calls: over all ranks (and per rank); total ms: each rank's total time in the operation, min / avg / max "
+        "over ranks; ms per call: total time over all ranks / calls",
         "",
-        f"{'operation':<22}{'calls':>8}{'avg size':>12}{'total':>12}"
-        f"{'min ms':>10}{'avg ms':>10}{'max ms':>10}{'max rank':>10}",
+        f"{'operation':<22}{'calls':>8}{'per rank':>9}{'avg size':>11}{'total':>11}"
+        f"{'total ms':>10}{'(avg)':>9}{'(max)':>9}{'max rank':>9}{'ms/call':>9}",
     ]
     for row in p["ops"]:
         lines.append(
-            f"{row['op']:<22}{row['calls']:>8}{human_bytes(row['avg_bytes']):>12}{human_bytes(row['total_bytes']):>12}"
-            f"{row['min_ms']:>10.2f}{row['avg_ms']:>10.2f}{row['max_ms']:>10.2f}{row['max_rank']:>10}"
+            f"{row['op']:<22}{row['calls']:>8}{row['calls_per_rank']:>9.1f}{human_bytes(row['avg_bytes']):>11}"
+            f"{human_bytes(row['total_bytes']):>11}{row['min_ms']:>10.2f}{row['avg_ms']:>9.2f}{row['max_ms']:>9.2f}"
+            f"{row['max_rank']:>9}{row['per_call_ms']:>9.3f}"
         )
-    lines += ["", f"{'rank':>6}  {'host':<20}{'calls':>8}{'wall ms':>12}{'comm ms':>12}{'comm %':>9}"]
+    head = f"{'rank':>6}  {'host':<20}{'calls':>8}{'wall ms':>12}{'comm ms':>12}{'comm %':>9}"
+    if steps:
+        head += f"{'step ms':>12}{'blocked ms':>12}{'blocked %':>11}"
+    lines += ["", head]
     for row in p["ranks"]:
-        lines.append(
-            f"{row['rank']:>6}  {row['host']:<20}{row['calls']:>8}{row['wall_ms']:>12.2f}"
-            f"{row['comm_ms']:>12.2f}{100 * row['comm_share']:>8.1f}%"
-        )
+        line = (f"{row['rank']:>6}  {row['host']:<20}{row['calls']:>8}{row['wall_ms']:>12.2f}"
+                f"{row['comm_ms']:>12.2f}{100 * row['comm_share']:>8.1f}%")
+        if "steps" in row:
+            line += f"{row['step_ms']:>12.2f}{row['blocked_ms']:>12.2f}{100 * row['blocked_share']:>10.1f}%"
+        lines.append(line)
+    if steps:
+        lines += ["", "comm ms: time with a communication in flight (overlapping calls once); blocked ms: time the "
+                  "steps waited for communication (summary.json's comm_share is rank 0's blocked %)"]
     return "\n".join(lines)

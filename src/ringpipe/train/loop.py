@@ -33,6 +33,7 @@ import yaml
 
 from ringpipe.comm import Communicator
 from ringpipe.comm.events import blocked_ns
+from ringpipe.observe.regions import expected_work
 from ringpipe.train.checkpoint import (
     CheckpointError,
     Resumable,
@@ -277,7 +278,8 @@ class _Run:
         """Checkpoint the current step (collective); ``gathered``: its payload, already gathered."""
         payload = gathered[0] if gathered is not None else self._payload()
         if payload is not None:
-            path = save_checkpoint(self.run_dir / "checkpoints", payload["step"], payload, self.cfg.checkpoint.keep)
+            with expected_work("checkpoint"):  # rank 0 alone: the doctor does not call it lateness
+                path = save_checkpoint(self.run_dir / "checkpoints", payload["step"], payload, self.cfg.checkpoint.keep)
             log.debug("checkpoint %s", path)
         self.saved_step = self.step
         if self.comm.size > 1:
@@ -575,26 +577,13 @@ def _micro_batches(cfg: TrainConfig) -> tuple[int, int]:
     return 1, 1
 
 
-def write_observations(comm: Communicator, run: Path, timeline: bool) -> None:
-    """Gather every rank's communication events; rank 0 writes the profile, the doctor's findings
-    and, with ``timeline``, the events and the Chrome timeline into the run directory."""
-    from ringpipe.observe import (
-        collect_events,
-        diagnose,
-        format_profile,
-        format_report,
-        save_events,
-        write_timeline,
-    )
+def write_observations(comm: Communicator, run: Path, timeline: bool,
+                       steps: list[tuple[int, int, int]] | None = None) -> None:
+    """Rank 0 writes the profile and the doctor's findings of the training steps (and, with
+    ``timeline``, the events and the Chrome timeline); see :mod:`ringpipe.observe.runreport`."""
+    from ringpipe.observe.runreport import write_run_observations
 
-    job = collect_events(comm)
-    if job is None:
-        return
-    (run / "comm_profile.txt").write_text(format_profile(job) + "\n")
-    (run / "doctor.txt").write_text(format_report(job, diagnose(job)) + "\n")
-    if timeline:
-        save_events(run / "events.json", job)
-        write_timeline(run / "timeline.json", job)
+    write_run_observations(comm, run, timeline, steps or [])
 
 
 def train(
@@ -633,7 +622,7 @@ def _train(comm: Communicator, cfg: TrainConfig, run: Path, resume: bool, progre
                 (run / "metrics.jsonl").write_text("")
         summary = state.run()
         if comm.size > 1 and (cfg.observe.profile or cfg.observe.timeline):
-            write_observations(comm, run, cfg.observe.timeline)
+            write_observations(comm, run, cfg.observe.timeline, state.step_windows)
     finally:
         state.engine.close()
     if comm.rank == 0:
