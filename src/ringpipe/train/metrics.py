@@ -173,9 +173,9 @@ def curves_figure(records: Sequence[dict[str, Any]], title: str = "") -> Any:
 
 def plot_curves(run_dir: str | Path, records: Sequence[dict[str, Any]], title: str = "") -> Path:
     """:func:`curves_figure` as ``<run-dir>/curves.png`` (empty axes without data); ``title`` names the run."""
+    fig = curves_figure(records, title)  # imports matplotlib with its cache kept out of the user's folders
     import matplotlib.pyplot as plt
 
-    fig = curves_figure(records, title)
     out = Path(run_dir) / "curves.png"
     fig.savefig(out, dpi=100, metadata={"Title": title} if title else None)
     plt.close(fig)
@@ -202,8 +202,8 @@ def _notes(summary: dict[str, Any]) -> list[str]:
         notes.append(f"epochs = samples / records = {samples} / {records}: a step takes a whole global batch, so "
                      f"the last one ran {over:.0f} samples past epoch {configured:g}")
     if summary.get("micro_batch") not in (None, summary.get("global_batch")):
-        notes.append(f"steps count batches of global_batch samples, each split into micro-batches of "
-                     f"{summary['micro_batch']} per replica; optimizer_steps counts the updates")
+        notes.append(f"steps count batches of global_batch samples, each split into parts of micro_batch="
+                     f"{summary['micro_batch']} samples per replica; optimizer_steps counts the updates")
     scale = summary.get("lr_scale")
     if scale not in (None, 1.0) and summary.get("lr") is not None:
         notes.append(f"lr {summary['lr']:g} is the single-process rate; optimizer.scale_lr (default true) "
