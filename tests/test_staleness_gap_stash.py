@@ -370,3 +370,19 @@ def test_forwards_on_the_same_weights_share_one_stash():
         assert p.item() == 0.75
         assert _alive(clones) == (1 if mb == 2 else 0)  # freed after its last user
     assert pol.stash_count == 0
+
+
+def test_gap_aware_state_round_trips():
+    p = _param([1.0, -1.0])
+    opt = torch.optim.SGD([p], lr=0.1, momentum=0.9)
+    ga = SGDGapAware([p], opt)
+    p.grad = torch.tensor([0.5, 0.25])
+    opt.step()
+    ga.update_running_stats()
+    state = ga.state_dict()
+    fresh = SGDGapAware([p], opt)
+    fresh.load_state_dict(state)
+    assert fresh.updates == 1 and fresh.eta_max == ga.eta_max
+    torch.testing.assert_close(fresh.constants()[0], ga.constants()[0])
+    with pytest.raises(ValueError, match="same model and pipeline split"):
+        fresh.load_state_dict({"updates": 1, "running": [], "eta_max": [0.1]})

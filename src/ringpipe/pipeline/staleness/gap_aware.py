@@ -99,6 +99,28 @@ class GapAware:
         """Fold the step just taken into the statistics; call right after ``optimizer.step()``."""
         raise NotImplementedError
 
+    def state_dict(self) -> dict[str, Any]:
+        """The statistics that shape every later penalty (for checkpoints): copies."""
+        return {
+            "updates": self.updates,
+            "running": [t.detach().clone() for t in getattr(self, "running", [])],
+            "eta_max": list(self.eta_max),
+        }
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned (the same parameters, in the same order)."""
+        running = getattr(self, "running", [])
+        if len(state["running"]) != len(running) or len(state["eta_max"]) != len(self.eta_max):
+            raise ValueError(
+                f"Gap Aware state for {len(state['running'])} parameters, this stage has {len(running)}; "
+                "load the checkpoint of the same model and pipeline split"
+            )
+        for mine, saved in zip(running, state["running"], strict=True):
+            mine.copy_(saved)
+        self.updates = int(state["updates"])
+        self.eta_max = [float(e) for e in state["eta_max"]]
+
     def record_step(self) -> None:
         """Remember each parameter's learning rate for the step about to be taken.
 
