@@ -105,7 +105,7 @@ def _checks() -> int:
 
 
 def _gradients(r: int, n: int) -> int:
-    """Autograd through the collectives: the objective is the sum of every rank's loss."""
+    """Autograd through the collectives, with Horovod's gradient conventions (horovod/torch/mpi_ops.py)."""
     w = torch.tensor([1.0, 2.0], requires_grad=True)
     (hvd.allreduce(w * (r + 1), op=hvd.Sum) * torch.tensor([1.0, -1.0])).sum().backward()
     # d/dw sum_k <allreduce(w (k+1)), c> on rank r = (r + 1) * n * c
@@ -113,14 +113,16 @@ def _gradients(r: int, n: int) -> int:
     w = torch.tensor([3.0], requires_grad=True)
     gathered = hvd.allgather(w * (r + 1))
     (gathered * torch.arange(1.0, n + 1)).sum().backward()
-    # every rank's loss sees this rank's value at position r with weight (r + 1)
-    assert torch.allclose(w.grad, torch.tensor([n * (r + 1.0) * (r + 1)])), "allgather grad"
+    # Horovod: the output gradient averaged over ranks (arange(1, n+1) everywhere), this rank's row
+    assert torch.allclose(w.grad, torch.tensor([(r + 1.0) * (r + 1)])), "allgather grad"
     w = torch.tensor([2.0], requires_grad=True)
     hvd.broadcast(w, 0).sum().backward()
-    assert torch.allclose(w.grad, torch.tensor([float(n) if r == 0 else 0.0])), "broadcast grad"
+    # Horovod: the averaged output gradient on the root, zero elsewhere
+    assert torch.allclose(w.grad, torch.tensor([1.0 if r == 0 else 0.0])), "broadcast grad"
     w = torch.ones(2 * n, requires_grad=True)
     hvd.reducescatter(w, op=hvd.Sum).sum().backward()
-    assert torch.allclose(w.grad, torch.ones(2 * n)), "reducescatter grad"  # every row reaches one loss once
+    # Horovod: the allgather of the output gradients, times the size for Sum
+    assert torch.allclose(w.grad, torch.full((2 * n,), float(n))), "reducescatter grad"
     w = torch.ones(n, requires_grad=True)
     (hvd.alltoall(w) * (r + 1)).sum().backward()
     # element j goes to rank j, whose loss weighs it by (j + 1)

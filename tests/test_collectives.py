@@ -23,7 +23,9 @@ from hypothesis import strategies as st
 
 import ringpipe.collectives as C
 from ringpipe.collectives.common import DATA_TAG, MAX_CHUNKS, Ctx, doubling_steps, segments
-from ringpipe.collectives.header import (
+from ringpipe.collectives.tree import tree_links
+from ringpipe.comm import ReduceOp, default_log
+from ringpipe.comm.header import (
     ALGORITHM_CODES,
     COLLECTIVES,
     HEADER_BYTES,
@@ -32,9 +34,7 @@ from ringpipe.collectives.header import (
     HeaderState,
     MismatchError,
 )
-from ringpipe.collectives.header import DTYPES as HEADER_DTYPES
-from ringpipe.collectives.tree import tree_links
-from ringpipe.comm import ReduceOp, default_log
+from ringpipe.comm.header import DTYPES as HEADER_DTYPES
 from ringpipe.launch import mpirun_command, spawn
 
 HERE = Path(__file__).resolve()
@@ -388,6 +388,7 @@ _calls = st.builds(
     seq=st.integers(1, 2**40), coll=st.integers(0, len(COLLECTIVES) - 1), op=st.integers(-1, 4),
     dtype=st.integers(0, len(HEADER_DTYPES) - 1), numel=st.integers(0, 2**50),
     root=st.integers(-1, 2**20), algo=st.integers(0, len(ALGORITHM_CODES) - 1),
+    detail=st.integers(0, 2**62 - 1),
 )
 
 
@@ -469,8 +470,12 @@ def test_header_roundtrip_and_message():
     assert not mine.absorb(buf, 1)
     with pytest.raises(MismatchError, match=r"allreduce #17: rank 0 has float32\[1024\], rank 1 has float32\[1000\]"):
         mine.raise_if_mismatch()
-    with pytest.raises(Exception, match="bool -> uint8"):
-        CallInfo.make(1, "allreduce", ReduceOp.SUM, torch.bool, 3, -1, "auto")
+    # headers name every dtype (the native collectives carry bool); bool and uint8 stay distinct
+    as_bool = CallInfo.make(1, "allreduce", ReduceOp.SUM, torch.bool, 3, -1, "native")
+    assert as_bool != CallInfo.make(1, "allreduce", ReduceOp.SUM, torch.uint8, 3, -1, "native")
+    # the shape travels in the fingerprint: same element count, different shapes differ
+    flat = CallInfo.make(1, "allreduce", ReduceOp.SUM, torch.float32, 1024, -1, "native", [1024])
+    assert flat != CallInfo.make(1, "allreduce", ReduceOp.SUM, torch.float32, 1024, -1, "native", [32, 32])
 
 
 # ----------------------------------------------------------------------------- gloo processes
@@ -531,12 +536,12 @@ def test_step_trace_and_hierarchical_over_two_fake_nodes():
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(("nprocs", "kind", "algo", "pattern"), [
-    (2, "count", "auto", r"allreduce #1: rank 0 has float32\[1024\], rank 1 has float32\[1000\]"),
-    (4, "count", "ring", r"allreduce #1: rank 0 has float32\[1024\], rank 1 has float32\[1000\]"),
+    (2, "count", "auto", r"allreduce #\d+: rank 0 has float32\[1024\], rank 1 has float32\[1000\]"),
+    (4, "count", "ring", r"allreduce #\d+: rank 0 has float32\[1024\], rank 1 has float32\[1000\]"),
     (3, "dtype", "recursive_doubling", r"rank \d has float\d+\[1024\], rank 2 has float64\[1024\]"),
     (4, "op", "rabenseifner", r"rank 0 has float32\[1024\] op=max, rank 1 has float32\[1024\] op=sum"),
     (4, "large", "auto", r"rank 0 has float32\[1024\], rank 1 has float32\[300000\]"),
-    (3, "collective", "auto", r"collective #1: rank 0 has allreduce #1 of float32\[1024\]"),
+    (3, "collective", "auto", r"collective #\d+: rank 0 has allreduce #\d+ of float32\[1024\]"),
 ])
 def test_mismatch_raises_on_every_rank(nprocs, kind, algo, pattern):
     messages = spawn(_mismatch, nprocs, args=(kind, algo))
@@ -547,22 +552,22 @@ def test_mismatch_raises_on_every_rank(nprocs, kind, algo, pattern):
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize(("nprocs", "kind", "error", "pattern"), [
     (3, "rs_indivisible", "InvalidCallError",
-     r"reduce_scatter #1: rank 1 made an invalid call: reduce_scatter: first dimension \(193,\) "
+     r"reduce_scatter #\d+: rank 1 made an invalid call: reduce_scatter: first dimension \(193,\) "
      r"must be divisible by the number of ranks 3; pad the tensor"),
-    (2, "rs_bool", "InvalidCallError", r"reduce_scatter #1: rank 1 .*dtype torch.bool is not supported"),
-    (3, "ar_bool", "InvalidCallError", r"allreduce #1: rank 1 .*dtype torch.bool .*bool -> uint8"),
-    (4, "ar_bool_large", "InvalidCallError", r"allreduce #1: rank 1 .*dtype torch.bool"),
-    (3, "ar_op", "InvalidCallError", r"allreduce #1: rank 1 .*unknown reduce op 'mean'"),
-    (4, "ar_algo", "InvalidCallError", r"allreduce #1: rank 1 .*unknown allreduce algorithm 'rign'"),
-    (3, "bc_bad_root", "InvalidCallError", r"broadcast #1: rank 1 .*root 3 is not a rank of world \(size 3\)"),
-    (4, "rd_bad_root", "InvalidCallError", r"reduce #1: rank 1 .*root 4 is not a rank"),
-    (4, "two_invalid", "InvalidCallError", r"broadcast #1: rank 1 .*root 5 is not a rank"),
-    (2, "noncontiguous", "InvalidCallError", r"broadcast #1: rank 1 .*must be contiguous"),
-    (3, "ag_dtype", "MismatchError", r"allgather #1: rank 0 has float32\[192\], rank 1 has float64\[192\]"),
-    (3, "ag_count", "MismatchError", r"allgather #1: rank 0 has float32\[192\], rank 1 has float32\[189\]"),
-    (4, "bc_root", "MismatchError", r"broadcast #1: rank 0 has float32\[256\] root=0, rank 1 has float32\[256\] root=3"),
-    (3, "rd_root", "MismatchError", r"reduce #1: rank 0 has float32\[192\] root=0, rank 1 has float32\[192\] root=2"),
-    (3, "rd_op", "MismatchError", r"reduce #1: rank 0 has float32\[192\] op=sum, rank 1 has float32\[192\] op=max"),
+    (2, "rs_bool", "InvalidCallError", r"reduce_scatter #\d+: rank 1 .*dtype torch.bool is not supported"),
+    (3, "ar_bool", "InvalidCallError", r"allreduce #\d+: rank 1 .*dtype torch.bool .*bool -> uint8"),
+    (4, "ar_bool_large", "InvalidCallError", r"allreduce #\d+: rank 1 .*dtype torch.bool"),
+    (3, "ar_op", "InvalidCallError", r"allreduce #\d+: rank 1 .*unknown reduce op 'mean'"),
+    (4, "ar_algo", "InvalidCallError", r"allreduce #\d+: rank 1 .*unknown allreduce algorithm 'rign'"),
+    (3, "bc_bad_root", "InvalidCallError", r"broadcast #\d+: rank 1 .*root 3 is not a rank of world \(size 3\)"),
+    (4, "rd_bad_root", "InvalidCallError", r"reduce #\d+: rank 1 .*root 4 is not a rank"),
+    (4, "two_invalid", "InvalidCallError", r"broadcast #\d+: rank 1 .*root 5 is not a rank"),
+    (2, "noncontiguous", "InvalidCallError", r"broadcast #\d+: rank 1 .*must be contiguous"),
+    (3, "ag_dtype", "MismatchError", r"allgather #\d+: rank 0 has float32\[192\], rank 1 has float64\[192\]"),
+    (3, "ag_count", "MismatchError", r"allgather #\d+: rank 0 has float32\[192\], rank 1 has float32\[189\]"),
+    (4, "bc_root", "MismatchError", r"broadcast #\d+: rank 0 has float32\[256\] root=0, rank 1 has float32\[256\] root=3"),
+    (3, "rd_root", "MismatchError", r"reduce #\d+: rank 0 has float32\[192\] root=0, rank 1 has float32\[192\] root=2"),
+    (3, "rd_op", "MismatchError", r"reduce #\d+: rank 0 has float32\[192\] op=sum, rank 1 has float32\[192\] op=max"),
 ])
 def test_one_wrong_rank_raises_on_every_rank(nprocs, kind, error, pattern):
     out = spawn(_one_rank_wrong, nprocs, args=(kind,))

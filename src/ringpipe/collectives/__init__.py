@@ -4,25 +4,29 @@
 ``comm.isend`` / ``comm.irecv`` on any communicator (gloo, NCCL, MPI), or the backend's own
 collective with ``algorithm="native"``. Unless ``check=False``, every rank learns which call
 every other rank is making from a small header carried by the first messages, and all ranks
-raise :class:`MismatchError` if the calls differ (see :mod:`ringpipe.collectives.header`).
+raise :class:`MismatchError` if the calls differ (see :mod:`ringpipe.comm.consistency`). The
+native path runs the communicator's own check, which exchanges the same headers: ranks that
+pick different algorithms for one call get the same error too.
+
+``adasum_allreduce`` (or ``allreduce(..., op="adasum")``) combines gradients by Adasum
+(:mod:`ringpipe.collectives.adasum`).
 
 Arguments are checked before any message is sent. A rank whose arguments are wrong (an
 unsupported dtype, a bad root, a length the ranks cannot split, an unknown op or algorithm)
 still takes part in the header exchange, marked invalid with its error text, so that every
 rank raises the same :class:`InvalidCallError` naming it instead of the others waiting for it
-forever. ``algorithm="native"`` and ``check=False`` have no header exchange: a bad argument
-there raises on its own rank only.
+forever. ``check=False`` has no header exchange: a bad argument there raises on its own rank
+only.
 
-A communicator must be driven by one thread at a time; after a :class:`MismatchError` it must
-not be used again (messages of the failed call may still be in flight). An
-:class:`InvalidCallError` leaves it usable: only headers were exchanged, and all of them arrived.
+A communicator must be driven by one thread at a time. Both errors leave it usable: they are
+raised before any payload is reduced, once every message of the exchange has arrived.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import torch
 
@@ -34,21 +38,25 @@ from ringpipe.collectives import (
     ring,
     tree,
 )
+from ringpipe.collectives.adasum import adasum_allreduce
 from ringpipe.collectives.common import Ctx, exchange_headers, finish_average, home_device
-from ringpipe.collectives.header import (
+from ringpipe.comm.base import CommError, Communicator, ReduceOp
+from ringpipe.comm.header import (
+    DTYPES,
     CallInfo,
     InvalidCallError,
     MismatchError,
+    dtype_name,
     invalid_message,
     next_seq,
 )
-from ringpipe.comm.base import CommError, Communicator, ReduceOp
 
 __all__ = [
     "ALGORITHMS",
     "SUPPORTED",
     "InvalidCallError",
     "MismatchError",
+    "adasum_allreduce",
     "allreduce",
     "reduce_scatter",
     "allgather",
@@ -111,31 +119,62 @@ def _start(comm: Communicator, coll: str, seq: int, tensor: torch.Tensor, op: Re
            root: int, requested: str, check: bool) -> tuple[Ctx, torch.Tensor, int]:
     """Check the tensor and build the call's context: (ctx, flat view, bytes of the input)."""
     flat = _flat(comm, tensor, coll)
+    if tensor.dtype not in DTYPES:
+        valid = ", ".join(dtype_name(d) for d in DTYPES)
+        raise CommError(
+            f"{coll}: dtype {tensor.dtype} is not supported by ringpipe's collectives (valid: {valid}); "
+            "convert the tensor (e.g. bool -> uint8) or use algorithm='native'"
+        )
     nbytes = flat.numel() * flat.element_size()
     algo = resolve(coll, requested, nbytes, comm)
-    call = CallInfo.make(seq, coll, op, tensor.dtype, tensor.numel(), root, requested)
-    return Ctx(comm, coll, seq, op, algo, check, call, tensor.device), flat, nbytes
+    shape = list(tensor.shape)
+    call = CallInfo.make(seq, coll, op, tensor.dtype, tensor.numel(), root, requested, shape)
+    desc = {"collective": coll, "seq": seq, "dtype": dtype_name(tensor.dtype), "numel": tensor.numel(),
+            "shape": shape, "op": None if op is None else op.value, "root": None if root < 0 else root,
+            "algorithm": requested}
+    return Ctx(comm, coll, seq, op, algo, check, call, tensor.device, desc), flat, nbytes
 
 
 def _refuse(comm: Communicator, coll: str, seq: int, algorithm: object, check: bool,
             error: Exception) -> NoReturn:
     """Raise ``error``'s problem on every rank: take part in the header exchange marked invalid.
 
-    Without a header exchange (``algorithm="native"``, ``check=False``) ``error`` is raised
-    here only: the other ranks cannot learn of it.
+    Without a header exchange (``check=False``) ``error`` is raised here only: the other ranks
+    cannot learn of it.
     """
-    if algorithm == "native" or not check:
+    if not check:
         raise error
     text = invalid_message(comm.rank, coll, seq, str(error))
     if comm.size == 1:
         raise InvalidCallError(text) from error
     ctx = Ctx(comm, coll, seq, None, str(algorithm), check, CallInfo.invalid(seq, coll),
-              home_device(comm))
+              home_device(comm), {"collective": coll, "seq": seq, "invalid": str(error)})
     try:
         exchange_headers(ctx, invalid=text)
     except MismatchError as exc:
         raise exc.with_traceback(None) from error
     raise AssertionError("the header exchange of an invalid call always raises")  # unreachable
+
+
+def _is_adasum(op: object) -> bool:
+    return op is ReduceOp.ADASUM or (isinstance(op, str) and op.lower() == ReduceOp.ADASUM.value)
+
+
+def _not_adasum(op: ReduceOp | str, what: str) -> ReduceOp:
+    """``op`` parsed; adasum is refused: it combines whole vectors, so only an allreduce has it."""
+    rop = ReduceOp.parse(op)
+    if rop is ReduceOp.ADASUM:
+        raise CommError(f"{what}: op adasum is only available for allreduce (as in Horovod); "
+                        "use allreduce(..., op='adasum') or another op")
+    return rop
+
+
+def _native(comm: Communicator, check: bool, run: Callable[[], Any]) -> Any:
+    """The backend's own collective, checked across ranks by the communicator unless ``check=False``."""
+    if check:
+        return run()
+    with comm.unchecked():
+        return run()
 
 
 def _done(ctx: Ctx, nbytes: int, t0: int) -> None:
@@ -153,20 +192,26 @@ def allreduce(
 ) -> torch.Tensor:
     """Reduce ``tensor`` in place across the ranks of ``comm``; returns it.
 
-    ``op``: sum, average (sum then divide; integers floor), min, max, product.
+    ``op``: sum, average (sum then divide; integers floor), min, max, product, or adasum
+    (:func:`adasum_allreduce`, which has its own algorithm: ``algorithm`` must stay ``auto``).
     ``algorithm``: one of ``SUPPORTED["allreduce"]``. ``check=False`` skips the header check
     where it would cost a message of its own.
     """
+    if _is_adasum(op):
+        if algorithm != "auto":
+            problem = ValueError(f"allreduce: op adasum runs its own algorithm; pass algorithm='auto', "
+                                 f"not {algorithm!r}")
+            _refuse(comm, "allreduce", next_seq(comm), algorithm, check, problem)
+        return adasum_allreduce(comm, tensor, check=check)
+    if algorithm == "native":
+        return _native(comm, check, lambda: comm.allreduce(tensor, op))
     seq = next_seq(comm)
     try:
         rop = ReduceOp.parse(op)
         requested = _algorithm("allreduce", algorithm)
-        if requested != "native":
-            ctx, flat, nbytes = _start(comm, "allreduce", seq, tensor, rop, -1, requested, check)
+        ctx, flat, nbytes = _start(comm, "allreduce", seq, tensor, rop, -1, requested, check)
     except _ARGUMENT_ERRORS as exc:
         _refuse(comm, "allreduce", seq, algorithm, check, exc)
-    if requested == "native":
-        return comm.allreduce(tensor, rop)
     if comm.size == 1:
         return tensor
     t0 = time.perf_counter_ns()
@@ -192,21 +237,20 @@ def reduce_scatter(
 
     ``tensor.shape[0]`` must be divisible by the number of ranks; ``tensor`` is not modified.
     """
+    if algorithm == "native":
+        return _native(comm, check, lambda: comm.reduce_scatter(tensor, op))
     seq = next_seq(comm)
     try:
-        rop = ReduceOp.parse(op)
+        rop = _not_adasum(op, "reduce_scatter")
         requested = _algorithm("reduce_scatter", algorithm)
         if isinstance(tensor, torch.Tensor) and (tensor.dim() == 0 or tensor.shape[0] % comm.size):
             raise CommError(
                 f"reduce_scatter: first dimension {tuple(tensor.shape)[:1]} must be divisible by the "
                 f"number of ranks {comm.size}; pad the tensor"
             )
-        if requested != "native":
-            ctx, flat, nbytes = _start(comm, "reduce_scatter", seq, tensor, rop, -1, requested, check)
+        ctx, flat, nbytes = _start(comm, "reduce_scatter", seq, tensor, rop, -1, requested, check)
     except _ARGUMENT_ERRORS as exc:
         _refuse(comm, "reduce_scatter", seq, algorithm, check, exc)
-    if requested == "native":
-        return comm.reduce_scatter(tensor, rop)
     out = torch.empty((tensor.shape[0] // comm.size, *tensor.shape[1:]), dtype=tensor.dtype,
                       device=tensor.device)
     if comm.size == 1:
@@ -229,15 +273,14 @@ def allgather(
     check: bool = True,
 ) -> list[torch.Tensor]:
     """Gather every rank's ``tensor`` (same shape on every rank); ``out[j]`` came from rank ``j``."""
+    if algorithm == "native":
+        return _native(comm, check, lambda: comm.allgather(tensor))
     seq = next_seq(comm)
     try:
         requested = _algorithm("allgather", algorithm)
-        if requested != "native":
-            ctx, flat, nbytes = _start(comm, "allgather", seq, tensor, None, -1, requested, check)
+        ctx, flat, nbytes = _start(comm, "allgather", seq, tensor, None, -1, requested, check)
     except _ARGUMENT_ERRORS as exc:
         _refuse(comm, "allgather", seq, algorithm, check, exc)
-    if requested == "native":
-        return comm.allgather(tensor)
     out = torch.empty((comm.size, *tensor.shape), dtype=tensor.dtype, device=tensor.device)
     if comm.size == 1:
         out[0].copy_(tensor)
@@ -260,16 +303,15 @@ def broadcast(
     check: bool = True,
 ) -> torch.Tensor:
     """Copy ``root``'s ``tensor`` into every rank's ``tensor`` (in place); returns it."""
+    if algorithm == "native":
+        return _native(comm, check, lambda: comm.broadcast(tensor, root))
     seq = next_seq(comm)
     try:
         _check_root(comm, root, "broadcast")
         requested = _algorithm("broadcast", algorithm)
-        if requested != "native":
-            ctx, flat, nbytes = _start(comm, "broadcast", seq, tensor, None, root, requested, check)
+        ctx, flat, nbytes = _start(comm, "broadcast", seq, tensor, None, root, requested, check)
     except _ARGUMENT_ERRORS as exc:
         _refuse(comm, "broadcast", seq, algorithm, check, exc)
-    if requested == "native":
-        return comm.broadcast(tensor, root)
     if comm.size == 1:
         return tensor
     t0 = time.perf_counter_ns()
@@ -291,17 +333,16 @@ def reduce(
     check: bool = True,
 ) -> torch.Tensor:
     """Reduce into ``root``'s ``tensor``; other ranks' tensors hold partial results afterwards."""
+    if algorithm == "native":
+        return _native(comm, check, lambda: comm.reduce(tensor, root, op))
     seq = next_seq(comm)
     try:
-        rop = ReduceOp.parse(op)
+        rop = _not_adasum(op, "reduce")
         _check_root(comm, root, "reduce")
         requested = _algorithm("reduce", algorithm)
-        if requested != "native":
-            ctx, flat, nbytes = _start(comm, "reduce", seq, tensor, rop, root, requested, check)
+        ctx, flat, nbytes = _start(comm, "reduce", seq, tensor, rop, root, requested, check)
     except _ARGUMENT_ERRORS as exc:
         _refuse(comm, "reduce", seq, algorithm, check, exc)
-    if requested == "native":
-        return comm.reduce(tensor, root, rop)
     if comm.size == 1:
         return tensor
     t0 = time.perf_counter_ns()

@@ -11,19 +11,15 @@ from __future__ import annotations
 
 import math
 import time
+from typing import Any
 
 import torch
 
-from ringpipe.collectives.header import (
-    EAGER_BYTES,
-    HEADER_BYTES,
-    HEADER_TAG,
-    TEXT_BYTES,
-    CallInfo,
-    HeaderState,
-    scratch,
-)
+from ringpipe.comm import consistency
 from ringpipe.comm.base import Communicator, ReduceOp, Work
+from ringpipe.comm.consistency import home_device
+from ringpipe.comm.doubling import doubling_steps, new_rank, real_rank
+from ringpipe.comm.header import HEADER_BYTES, TEXT_BYTES, CallInfo, HeaderState, scratch
 
 __all__ = [
     "CHUNK_BYTES",
@@ -40,6 +36,7 @@ __all__ = [
     "header_message",
     "header_state",
     "home_device",
+    "settle",
 ]
 
 #: Chunk size of pipelined messages (gloo's own ring uses segments of up to 1 MiB).
@@ -99,10 +96,11 @@ def finish_average(tensor: torch.Tensor, op: ReduceOp | None, size: int) -> None
 class Ctx:
     """One collective call on one rank: who, what, and how to trace its steps."""
 
-    __slots__ = ("comm", "coll", "seq", "op", "algo", "check", "call", "device", "chunk_bytes", "step")
+    __slots__ = ("comm", "coll", "seq", "op", "algo", "check", "call", "device", "chunk_bytes", "step", "desc")
 
     def __init__(self, comm: Communicator, coll: str, seq: int, op: ReduceOp | None, algo: str,
-                 check: bool, call: CallInfo, device: torch.device) -> None:
+                 check: bool, call: CallInfo, device: torch.device,
+                 desc: dict[str, Any] | None = None) -> None:
         self.comm = comm
         self.coll = coll
         self.seq = seq
@@ -113,6 +111,8 @@ class Ctx:
         self.device = device
         self.chunk_bytes = CHUNK_BYTES
         self.step = 0
+        #: The call as every rank's error lists it when calls differ.
+        self.desc = desc if desc is not None else {"collective": coll, "seq": seq}
 
     def scratch(self, name: str, nbytes: int) -> torch.Tensor:
         return scratch(self.comm, name, nbytes, self.device)
@@ -136,56 +136,6 @@ class Ctx:
         )
 
 
-def doubling_steps(rank: int, size: int) -> list[tuple[str, int, int]]:
-    """The recursive doubling pattern for any size, as ``(kind, peer, step)`` triples.
-
-    With ``p2`` the largest power of two <= size and ``rem = size - p2``, the even ranks below
-    ``2 rem`` first hand their data to the next odd rank (``send``, step 0) and get the result
-    back at the end (``recv_result``, step ``lg p2 + 1``); the odd ones reduce it (``recv``) and
-    return the result (``send_result``); the ``p2`` core ranks exchange with partners at
-    distance 1, 2, 4, ... (steps 1 .. lg p2). Both sides of a message agree on its step.
-    """
-    p2 = 1 << (size.bit_length() - 1)
-    rem = size - p2
-    last = p2.bit_length()
-    if rank < 2 * rem and rank % 2 == 0:
-        return [("send", rank + 1, 0), ("recv_result", rank + 1, last)]
-    steps: list[tuple[str, int, int]] = []
-    if rank < 2 * rem:
-        steps.append(("recv", rank - 1, 0))
-    new = new_rank(rank, size)
-    assert new is not None
-    dist, step = 1, 1
-    while dist < p2:
-        steps.append(("exchange", real_rank(new ^ dist, size), step))
-        dist <<= 1
-        step += 1
-    if rank < 2 * rem:
-        steps.append(("send_result", rank - 1, last))
-    return steps
-
-
-def new_rank(rank: int, size: int) -> int | None:
-    """The rank among the ``p2`` core ranks of :func:`doubling_steps` (None for folded ranks)."""
-    p2 = 1 << (size.bit_length() - 1)
-    rem = size - p2
-    if rank < 2 * rem:
-        return rank // 2 if rank % 2 else None
-    return rank - rem
-
-
-def real_rank(new: int, size: int) -> int:
-    p2 = 1 << (size.bit_length() - 1)
-    rem = size - p2
-    return 2 * new + 1 if new < rem else new + rem
-
-
-def home_device(comm: Communicator) -> torch.device:
-    """Where ``comm`` takes tensors: its pinned device (CUDA under NCCL), else the CPU."""
-    device = getattr(comm, "device", None)
-    return device if isinstance(device, torch.device) else torch.device("cpu")
-
-
 def header_state(ctx: Ctx, invalid: str | None = None) -> HeaderState:
     """This rank's header; ``invalid``: the error text of a call this rank cannot run."""
     hs = HeaderState(ctx.comm.rank, ctx.call)
@@ -207,24 +157,12 @@ def exchange_headers(ctx: Ctx, invalid: str | None = None) -> None:
     ``invalid`` (its error text: that rank cannot run its call but still takes part here, so
     that no peer waits for it forever).
     """
-    comm = ctx.comm
-    hs = header_state(ctx, invalid)
-    recv = ctx.scratch("hdr_recv", EAGER_BYTES)[:EAGER_BYTES]
-    t0 = time.perf_counter_ns()
-    for kind, peer, _ in doubling_steps(comm.rank, comm.size):
-        if kind in ("send", "send_result"):
-            comm.isend(header_message(ctx, hs), peer, HEADER_TAG).wait()
-        elif kind in ("recv", "recv_result"):
-            comm.irecv(recv, peer, HEADER_TAG).wait()
-            hs.absorb(recv, peer)
-        else:
-            s = comm.isend(header_message(ctx, hs), peer, HEADER_TAG)
-            comm.irecv(recv, peer, HEADER_TAG).wait()
-            s.wait()
-            hs.absorb(recv, peer)
-    comm.log.record(f"{ctx.coll}.header", HEADER_BYTES, -1, t0, time.perf_counter_ns(), HEADER_TAG,
-                    comm.name, collective=ctx.coll, cid=ctx.seq, algorithm=ctx.algo)
-    hs.raise_if_mismatch()
+    consistency.exchange_headers(ctx.comm, ctx.call, ctx.desc, invalid, ctx.algo)
+
+
+def settle(ctx: Ctx, hs: HeaderState) -> None:
+    """Raise the same error on every rank if the exchange of ``hs`` found a difference."""
+    consistency.settle(ctx.comm, hs, ctx.desc)
 
 
 def exchange(

@@ -20,8 +20,9 @@ from ringpipe.collectives.common import (
     header_message,
     header_state,
     reduce_into,
+    settle,
 )
-from ringpipe.collectives.header import EAGER_BYTES, HEADER_BYTES, HEADER_TAG, HeaderState
+from ringpipe.comm.header import EAGER_BYTES, HEADER_BYTES, HEADER_TAG, HeaderState
 
 __all__ = ["allreduce"]
 
@@ -93,5 +94,5 @@ def _eager(ctx: Ctx, x: torch.Tensor) -> None:
             else:
                 reduce_into(ctx.op, mine, theirs)
         ctx.record(step, peer, size, posted, done, time.perf_counter_ns() - done)
-    hs.raise_if_mismatch()
+    settle(ctx, hs)
     x.copy_(mine)

@@ -2,17 +2,22 @@
 
 Every public operation of a communicator goes through :meth:`Communicator._traced`, which
 records an event (op, bytes, peer, start, end, tag) in the process event log, checks the
-arguments (device, dtype, ranks) and then calls the backend's ``_op`` method. Backends
-(c10d for gloo/NCCL, mpi4py for MPI) implement only the underscored methods.
+arguments (device, dtype, ranks) and then calls the backend's ``_op`` method. Before a
+collective, every rank's call is compared with every other rank's
+(:mod:`ringpipe.comm.consistency`), so that a mismatch or an invalid argument on one rank
+raises the same error on all of them instead of aborting, hanging or returning wrong numbers.
+Backends (c10d for gloo/NCCL, mpi4py for MPI) implement only the underscored methods.
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import pickle
+import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -35,6 +40,7 @@ class ReduceOp(enum.Enum):
     MIN = "min"
     MAX = "max"
     PRODUCT = "product"
+    ADASUM = "adasum"  # adaptive summation: ringpipe.collectives.adasum_allreduce
 
     @classmethod
     def parse(cls, op: ReduceOp | str) -> ReduceOp:
@@ -130,6 +136,11 @@ class Communicator(ABC):
         self.log = log or default_log()
         self._node: Communicator | None = None
         self._leaders: Communicator | None | bool = False
+        from ringpipe.comm.consistency import checks_enabled
+
+        #: Compare every collective call across ranks before data moves (see ``unchecked``).
+        self.check_calls = checks_enabled()
+        self._local = threading.local()
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name} backend={self.backend} rank={self.rank}/{self.size}>"
@@ -151,6 +162,54 @@ class Communicator(ABC):
             raise CommError(f"{what}: peer rank {peer!r} is not in [0, {self.size}) of {self.name}")
         if peer == self.rank:
             raise CommError(f"{what}: rank {self.rank} cannot send to or receive from itself")
+
+    # ------------------------------------------------------------------ cross-rank check
+
+    @contextlib.contextmanager
+    def unchecked(self) -> Iterator[None]:
+        """Collectives made by this thread inside the block skip the cross-rank check.
+
+        For callers that agreed on their calls another way (an announced collective, buckets
+        whose layout was compared once); every rank must then make the same calls.
+        """
+        before = getattr(self._local, "unchecked", False)
+        self._local.unchecked = True
+        try:
+            yield
+        finally:
+            self._local.unchecked = before
+
+    def _checking(self) -> bool:
+        return self.check_calls and self.size > 1 and not getattr(self._local, "unchecked", False)
+
+    def _agree(self, coll: str, validate: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        """Validate this rank's call of ``coll`` and agree on it with every rank; return its fields.
+
+        An invalid call still takes part in the check, so every rank raises its error.
+        """
+        if not self._checking():
+            return validate()
+        from ringpipe.comm.consistency import check_call
+
+        try:
+            fields = validate()
+        except (TypeError, ValueError, CommError) as exc:
+            check_call(self, coll, None, exc)
+            raise AssertionError("the check of an invalid call always raises") from exc  # unreachable
+        check_call(self, coll, fields, None)
+        return fields
+
+    def _tensor_call(self, what: str, tensor: torch.Tensor, op: ReduceOp | str | None = None,
+                     root: int | None = None) -> dict[str, Any]:
+        """Check one tensor argument (and op, root); the fields every rank must agree on."""
+        self._check_tensor(tensor, what)
+        fields: dict[str, Any] = {"dtype": tensor.dtype, "numel": tensor.numel(), "shape": list(tensor.shape)}
+        if op is not None:
+            fields["op"] = ReduceOp.parse(op)
+        if root is not None:
+            self._check_root(root, what)
+            fields["root"] = root
+        return fields
 
     # ------------------------------------------------------------------ choke point
 
@@ -197,20 +256,24 @@ class Communicator(ABC):
 
     def allreduce(self, tensor: torch.Tensor, op: ReduceOp | str = ReduceOp.SUM) -> torch.Tensor:
         """Reduce ``tensor`` in place across ranks; returns it."""
-        self._check_tensor(tensor, "allreduce")
-        rop = ReduceOp.parse(op)
+        rop = self._agree("allreduce", lambda: self._tensor_call("allreduce", tensor, op))["op"]
         self._traced("allreduce", nbytes_of(tensor), -1, 0, lambda: self._allreduce(tensor, rop))
         return tensor
 
     def iallreduce(self, tensor: torch.Tensor, op: ReduceOp | str = ReduceOp.SUM) -> Work:
         """Asynchronous in-place allreduce; ``wait()`` returns the tensor."""
-        self._check_tensor(tensor, "iallreduce")
-        rop = ReduceOp.parse(op)
+        rop = self._agree("allreduce", lambda: self._tensor_call("iallreduce", tensor, op))["op"]
         return self._traced_async("allreduce", nbytes_of(tensor), -1, 0, lambda: self._iallreduce(tensor, rop))
 
     def allgather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Gather every rank's tensor; first dimensions may differ between ranks."""
-        self._check_tensor(tensor, "allgather")
+
+        def validate() -> dict[str, Any]:
+            self._check_tensor(tensor, "allgather")
+            # the first dimension may differ between ranks: it is shown, not compared
+            return {"dtype": tensor.dtype, "shape": ["*", *tensor.shape[1:]] if tensor.dim() else []}
+
+        self._agree("allgather", validate)
 
         def run() -> list[torch.Tensor]:
             if tensor.dim() == 0:
@@ -228,16 +291,13 @@ class Communicator(ABC):
         return self._traced("allgather", nbytes_of(tensor), -1, 0, run)
 
     def broadcast(self, tensor: torch.Tensor, root: int = 0) -> torch.Tensor:
-        self._check_tensor(tensor, "broadcast")
-        self._check_root(root, "broadcast")
+        self._agree("broadcast", lambda: self._tensor_call("broadcast", tensor, root=root))
         self._traced("broadcast", nbytes_of(tensor), root, 0, lambda: self._broadcast(tensor, root))
         return tensor
 
     def reduce(self, tensor: torch.Tensor, root: int = 0, op: ReduceOp | str = ReduceOp.SUM) -> torch.Tensor:
         """Reduce into ``tensor`` on ``root`` (other ranks' tensors are left unspecified)."""
-        self._check_tensor(tensor, "reduce")
-        self._check_root(root, "reduce")
-        rop = ReduceOp.parse(op)
+        rop = self._agree("reduce", lambda: self._tensor_call("reduce", tensor, op, root))["op"]
         self._traced("reduce", nbytes_of(tensor), root, 0, lambda: self._reduce(tensor, root, rop))
         return tensor
 
@@ -246,12 +306,16 @@ class Communicator(ABC):
 
         ``tensor.shape[0]`` must be divisible by the communicator size.
         """
-        self._check_tensor(tensor, "reduce_scatter")
-        rop = ReduceOp.parse(op)
-        if tensor.dim() == 0 or tensor.shape[0] % self.size:
-            raise CommError(
-                f"reduce_scatter: first dimension {tuple(tensor.shape)[:1]} must be divisible by size {self.size}"
-            )
+
+        def validate() -> dict[str, Any]:
+            fields = self._tensor_call("reduce_scatter", tensor, op)
+            if tensor.dim() == 0 or tensor.shape[0] % self.size:
+                raise CommError(
+                    f"reduce_scatter: first dimension {tuple(tensor.shape)[:1]} must be divisible by size {self.size}"
+                )
+            return fields
+
+        rop = self._agree("reduce_scatter", validate)["op"]
         return self._traced("reduce_scatter", nbytes_of(tensor), -1, 0, lambda: self._reduce_scatter(tensor, rop))
 
     def alltoall(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -259,21 +323,33 @@ class Communicator(ABC):
 
         Received tensors have the shape and dtype of the sent ones (same shapes on every rank).
         """
-        if len(tensors) != self.size:
-            raise CommError(f"alltoall: expected {self.size} tensors (one per rank), got {len(tensors)}")
-        for t in tensors:
-            self._check_tensor(t, "alltoall")
+
+        def validate() -> dict[str, Any]:
+            if len(tensors) != self.size:
+                raise CommError(f"alltoall: expected {self.size} tensors (one per rank), got {len(tensors)}")
+            for t in tensors:
+                self._check_tensor(t, "alltoall")
+            return {"numel": sum(t.numel() for t in tensors),
+                    "tensors": [f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}" for t in tensors]}
+
+        self._agree("alltoall", validate)
         total = sum(nbytes_of(t) for t in tensors)
         return self._traced("alltoall", total, -1, 0, lambda: self._alltoall(list(tensors)))
 
     def barrier(self) -> None:
+        self._agree("barrier", dict)
         self._traced("barrier", 0, -1, 0, self._barrier)
 
     def broadcast_object(self, obj: Any, root: int = 0) -> Any:
-        self._check_root(root, "broadcast_object")
+        def validate() -> dict[str, Any]:
+            self._check_root(root, "broadcast_object")
+            return {"root": root}
+
+        self._agree("broadcast_object", validate)
         return self._traced("broadcast_object", 0, root, 0, lambda: self._broadcast_object(obj, root))
 
     def allgather_object(self, obj: Any) -> list[Any]:
+        self._agree("allgather_object", dict)
         return self._traced("allgather_object", 0, -1, 0, lambda: self._allgather_object(obj))
 
     def _check_root(self, root: int, what: str) -> None:
@@ -288,9 +364,14 @@ class Communicator(ABC):
         Collective: every rank of this communicator calls it with the same list; members get
         the new communicator and the others get ``None``.
         """
-        ranks = sorted(int(r) for r in ranks)
-        if not ranks or len(set(ranks)) != len(ranks) or any(not 0 <= r < self.size for r in ranks):
-            raise CommError(f"split: ranks {ranks} must be distinct ranks of {self.name} (size {self.size})")
+
+        def validate() -> dict[str, Any]:
+            members = sorted(int(r) for r in ranks)
+            if not members or len(set(members)) != len(members) or any(not 0 <= r < self.size for r in members):
+                raise CommError(f"split: ranks {members} must be distinct ranks of {self.name} (size {self.size})")
+            return {"ranks": members}
+
+        ranks = self._agree("split", validate)["ranks"]
         return self._split(ranks, name or f"{self.name}/{'-'.join(map(str, ranks))}")
 
     def node_comm(self) -> Communicator:

@@ -3,8 +3,12 @@
 Why: a rank inside :func:`ringpipe.dp.join.join` has left the training loop, so it cannot know
 which collective the others call next (an optimizer step, SyncBatchNorm's statistics, a metric
 average). Before each collective, on the engine thread, every rank allreduces a fixed-size
-header: a rank with data contributes a one in its own slot and a description of the collective
-(operation, reduce op, dtype, element count, device type); a joined rank contributes zeros. From the sum
+header: a rank with data contributes a one in its own slot, a fingerprint of its call (every
+argument that must agree: collective, dtype, shape, reduce op, root rank, scale factors...) and
+a description of the collective (operation, reduce op, dtype, element count, device type); a
+joined rank contributes zeros. Ranks with data whose fingerprints differ, or a rank whose call is
+invalid, make every rank raise the same error before any data moves — the cross-rank check of
+the data-parallel API, at no cost beyond the header. From the sum
 every rank learns which ranks still have data, and a joined rank learns what comes next: it
 takes part in allreduces with the identity of the reduce op (zeros for Sum and Average, so an
 Average is taken over the ranks with data), in barriers and in optimizer steps. Other
@@ -18,11 +22,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
-from ringpipe.comm.base import Communicator, ReduceOp
+from ringpipe.comm.base import CommError, Communicator, ReduceOp
+from ringpipe.comm.consistency import disagreement
+from ringpipe.comm.header import InvalidCallError, MismatchError, fingerprint
 from ringpipe.dp.engine import Engine, EngineError
 
 __all__ = [
@@ -31,6 +37,7 @@ __all__ = [
     "JoinError",
     "Note",
     "announce",
+    "checks",
     "device_of",
     "exchange",
     "finish",
@@ -48,7 +55,7 @@ SERVED = frozenset({"step", "bucket", "apply", "allreduce", "barrier"})
 _REDUCE_OPS = tuple(ReduceOp)
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
            torch.int8, torch.uint8, torch.bool)
-_FIELDS = 5  # operation, reduce op, dtype, element count, on a GPU
+_FIELDS = 5  # operation, reduce op, dtype, element count, on a GPU (then: invalid calls)
 
 
 class JoinError(EngineError):
@@ -73,32 +80,61 @@ class Note:
         return len(self.have_data)
 
 
+def _fields(op: str, tensor: torch.Tensor | None, reduce_op: ReduceOp | None,
+            detail: dict[str, Any] | None) -> dict[str, Any]:
+    """What the ranks with data must agree on, as shown in an error (Horovod's argument names)."""
+    fields: dict[str, Any] = {"collective": op}
+    if tensor is not None:
+        fields["dtype"] = str(tensor.dtype).removeprefix("torch.")
+        # an allgather's first dimension may differ between ranks (Horovod gathers them all)
+        fields["shape"] = ["*", *tensor.shape[1:]] if op == "allgather" and tensor.dim() else list(tensor.shape)
+        fields["device"] = tensor.device.type
+    if reduce_op is not None:
+        fields["op"] = reduce_op.value
+    fields.update(detail or {})
+    return fields
+
+
 def exchange(
     comm: Communicator,
     op: str | None,
     tensor: torch.Tensor | None = None,
     reduce_op: ReduceOp | None = None,
+    detail: dict[str, Any] | None = None,
+    problem: BaseException | None = None,
 ) -> Note:
-    """Allreduce one header (call on the engine thread); ``op=None`` on a rank that has joined."""
+    """Allreduce one header (call on the engine thread); ``op=None`` on a rank that has joined.
+
+    The header also carries a fingerprint of each rank's call (``detail``: further arguments
+    that must agree, such as the root rank or scale factors) and whether it was invalid
+    (``problem``); if the ranks with data differ, or one is invalid, every rank raises the same
+    :class:`MismatchError` or :class:`InvalidCallError` before any data moves.
+    """
     size = comm.size
-    header = torch.zeros(size + _FIELDS, dtype=torch.float64, device=comm._object_device())
+    header = torch.zeros(2 * size + _FIELDS + 1, dtype=torch.int64)
+    fields = None if op is None else _fields(op, tensor, reduce_op, detail)
     if op is not None:
-        header[comm.rank] = 1.0
-        header[size] = OPS.index(op) + 1
+        header[comm.rank] = 1
+        header[size + comm.rank] = fingerprint(fields)
+        header[2 * size] = OPS.index(op) + 1
         if reduce_op is not None:
-            header[size + 1] = _REDUCE_OPS.index(reduce_op) + 1
+            header[2 * size + 1] = _REDUCE_OPS.index(reduce_op) + 1
         if tensor is not None:
-            header[size + 2] = _DTYPES.index(tensor.dtype) + 1 if tensor.dtype in _DTYPES else 0
-            header[size + 3] = tensor.numel()
-            header[size + 4] = float(tensor.device.type == "cuda")
-    comm.allreduce(header, ReduceOp.SUM)
-    values = header.cpu().tolist()
-    have_data = tuple(r for r in range(size) if values[r] > 0.5)
-    joined = tuple(r for r in range(size) if values[r] <= 0.5)
+            header[2 * size + 2] = _DTYPES.index(tensor.dtype) + 1 if tensor.dtype in _DTYPES else 0
+            header[2 * size + 3] = tensor.numel()
+            header[2 * size + 4] = int(tensor.device.type == "cuda")
+        header[2 * size + _FIELDS] = int(problem is not None)
+    wire = header.to(comm._object_device())
+    comm.allreduce(wire, ReduceOp.SUM)
+    values = wire.cpu().tolist()
+    have_data = tuple(r for r in range(size) if values[r] > 0)
+    joined = tuple(r for r in range(size) if values[r] <= 0)
     count = len(have_data)
     if count == 0:
         return Note("", (), joined)
-    code, rop, dtype, numel, cuda = (round(v / count) for v in values[size:])
+    if values[2 * size + _FIELDS] or len({values[size + r] for r in have_data}) > 1:
+        _disagree(comm, fields, problem)
+    code, rop, dtype, numel, cuda = (v // count for v in values[2 * size : 2 * size + _FIELDS])
     return Note(
         OPS[code - 1] if 0 < code <= len(OPS) else f"unknown operation {code}",
         have_data,
@@ -110,15 +146,49 @@ def exchange(
     )
 
 
+def _disagree(comm: Communicator, fields: dict[str, Any] | None, problem: BaseException | None) -> NoReturn:
+    """Every rank (a joined one too) learns every call and raises the same error."""
+    every = comm._allgather_object((fields, None if problem is None else str(problem)))
+    invalid = [r for r, (_, p) in enumerate(every) if p is not None]
+    if invalid:
+        r = invalid[0]
+        what = every[r][0]["collective"] if every[r][0] else "a collective"
+        raise InvalidCallError(
+            f"{what} on {comm.name}: rank {r} made an invalid call: {every[r][1]} (raised on every rank; "
+            "no tensor was modified)"
+        )
+    calls = [(r, f) for r, (f, _) in enumerate(every) if f is not None]
+    raise MismatchError(disagreement(comm.name, calls))
+
+
 def _ranks(ranks: tuple[int, ...]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
+#: What a refused argument raises before an announcement (a non-tensor, a bad root...).
+ARGUMENT_ERRORS = (TypeError, ValueError, CommError)
+
+
 def announce(
-    comm: Communicator, op: str, tensor: torch.Tensor | None = None, reduce_op: ReduceOp | None = None
+    comm: Communicator,
+    op: str,
+    tensor: torch.Tensor | None = None,
+    reduce_op: ReduceOp | None = None,
+    detail: dict[str, Any] | None = None,
+    validate: Callable[[], None] | None = None,
 ) -> Note:
-    """Announce ``op`` from a rank with data (on the engine thread); raise if a joined rank cannot serve it."""
-    note = exchange(comm, op, tensor, reduce_op)
+    """Announce ``op`` from a rank with data (on the engine thread); raise if a joined rank cannot serve it.
+
+    ``validate`` checks this rank's arguments; if it raises, the call is announced as invalid
+    and every rank raises its error (no rank is left waiting in the collective).
+    """
+    problem = None
+    if validate is not None:
+        try:
+            validate()
+        except ARGUMENT_ERRORS as exc:
+            problem = exc
+    note = exchange(comm, op, tensor, reduce_op, detail, problem)
     if note.joined and op not in SERVED:
         raise JoinError(
             f"{op} called on {_ranks(note.have_data)} while {_ranks(note.joined)} had joined: a rank inside "
@@ -142,11 +212,42 @@ def refuse(comm: Communicator, note: Note) -> JoinError:
     )
 
 
-def run_announced(comm: Communicator, op: str, fn: Callable[[], Any], name: str | None = None) -> Any:
-    """Run ``fn`` (a collective ``op`` other than allreduce) on the engine after announcing it."""
+def checks(comm: Communicator, what: str, tensor: torch.Tensor | None = None,
+           root: int | None = None, problem: BaseException | None = None) -> Callable[[], None]:
+    """A ``validate`` for :func:`announce`: the communicator's checks of a tensor and a root rank.
+
+    ``problem``: an error this rank found before (a root outside the process set, a name in
+    flight), raised first.
+    """
+
+    def validate() -> None:
+        if problem is not None:
+            raise problem
+        if tensor is not None:
+            comm._check_tensor(tensor, what)
+        if root is not None:
+            comm._check_root(root, what)
+
+    return validate
+
+
+def run_announced(
+    comm: Communicator,
+    op: str,
+    fn: Callable[[], Any],
+    name: str | None = None,
+    tensor: torch.Tensor | None = None,
+    detail: dict[str, Any] | None = None,
+    validate: Callable[[], None] | None = None,
+) -> Any:
+    """Run ``fn`` (a collective ``op`` other than allreduce) on the engine after announcing it.
+
+    ``tensor``, ``detail`` and ``validate`` as for :func:`announce`: the call is compared
+    across ranks before ``fn`` runs.
+    """
 
     def task() -> Any:
-        announce(comm, op)
+        announce(comm, op, tensor, None, detail, validate)
         return fn()
 
     return Engine.of(comm).run(task, name=name or op)

@@ -9,18 +9,23 @@ from typing import Any
 import torch
 
 from ringpipe.comm.base import Communicator
-from ringpipe.dp.announce import announce
+from ringpipe.dp.announce import announce, checks
 from ringpipe.dp.engine import Engine
 
 __all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_tensors"]
 
 
-def _comm(comm: Communicator | None) -> Communicator:
+def _target(comm: Communicator | None, process_set: Any, root_rank: int,
+            what: str) -> tuple[Communicator, int, ValueError | None]:
+    """The communicator, the root inside it and a problem with the root: ``comm`` as given, or
+    that of ``process_set`` (the global set by default) with the world rank ``root_rank`` translated."""
     if comm is not None:
-        return comm
-    from ringpipe.api import _world
+        return comm, root_rank, None
+    from ringpipe.dp.process_sets import resolve, set_root
 
-    return _world().comm
+    comm, ranks = resolve(process_set, what)
+    root, problem = set_root(ranks, root_rank, what)
+    return comm, root, problem
 
 
 def broadcast_tensors(
@@ -35,7 +40,8 @@ def broadcast_tensors(
         groups.setdefault((t.dtype, t.device), []).append(t)
     engine = Engine.of(comm)
     if not announced:
-        engine.run(lambda: announce(comm, "broadcast"), name="broadcast-tensors")
+        engine.run(lambda: announce(comm, "broadcast", detail={"root_rank": root_rank},
+                                    validate=checks(comm, "broadcast", root=root_rank)), name="broadcast-tensors")
     for members in groups.values():
         flat = torch.cat([t.detach().reshape(-1) for t in members]) if members else None
         if flat is None or flat.numel() == 0:
@@ -55,9 +61,13 @@ def broadcast_parameters(
     params: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
     root_rank: int = 0,
     comm: Communicator | None = None,
+    process_set: Any = None,
 ) -> None:
-    """Copy ``root_rank``'s parameters (a ``state_dict()`` or ``named_parameters()``) to every rank, in place."""
-    comm = _comm(comm)
+    """Copy ``root_rank``'s parameters (a ``state_dict()`` or ``named_parameters()``) to every rank, in place.
+
+    ``process_set``: only its ranks take part (``root_rank`` is a world rank, as in Horovod).
+    """
+    comm, root_rank, problem = _target(comm, process_set, root_rank, "broadcast_parameters")
     items = list(params.items()) if isinstance(params, Mapping) else list(params)
     for name, t in items:
         if not isinstance(t, torch.Tensor):
@@ -65,7 +75,8 @@ def broadcast_parameters(
     layout = [(str(n), tuple(t.shape), str(t.dtype)) for n, t in items]
     engine = Engine.of(comm)
     def gather_layouts() -> list[Any]:
-        announce(comm, "broadcast")
+        announce(comm, "broadcast", detail={"root_rank": root_rank, "of": "parameters"},
+                 validate=checks(comm, "broadcast_parameters", root=root_rank, problem=problem))
         return comm.allgather_object(layout)
 
     every = engine.run(gather_layouts, name="broadcast-layout")
@@ -120,21 +131,31 @@ def _fill(obj: Any, tensors: list[torch.Tensor]) -> Any:
 
 
 def broadcast_optimizer_state(
-    optimizer: torch.optim.Optimizer, root_rank: int = 0, comm: Communicator | None = None
+    optimizer: torch.optim.Optimizer,
+    root_rank: int = 0,
+    comm: Communicator | None = None,
+    process_set: Any = None,
+    model: Any = None,
 ) -> None:
     """Give every rank ``root_rank``'s optimizer state: buffers, step counts, learning rates, all groups.
 
     Works when only the root has state yet (e.g. after loading a checkpoint there): the other
     ranks replace theirs by the root's. The structure travels as one small object and the
-    tensors as fused broadcasts.
+    tensors as fused broadcasts. As in Horovod, an optimizer without state yet is first given
+    its state by one local step on zero gradients (so that every rank's state is complete).
+    ``process_set``: only its ranks take part (``root_rank`` is a world rank); ``model`` is
+    accepted for Horovod compatibility.
     """
-    comm = _comm(comm)
+    comm, root_rank, problem = _target(comm, process_set, root_rank, "broadcast_optimizer_state")
     inner = getattr(optimizer, "optimizer", optimizer)
+    if problem is None and not inner.state:
+        _initialise_state(inner)
     engine = Engine.of(comm)
     tensors: list[torch.Tensor] = []
     skeleton = _strip(inner.state_dict(), tensors) if comm.rank == root_rank else None
     def send_skeleton() -> Any:
-        announce(comm, "broadcast")
+        announce(comm, "broadcast", detail={"root_rank": root_rank, "of": "optimizer state"},
+                 validate=checks(comm, "broadcast_optimizer_state", root=root_rank, problem=problem))
         return comm.broadcast_object(skeleton, root_rank)
 
     skeleton = engine.run(send_skeleton, name="broadcast-optimizer")
@@ -159,6 +180,16 @@ def broadcast_optimizer_state(
             )
         # Through the wrapper when there is one: DistributedOptimizer re-shares the new state and groups.
         optimizer.load_state_dict(_fill(skeleton, tensors))
+
+
+def _initialise_state(optimizer: torch.optim.Optimizer) -> None:
+    """Horovod's state initialisation: zero gradients for every trainable parameter, then one local step."""
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    if not params:
+        return
+    for p in params:
+        p.grad = torch.zeros_like(p) if not isinstance(optimizer, torch.optim.SparseAdam) else torch.zeros_like(p).to_sparse()
+    optimizer.step()
 
 
 def _collect_refs(obj: Any, out: list[_TensorRef]) -> None:

@@ -26,14 +26,27 @@ from typing import Any
 
 from ringpipe.comm.base import Communicator, Work
 from ringpipe.comm.events import add_blocked
+from ringpipe.comm.header import InvalidCallError, MismatchError
 
-__all__ = ["Engine", "Handle", "EngineError"]
+__all__ = ["Engine", "Handle", "EngineError", "EngineInvalidCallError", "EngineMismatchError", "HorovodInternalError"]
 
 log = logging.getLogger(__name__)
 
 
-class EngineError(RuntimeError):
+class HorovodInternalError(RuntimeError):
+    """A collective failed (Horovod's name): ranks disagreed, a peer was lost, a set was foreign."""
+
+
+class EngineError(HorovodInternalError):
     """A queued collective failed on the engine thread; the message carries the original error."""
+
+
+class EngineMismatchError(MismatchError, EngineError):
+    """Ranks made different calls; raised by the handle of every rank's call."""
+
+
+class EngineInvalidCallError(InvalidCallError, EngineError):
+    """Some rank's call was invalid; raised by the handle of every rank's call."""
 
 
 _UNSET = object()
@@ -65,8 +78,13 @@ class Handle:
         """Finish the in-flight work and run ``then`` exactly once (thread-safe)."""
         with self._lock:
             if not self._finished:
-                if isinstance(self._error, EngineError):
-                    raise self._error  # already names the collective and the fix
+                error = self._error
+                if isinstance(error, EngineError):
+                    raise error  # already names the collective and the fix
+                if isinstance(error, InvalidCallError):
+                    raise EngineInvalidCallError(str(error)) from error  # names the ranks and the fix
+                if isinstance(error, MismatchError):
+                    raise EngineMismatchError(str(error)) from error
                 if self._error is not None:
                     raise EngineError(f"collective {self.name!r} failed: {self._error}") from self._error
                 value = self._value
@@ -170,7 +188,11 @@ class Engine:
 
     def _execute(self, task: Callable[[], Any], handle: Handle) -> None:
         try:
-            value = task()
+            # Engine tasks agreed on their calls already: each data-parallel collective is
+            # announced with a fingerprint of its arguments (ringpipe.dp.announce), and the
+            # optimizer's buckets were compared at construction.
+            with self.comm.unchecked():
+                value = task()
         except BaseException as exc:  # noqa: BLE001 - delivered to the waiter
             log.debug("engine task %s failed", handle.name, exc_info=True)
             handle._set(None, exc)

@@ -1,11 +1,13 @@
 """Collectives on tensors that autograd can differentiate through, run on the communicator's engine.
 
-Gradients follow from what each collective computes, taking the training objective to be the
-sum of every rank's loss: the gradient of an allreduce is the same allreduce of the output
-gradients (Sum or Average), of an allgather the summed gradient of this rank's slice, of a
-broadcast the summed gradient on the root (zero elsewhere), of a reduce-scatter an allgather,
-and of an alltoall the reverse alltoall. Every collective is announced
-(:mod:`ringpipe.dp.announce`), so ranks inside ``join()`` take part in allreduces.
+Gradients follow Horovod's conventions (``horovod/torch/mpi_ops.py``), so that a Horovod program
+trains the same: the gradient of an allreduce is the same allreduce of the output gradients;
+of an allgather, the *averaging* allreduce of the output gradient, sliced to this rank's rows;
+of a broadcast, the averaging allreduce on the root (zero elsewhere); of a reduce-scatter, the
+allgather of the gradient scaled as the op scaled (times the size for Sum, times the pre- and
+postscale factors); of an alltoall, the reverse alltoall. Every collective is announced
+(:mod:`ringpipe.dp.announce`) with the arguments the ranks must agree on, so ranks inside
+``join()`` take part in allreduces and ranks that disagree all raise before data moves.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any
 import torch
 
 from ringpipe.comm.base import Communicator, ReduceOp
-from ringpipe.dp.announce import announce, finish, run_announced, wire_op
+from ringpipe.dp.announce import announce, checks, finish, run_announced, wire_op
 from ringpipe.dp.engine import Engine
 
 __all__ = [
@@ -26,22 +28,54 @@ __all__ = [
     "alltoall",
     "allreduce_inplace",
     "reducescatter_blocks",
+    "scale_",
+    "scale_detail",
 ]
+
+Detail = dict[str, Any] | None
+
+
+def scale_detail(prescale: float, postscale: float) -> dict[str, float] | None:
+    """Horovod's scale factors as announced arguments (left out when both are 1)."""
+    if prescale == 1.0 and postscale == 1.0:
+        return None
+    return {"prescale_factor": float(prescale), "postscale_factor": float(postscale)}
+
+
+def scale_(tensor: torch.Tensor, factor: float) -> torch.Tensor:
+    """Multiply ``tensor`` in place by ``factor`` as Horovod scales buffers.
+
+    Integer tensors are scaled in double precision and truncated toward zero on the way back
+    (C++'s conversion in Horovod's ``ScaleBuffer``), instead of failing to cast a float result.
+    """
+    if factor == 1.0:
+        return tensor
+    if tensor.dtype.is_floating_point or tensor.dtype.is_complex:
+        return tensor.mul_(factor)
+    if tensor.dtype == torch.bool:
+        raise TypeError("prescale_factor / postscale_factor cannot scale a bool tensor")
+    return tensor.copy_(torch.trunc(tensor.double() * factor).to(tensor.dtype))
+
+
+def _with(detail: Detail, more: Detail) -> Detail:
+    if not detail and not more:
+        return None
+    return {**(detail or {}), **(more or {})}
 
 
 def allreduce_inplace(
-    comm: Communicator, tensor: torch.Tensor, op: ReduceOp, prescale: float = 1.0, postscale: float = 1.0
+    comm: Communicator, tensor: torch.Tensor, op: ReduceOp, prescale: float = 1.0, postscale: float = 1.0,
+    detail: Detail = None, problem: BaseException | None = None,
 ) -> torch.Tensor:
     """Reduce ``tensor`` in place (on the engine thread), with Horovod's pre/post scale factors."""
 
     def task() -> torch.Tensor:
-        note = announce(comm, "allreduce", tensor, op)
-        if prescale != 1.0:
-            tensor.mul_(prescale)
+        note = announce(comm, "allreduce", tensor, op, _with(detail, scale_detail(prescale, postscale)),
+                        checks(comm, "allreduce", tensor, problem=problem))
+        scale_(tensor, prescale)
         comm.iallreduce(tensor, wire_op(op, note)).wait()  # the form joined ranks use (MPI matches by form)
         finish(tensor, op, note)
-        if postscale != 1.0:
-            tensor.mul_(postscale)
+        scale_(tensor, postscale)
         return tensor
 
     return Engine.of(comm).run(task, name="allreduce")
@@ -49,9 +83,10 @@ def allreduce_inplace(
 
 class _Allreduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, comm: Communicator, op: ReduceOp, pre: float, post: float) -> torch.Tensor:
-        ctx.comm, ctx.op, ctx.pre, ctx.post = comm, op, pre, post
-        return allreduce_inplace(comm, tensor.detach().clone().contiguous(), op, pre, post)
+    def forward(ctx: Any, tensor: torch.Tensor, comm: Communicator, op: ReduceOp, pre: float, post: float,
+                detail: Detail, problem: BaseException | None) -> torch.Tensor:
+        ctx.comm, ctx.op, ctx.pre, ctx.post, ctx.detail = comm, op, pre, post, detail
+        return allreduce_inplace(comm, tensor.detach().clone().contiguous(), op, pre, post, detail, problem)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
@@ -59,19 +94,23 @@ class _Allreduce(torch.autograd.Function):
             raise RuntimeError(
                 f"allreduce with op {ctx.op.value} has no gradient in ringpipe; use Sum or Average to backpropagate"
             )
-        out = allreduce_inplace(ctx.comm, grad.detach().clone().contiguous(), ctx.op, ctx.pre, ctx.post)
-        return out, None, None, None, None
+        out = allreduce_inplace(ctx.comm, grad.detach().clone().contiguous(), ctx.op, ctx.pre, ctx.post, ctx.detail)
+        return out, None, None, None, None, None, None
 
 
 def allreduce(
-    comm: Communicator, tensor: torch.Tensor, op: ReduceOp = ReduceOp.AVERAGE, prescale: float = 1.0, postscale: float = 1.0
+    comm: Communicator, tensor: torch.Tensor, op: ReduceOp = ReduceOp.AVERAGE, prescale: float = 1.0,
+    postscale: float = 1.0, detail: Detail = None, problem: BaseException | None = None,
 ) -> torch.Tensor:
     """Differentiable out-of-place allreduce."""
-    return _Allreduce.apply(tensor, comm, op, prescale, postscale)
+    return _Allreduce.apply(tensor, comm, op, prescale, postscale, detail, problem)
 
 
-def _gather(comm: Communicator, tensor: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
-    parts = run_announced(comm, "allgather", lambda: comm.allgather(tensor.contiguous()))
+def _gather(comm: Communicator, tensor: torch.Tensor, detail: Detail = None,
+            problem: BaseException | None = None) -> tuple[torch.Tensor, list[int]]:
+    x = tensor.contiguous()
+    parts = run_announced(comm, "allgather", lambda: comm.allgather(x), tensor=x, detail=detail,
+                          validate=checks(comm, "allgather", x, problem=problem))
     sizes = [int(p.shape[0]) if p.dim() else 1 for p in parts]
     if tensor.dim() == 0:
         return torch.stack(parts), sizes
@@ -80,42 +119,48 @@ def _gather(comm: Communicator, tensor: torch.Tensor) -> tuple[torch.Tensor, lis
 
 class _Allgather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, comm: Communicator) -> torch.Tensor:
-        out, sizes = _gather(comm, tensor.detach())
-        ctx.comm, ctx.sizes, ctx.scalar = comm, sizes, tensor.dim() == 0
+    def forward(ctx: Any, tensor: torch.Tensor, comm: Communicator, detail: Detail,
+                problem: BaseException | None) -> torch.Tensor:
+        out, sizes = _gather(comm, tensor.detach(), detail, problem)
+        ctx.comm, ctx.sizes, ctx.scalar, ctx.detail = comm, sizes, tensor.dim() == 0, detail
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        total = allreduce_inplace(ctx.comm, grad.detach().clone().contiguous(), ReduceOp.SUM)
+        total = allreduce_inplace(ctx.comm, grad.detach().clone().contiguous(), ReduceOp.AVERAGE, detail=ctx.detail)
         start = sum(ctx.sizes[: ctx.comm.rank])
         mine = total[start : start + ctx.sizes[ctx.comm.rank]]
-        return (mine.reshape(()) if ctx.scalar else mine), None
+        return (mine.reshape(()) if ctx.scalar else mine), None, None, None
 
 
-def allgather(comm: Communicator, tensor: torch.Tensor) -> torch.Tensor:
+def allgather(comm: Communicator, tensor: torch.Tensor, detail: Detail = None,
+              problem: BaseException | None = None) -> torch.Tensor:
     """Differentiable allgather: every rank's tensor concatenated along dim 0 (sizes may differ)."""
-    return _Allgather.apply(tensor, comm)
+    return _Allgather.apply(tensor, comm, detail, problem)
 
 
 class _Broadcast(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, comm: Communicator, root: int) -> torch.Tensor:
-        ctx.comm, ctx.root = comm, root
+    def forward(ctx: Any, tensor: torch.Tensor, comm: Communicator, root: int, detail: Detail,
+                problem: BaseException | None) -> torch.Tensor:
+        ctx.comm, ctx.root, ctx.detail = comm, root, detail
         out = tensor.detach().clone().contiguous()
-        return run_announced(comm, "broadcast", lambda: comm.broadcast(out, root))
+        return run_announced(comm, "broadcast", lambda: comm.broadcast(out, root), tensor=out,
+                             detail=_with(detail, {"root_rank": root}),
+                             validate=checks(comm, "broadcast", out, root, problem=problem))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        total = allreduce_inplace(ctx.comm, grad.detach().clone().contiguous(), ReduceOp.SUM)
+        total = allreduce_inplace(ctx.comm, grad.detach().clone().contiguous(), ReduceOp.AVERAGE, detail=ctx.detail)
         if ctx.comm.rank != ctx.root:
             total.zero_()
-        return total, None, None
+        return total, None, None, None, None
 
 
-def broadcast(comm: Communicator, tensor: torch.Tensor, root: int = 0) -> torch.Tensor:
-    """Differentiable out-of-place broadcast from ``root``."""
-    return _Broadcast.apply(tensor, comm, root)
+def broadcast(comm: Communicator, tensor: torch.Tensor, root: int = 0, detail: Detail = None,
+              problem: BaseException | None = None) -> torch.Tensor:
+    """Differentiable out-of-place broadcast from ``root`` (a rank of ``comm``)."""
+    return _Broadcast.apply(tensor, comm, root, detail, problem)
 
 
 def _split_sizes(n: int, size: int) -> list[int]:
@@ -123,50 +168,63 @@ def _split_sizes(n: int, size: int) -> list[int]:
     return [n // size + (1 if r < n % size else 0) for r in range(size)]
 
 
-def reducescatter_blocks(comm: Communicator, tensor: torch.Tensor, op: ReduceOp) -> torch.Tensor:
+def reducescatter_blocks(comm: Communicator, tensor: torch.Tensor, op: ReduceOp, prescale: float = 1.0,
+                         postscale: float = 1.0, detail: Detail = None,
+                         problem: BaseException | None = None) -> torch.Tensor:
     """This rank's block of dim 0 of the reduced ``tensor`` (dim 0 need not divide by size)."""
-    if tensor.dim() == 0:
-        raise ValueError("reducescatter needs a tensor with at least one dimension")
-    sizes = _split_sizes(tensor.shape[0], comm.size)
-    x = tensor.detach().contiguous()
+    if problem is None and tensor.dim() == 0:
+        problem = ValueError("reducescatter needs a tensor with at least one dimension")
+    if problem is None and op not in (ReduceOp.SUM, ReduceOp.AVERAGE):
+        problem = ValueError(f"reducescatter supports op Sum or Average, got {op.value}")
+    x = scale_(tensor.detach().contiguous().clone(), prescale)
+    sizes = _split_sizes(tensor.shape[0], comm.size) if tensor.dim() else [0]
+    detail = _with(_with(detail, {"op": op.value}), scale_detail(prescale, postscale))
+    validate = checks(comm, "reducescatter", x, problem=problem)
     if len(set(sizes)) == 1:
-        return run_announced(comm, "reducescatter", lambda: comm.reduce_scatter(x, op))
-    full = x.clone()
-    run_announced(comm, "reducescatter", lambda: comm.allreduce(full, op))
+        out = run_announced(comm, "reducescatter", lambda: comm.reduce_scatter(x, op), tensor=x, detail=detail,
+                            validate=validate)
+        return scale_(out, postscale)
+    run_announced(comm, "reducescatter", lambda: comm.allreduce(x, op), tensor=x, detail=detail, validate=validate)
     start = sum(sizes[: comm.rank])
-    return full[start : start + sizes[comm.rank]].clone()
+    return scale_(x[start : start + sizes[comm.rank]].clone(), postscale)
 
 
 class _Reducescatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, comm: Communicator, op: ReduceOp) -> torch.Tensor:
-        if op not in (ReduceOp.SUM, ReduceOp.AVERAGE):
-            raise ValueError(f"reducescatter supports op Sum or Average, got {op.value}")
-        ctx.comm, ctx.op = comm, op
-        return reducescatter_blocks(comm, tensor, op)
+    def forward(ctx: Any, tensor: torch.Tensor, comm: Communicator, op: ReduceOp, pre: float, post: float,
+                detail: Detail, problem: BaseException | None) -> torch.Tensor:
+        ctx.comm, ctx.op, ctx.pre, ctx.post, ctx.detail = comm, op, pre, post, detail
+        return reducescatter_blocks(comm, tensor, op, pre, post, detail, problem)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        full, _ = _gather(ctx.comm, grad.detach())
-        if ctx.op is ReduceOp.AVERAGE:
-            full = full / ctx.comm.size
-        return full, None, None
+        g = grad.detach()
+        factor = (ctx.comm.size if ctx.op is ReduceOp.SUM else 1) * ctx.pre * ctx.post
+        if factor != 1:
+            g = g * factor
+        full, _ = _gather(ctx.comm, g, ctx.detail)
+        return full, None, None, None, None, None, None
 
 
-def reducescatter(comm: Communicator, tensor: torch.Tensor, op: ReduceOp = ReduceOp.AVERAGE) -> torch.Tensor:
+def reducescatter(comm: Communicator, tensor: torch.Tensor, op: ReduceOp = ReduceOp.AVERAGE, prescale: float = 1.0,
+                  postscale: float = 1.0, detail: Detail = None,
+                  problem: BaseException | None = None) -> torch.Tensor:
     """Differentiable reduce-scatter along dim 0 (Horovod's split when it does not divide evenly)."""
-    return _Reducescatter.apply(tensor, comm, op)
+    return _Reducescatter.apply(tensor, comm, op, prescale, postscale, detail, problem)
 
 
-def _alltoall_raw(comm: Communicator, tensor: torch.Tensor, splits: list[int]) -> tuple[torch.Tensor, list[int]]:
-    if len(splits) != comm.size or sum(splits) != tensor.shape[0] or min(splits) < 0:
-        raise ValueError(
+def _alltoall_raw(comm: Communicator, tensor: torch.Tensor, splits: list[int], detail: Detail = None,
+                  problem: BaseException | None = None) -> tuple[torch.Tensor, list[int]]:
+    if problem is None and (len(splits) != comm.size or sum(splits) != tensor.shape[0] or min(splits) < 0):
+        problem = ValueError(
             f"alltoall splits {splits} must have one non-negative entry per rank ({comm.size}) summing to "
             f"dim 0 of the tensor ({tensor.shape[0]})"
         )
     engine = Engine.of(comm)
-    counts = [torch.tensor([s], dtype=torch.int64) for s in splits]
-    received = [int(c) for c in run_announced(comm, "alltoall", lambda: comm.alltoall(counts), "alltoall-splits")]
+    counts = [torch.tensor([s], dtype=torch.int64) for s in splits] if problem is None else []
+    detail = _with(detail, {"dtype": str(tensor.dtype).removeprefix("torch."), "shape": ["*", *tensor.shape[1:]]})
+    received = [int(c) for c in run_announced(comm, "alltoall", lambda: comm.alltoall(counts), "alltoall-splits",
+                                              detail=detail, validate=checks(comm, "alltoall", tensor, problem=problem))]
     longest = torch.tensor([max(splits + received)], dtype=torch.int64)
     engine.run(lambda: comm.allreduce(longest, ReduceOp.MAX), name="alltoall-splits")
     pad = int(longest)
@@ -183,35 +241,38 @@ def _alltoall_raw(comm: Communicator, tensor: torch.Tensor, splits: list[int]) -
 class _Alltoall(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any, tensor: torch.Tensor, comm: Communicator, splits: list[int], box: list[list[int]]
+        ctx: Any, tensor: torch.Tensor, comm: Communicator, splits: list[int], box: list[list[int]], detail: Detail,
+        problem: BaseException | None,
     ) -> torch.Tensor:
-        out, received = _alltoall_raw(comm, tensor, splits)
-        ctx.comm, ctx.received = comm, received
+        out, received = _alltoall_raw(comm, tensor, splits, detail, problem)
+        ctx.comm, ctx.received, ctx.detail = comm, received, detail
         box.append(received)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        back, _ = _alltoall_raw(ctx.comm, grad.contiguous(), ctx.received)
-        return back, None, None, None
+        back, _ = _alltoall_raw(ctx.comm, grad.contiguous(), ctx.received, ctx.detail)
+        return back, None, None, None, None, None
 
 
 def alltoall(
-    comm: Communicator, tensor: torch.Tensor, splits: list[int] | torch.Tensor | None = None
+    comm: Communicator, tensor: torch.Tensor, splits: list[int] | torch.Tensor | None = None, detail: Detail = None,
+    problem: BaseException | None = None,
 ) -> tuple[torch.Tensor, list[int]]:
     """Differentiable alltoall along dim 0: rows ``splits[j]`` go to rank ``j`` (even split by default).
 
     Returns the received rows (in rank order) and how many came from each rank.
     """
-    if tensor.dim() == 0:
-        raise ValueError("alltoall needs a tensor with at least one dimension")
+    if problem is None and tensor.dim() == 0:
+        problem = ValueError("alltoall needs a tensor with at least one dimension")
     if splits is None:
-        if tensor.shape[0] % comm.size:
-            raise ValueError(
-                f"alltoall without splits needs dim 0 ({tensor.shape[0]}) divisible by size {comm.size}; pass splits"
+        n = tensor.shape[0] if tensor.dim() else 0
+        if problem is None and n % comm.size:
+            problem = ValueError(
+                f"alltoall without splits needs dim 0 ({n}) divisible by size {comm.size}; pass splits"
             )
-        splits = [tensor.shape[0] // comm.size] * comm.size
+        splits = [n // comm.size] * comm.size
     as_list = [int(s) for s in (splits.tolist() if isinstance(splits, torch.Tensor) else splits)]
     box: list[list[int]] = []
-    out = _Alltoall.apply(tensor, comm, as_list, box)
+    out = _Alltoall.apply(tensor, comm, as_list, box, detail, problem)
     return out, box[0]

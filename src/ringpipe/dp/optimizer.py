@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -44,7 +45,7 @@ _CREATED = itertools.count()
 class _Slot:
     """One parameter's place in a bucket."""
 
-    __slots__ = ("param", "name", "bucket", "view", "count", "used")
+    __slots__ = ("param", "name", "bucket", "view", "count", "used", "sparse")
 
     def __init__(self, param: torch.nn.Parameter, name: str) -> None:
         self.param = param
@@ -53,6 +54,7 @@ class _Slot:
         self.view: torch.Tensor | None = None
         self.count = 0
         self.used = False
+        self.sparse = False  # the last gradient came sparse (it is handed back sparse)
 
 
 class _Bucket:
@@ -119,6 +121,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         first_bucket_bytes: the smaller cap of the first bucket, so reduction starts early in backward.
         algorithm: ``"native"`` (the backend's allreduce) or a name from ``ringpipe.collectives.ALGORITHMS``.
         comm: the communicator (default: the one of ``ringpipe.init()``).
+        num_groups / groups: Horovod's explicit grouping: ``groups`` lists lists of parameters,
+            each reduced as one bucket (other parameters alone); an integer splits the trainable
+            parameters, in registration order, into that many buckets (``num_groups`` is its
+            deprecated spelling).
+        sparse_as_dense: reduce sparse gradients as dense ones and keep them dense; without it
+            (the default) they are reduced densely too, and handed back sparse.
+        process_set: reduce over the ranks of this process set only; on other ranks the optimizer
+            steps on local gradients, as in Horovod.
         join_support: announce every step (one small allreduce before the first bucket) so that
             ranks that ran out of data can call :func:`ringpipe.join` and serve the others, as in
             Horovod. ``False`` saves that round trip when every rank runs the same number of
@@ -142,12 +152,23 @@ class DistributedOptimizer(torch.optim.Optimizer):
         comm: Communicator | None = None,
         first_bucket_bytes: int = DEFAULT_FIRST_BUCKET_BYTES,
         join_support: bool = True,
+        num_groups: int = 0,
+        groups: int | Sequence[Sequence[torch.Tensor]] | None = None,
+        sparse_as_dense: bool = False,
+        process_set: Any = None,
     ) -> None:
         if isinstance(optimizer, DistributedOptimizer):
             raise TypeError("the optimizer is already a DistributedOptimizer; wrap the plain torch optimizer once")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if num_groups:
+            warnings.warn("Parameter `num_groups` has been replaced by `groups` and will be removed in v0.23.0.",
+                          DeprecationWarning, stacklevel=2)
+            if groups is None:
+                groups = num_groups
         settings = {
+            "groups": _groups_setting(optimizer, groups),
+            "sparse_as_dense": bool(sparse_as_dense),
             "bucket_bytes": bucket_bytes,
             "first_bucket_bytes": first_bucket_bytes,
             "compression": compression,
@@ -166,14 +187,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
         except ValueError as exc:
             problem = exc
         if comm is None:
-            from ringpipe.api import NotInitializedError, _world
+            from ringpipe.dp.process_sets import resolve
+            from ringpipe.dp.world import NotInitializedError, current
 
             try:
-                comm = _world().comm
+                current()
             except NotInitializedError:
                 if problem is not None:
                     raise problem from None
                 raise
+            if process_set is not None and process_set.included() is False:
+                self._init_local(optimizer)
+                return
+            comm = resolve(process_set, "DistributedOptimizer")[0]
+        self._local = False
         try:
             self._reduce = _reducer(comm, algorithm)
         except ValueError as exc:
@@ -203,8 +230,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.algorithm = algorithm
         self.join_support = bool(join_support)
 
+        self.sparse_as_dense = bool(sparse_as_dense)
         self._slots = [_Slot(p, n) for n, p in named]
-        self._buckets = self._make_buckets(self._slots)
+        self._buckets = self._make_buckets(self._slots, _explicit_groups(groups, self._slots))
         self._next_launch = 0
         self._synchronized = False
         self._should_synchronize = True
@@ -218,12 +246,33 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ set-up
 
-    def _make_buckets(self, slots: list[_Slot]) -> list[_Bucket]:
+    def _init_local(self, optimizer: torch.optim.Optimizer) -> None:
+        """A rank outside the process set: no reduction, ``step()`` applies the local gradients."""
+        super().__init__(optimizer.param_groups, optimizer.defaults)
+        self.optimizer = optimizer
+        self.param_groups = optimizer.param_groups
+        self.state = optimizer.state
+        self._local = True
+        self._synchronized = False
+        self._should_synchronize = True
+        self._hooks: list[Any] = []
+
+    def _make_buckets(self, slots: list[_Slot], explicit: list[list[_Slot]] | None = None) -> list[_Bucket]:
         """Group parameters, last registered first, into buckets closed once they reach their cap.
 
         The first bucket's cap is small (``first_bucket_bytes``, as DDP's 1 MiB) so that the
-        first reduction starts early in backward and overlaps with the rest of it.
+        first reduction starts early in backward and overlaps with the rest of it. With
+        ``explicit`` groups (Horovod's ``groups``), each group of one dtype is one bucket.
         """
+        if explicit is not None:
+            split = []
+            for group in reversed(explicit):
+                by_kind: dict[tuple[torch.dtype, torch.device], list[_Slot]] = {}
+                for s in reversed(group):
+                    by_kind.setdefault((s.param.dtype, s.param.device), []).append(s)
+                split.extend(by_kind.values())
+            last = len(split) - 1
+            return [_Bucket(i, g, bitmap=len(slots) if i == last else 0) for i, g in enumerate(split)]
         open_: dict[tuple[torch.dtype, torch.device], list[_Slot]] = {}
         sizes: dict[tuple[torch.dtype, torch.device], int] = {}
         groups: list[list[_Slot]] = []
@@ -274,6 +323,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         param, view = slot.param, slot.view
         assert view is not None
         grad = param.grad
+        if grad is not None and grad.is_sparse:
+            slot.sparse = True
+            grad = grad.to_dense()
         if grad is None:
             view.zero_()
         elif grad.data_ptr() != view.data_ptr() or grad.shape != view.shape:
@@ -366,6 +418,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 slot.used = False
             self._next_launch = 0
             self._peers_joined = self._active < self.comm.size
+        if not self.sparse_as_dense:
+            for slot in self._slots:
+                if slot.sparse and slot.param.grad is not None:
+                    slot.param.grad = slot.param.grad.to_sparse()
+                    slot.sparse = False
         # Parameters that no rank produced a gradient for keep no gradient, as in one process.
         for i in self._unused:
             self._slots[i].param.grad = None
@@ -375,6 +432,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def synchronize(self) -> None:
         """Finish reducing every gradient; afterwards ``param.grad`` holds the averaged gradients."""
+        if self._local:
+            self._synchronized = True
+            return
         self._launch_all()
         self._wait_all()
         self._synchronized = True
@@ -391,13 +451,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def step(self, closure: Callable[[], float] | None = None) -> Any:
         if self._should_synchronize:
             if self._synchronized:
-                log.warning(
-                    "optimizer.step() called after optimizer.synchronize() without "
-                    "optimizer.skip_synchronize(); the gradients are already reduced, not reducing again"
+                # Horovod's warning (the gradients are already reduced; they are not reduced again)
+                warnings.warn(
+                    "optimizer.step() called without optimizer.skip_synchronize() context after "
+                    "optimizer.synchronize(). This can cause training slowdown. You may want to consider "
+                    "using optimizer.skip_synchronize() context if you use optimizer.synchronize() in your code.",
+                    stacklevel=2,
                 )
             else:
                 self.synchronize()
         self._synchronized = False
+        if self._local:
+            return self.optimizer.step(closure)
         if self._peers_joined:
             self._announce_update()
         return self.optimizer.step(closure)
@@ -429,7 +494,48 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._hooks = []
 
     def __repr__(self) -> str:
+        if self._local:
+            return f"DistributedOptimizer({self.optimizer!r}, not in its process set: local steps)"
         return f"DistributedOptimizer({self.optimizer!r}, buckets={len(self._buckets)}, op={self.op.value})"
+
+
+def _groups_setting(optimizer: torch.optim.Optimizer, groups: Any) -> Any:
+    """``groups`` as a value every rank can compare: an integer, or the parameters' positions."""
+    if groups is None or isinstance(groups, bool):
+        return groups if groups is None else repr(groups)
+    if isinstance(groups, int):
+        return groups
+    if not isinstance(groups, list):
+        return f"invalid: {type(groups).__name__}"
+    index = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
+    return [[index.get(id(p), -1) if isinstance(p, torch.Tensor) else repr(p) for p in g] for g in groups]
+
+
+def _explicit_groups(groups: Any, slots: list[_Slot]) -> list[list[_Slot]] | None:
+    """Horovod's ``groups``: validated, as lists of slots (parameters outside any group alone)."""
+    if groups is None:
+        return None
+    if isinstance(groups, bool) or not (isinstance(groups, list) or (isinstance(groups, int) and groups > 0)):
+        raise ValueError("groups should be a non-negative integer or a list of list of torch.Tensor.")
+    if isinstance(groups, int):
+        n = min(groups, len(slots)) or 1
+        d, r = divmod(len(slots), n)  # Horovod's split_list: n nearly even runs in registration order
+        return [slots[i * d + min(i, r) : (i + 1) * d + min(i + 1, r)] for i in range(n)]
+    by_id = {id(s.param): s for s in slots}
+    seen: set[int] = set()
+    out = []
+    for group in groups:
+        if not isinstance(group, (list, tuple)) or any(not isinstance(p, torch.Tensor) for p in group):
+            raise ValueError("groups must consist of torch.Tensor.")
+        for p in group:
+            if id(p) in seen:
+                raise ValueError("A parameter can only appear once in groups.")
+            seen.add(id(p))
+        members = [by_id[id(p)] for p in group if id(p) in by_id]
+        if members:
+            out.append(members)
+    out.extend([s] for s in slots if id(s.param) not in seen)
+    return out
 
     # ------------------------------------------------------------------ join
 

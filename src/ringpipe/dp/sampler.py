@@ -31,9 +31,9 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
     ) -> None:
         if num_replicas is None or rank is None:
             if comm is None:
-                from ringpipe.api import _world
+                from ringpipe.dp.world import current
 
-                comm = _world().comm
+                comm = current().comm
             num_replicas = comm.size if num_replicas is None else num_replicas
             rank = comm.rank if rank is None else rank
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last)

@@ -44,9 +44,9 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
 
     def _comm(self) -> Communicator:
         if self.comm is None:
-            from ringpipe.api import _world
+            from ringpipe.dp.world import current
 
-            return _world().comm
+            return current().comm
         return self.comm
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,9 @@
 """The consistency header: every collective's first messages say which call each rank is making.
 
 A header is 32 int64 words (256 bytes): a magic word, the sender's rank, flags, the sender's
-call ``(seq, collective, op, dtype, count, root, algorithm)``, once some rank has seen two calls
+call ``(seq, collective, op, dtype, count, root, algorithm, detail)`` (``detail`` is a
+fingerprint of everything else the ranks must agree on: the shape, the root of an object
+broadcast, the members of a split, Horovod's scale factors), once some rank has seen two calls
 that differ, the two ranks and their calls, and, once some rank is known to have made an
 invalid call, that rank and the length of its error text, which follows the 32 words (at most
 :data:`TEXT_BYTES`). Headers travel along the recursive doubling pattern (with the payload
@@ -15,6 +17,8 @@ unsupported dtype, a length the ranks cannot split) cannot run the collective, b
 raised, its peers would wait for it forever. It runs the header exchange instead, marked
 invalid and carrying its error text; every rank then raises :class:`InvalidCallError` with
 the text of the lowest invalid rank (the minimum is associative, so all ranks agree).
+:mod:`ringpipe.comm.consistency` runs the exchange for the communicators' own collectives and
+turns a disagreement into the same error on every rank.
 
 Why headers go before payloads: gloo aborts the whole process when a message is longer than
 the receive buffer and silently accepts a shorter one, so a payload receive is only posted
@@ -25,6 +29,7 @@ the peer's call is.
 
 from __future__ import annotations
 
+import hashlib
 import weakref
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -46,6 +51,7 @@ __all__ = [
     "HEADER_BYTES",
     "HEADER_TAG",
     "TEXT_BYTES",
+    "fingerprint",
     "invalid_message",
     "next_seq",
     "scratch",
@@ -61,22 +67,39 @@ HEADER_TAG = 7001
 TEXT_BYTES = 1024
 _MAGIC = 0x52504844  # "RPHD"
 
-COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce")
+#: Every collective a header can name (ringpipe's algorithms run the first five).
+COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce", "alltoall", "barrier",
+               "broadcast_object", "allgather_object", "split")
 ALGORITHM_CODES = ("auto", "ring", "rabenseifner", "recursive_doubling", "tree", "hierarchical", "native")
 _OPS = tuple(ReduceOp)
+#: The dtypes ringpipe's own algorithms reduce and move.
 DTYPES = (
     torch.float32, torch.float64, torch.float16, torch.bfloat16,
     torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
 )  # fmt: skip
-_DTYPE_CODE = {d: i for i, d in enumerate(DTYPES)}
+#: Further dtypes a header can name (the backends' native collectives may carry them).
+_MORE_DTYPES = (torch.bool, torch.complex64, torch.complex128, torch.uint16, torch.uint32, torch.uint64,
+                torch.float8_e4m3fn, torch.float8_e5m2)
+_ALL_DTYPES = DTYPES + _MORE_DTYPES
+_DTYPE_CODE = {d: i for i, d in enumerate(_ALL_DTYPES)}
 
 
 class MismatchError(CommError):
-    """Ranks called different collectives (or the same one with different arguments)."""
+    """Ranks called different collectives (or the same one with different arguments); raised on every rank."""
 
 
 class InvalidCallError(MismatchError):
     """Some rank called a collective with arguments it cannot run; raised on every rank."""
+
+
+def fingerprint(value: object) -> int:
+    """A 62-bit digest of ``repr(value)``, the same in every process (unlike ``hash``)."""
+    digest = hashlib.blake2b(repr(value).encode("utf-8"), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 62) - 1)
+
+
+def dtype_name(dtype: torch.dtype | None) -> str:
+    return "?" if dtype is None else str(dtype).removeprefix("torch.")
 
 
 class CallInfo(NamedTuple):
@@ -89,28 +112,28 @@ class CallInfo(NamedTuple):
     numel: int
     root: int
     algo: int
+    detail: int = 0
 
     @classmethod
-    def make(cls, seq: int, coll: str, op: ReduceOp | None, dtype: torch.dtype, count: int,
-             root: int, algo: str) -> CallInfo:
-        if dtype not in _DTYPE_CODE:
-            valid = ", ".join(str(d).removeprefix("torch.") for d in DTYPES)
-            raise CommError(
-                f"{coll}: dtype {dtype} is not supported by ringpipe's collectives (valid: {valid}); "
-                "convert the tensor (e.g. bool -> uint8) or use algorithm='native'"
-            )
+    def make(cls, seq: int, coll: str, op: ReduceOp | None, dtype: torch.dtype | None, count: int,
+             root: int, algo: str, detail: object = None) -> CallInfo:
+        """A call as header words; ``detail``: whatever else must agree (compared by fingerprint)."""
         op_code = -1 if op is None else _OPS.index(op)
-        return cls(seq, COLLECTIVES.index(coll), op_code, _DTYPE_CODE[dtype], count, root,
-                   ALGORITHM_CODES.index(algo))
+        dtype_code = -1 if dtype is None else _DTYPE_CODE.get(dtype, len(_ALL_DTYPES))
+        extra = 0 if detail is None else fingerprint(detail)
+        if dtype is not None and dtype not in _DTYPE_CODE:
+            extra = fingerprint((detail, str(dtype)))
+        return cls(seq, COLLECTIVES.index(coll), op_code, dtype_code, count, root,
+                   ALGORITHM_CODES.index(algo), extra)
 
     @classmethod
     def invalid(cls, seq: int, coll: str) -> CallInfo:
         """The call of a rank whose arguments were refused: only its number and collective."""
-        return cls(seq, COLLECTIVES.index(coll), -1, -1, -1, -1, -1)
+        return cls(seq, COLLECTIVES.index(coll), -1, -1, -1, -1, -1, -1)
 
     def describe(self, other: CallInfo) -> str:
         """This call as text, naming the fields that differ from ``other``."""
-        dtype = str(DTYPES[self.dtype]).removeprefix("torch.") if self.dtype >= 0 else "?"
+        dtype = dtype_name(_ALL_DTYPES[self.dtype]) if 0 <= self.dtype < len(_ALL_DTYPES) else "?"
         text = f"{dtype}[{self.numel}]"
         if self.coll != other.coll or self.seq != other.seq:
             text = f"{COLLECTIVES[self.coll]} #{self.seq} of {text}"
@@ -124,6 +147,7 @@ class CallInfo(NamedTuple):
 
 
 def mismatch_message(rank_a: int, a: CallInfo, rank_b: int, b: CallInfo) -> str:
+    """Two ranks' differing calls as the first sentence of a :class:`MismatchError`."""
     if rank_a > rank_b:
         rank_a, a, rank_b, b = rank_b, b, rank_a, a
     if a.coll == b.coll and a.seq == b.seq:
@@ -133,7 +157,7 @@ def mismatch_message(rank_a: int, a: CallInfo, rank_b: int, b: CallInfo) -> str:
     return (
         f"{where}: rank {rank_a} has {a.describe(b)}, rank {rank_b} has {b.describe(a)}; "
         "every rank must make the same collective calls in the same order with the same "
-        "dtype, element count, op and root (this communicator cannot be used after this error)"
+        "dtype, shape, op and root"
     )
 
 
@@ -153,11 +177,11 @@ def _cut(text: str) -> bytes:
     return raw[:TEXT_BYTES - 3].decode("utf-8", "ignore").encode("utf-8") + b"..."
 
 
-# Header layout (int64 words): magic, sender, flags, the sender's call (7 words), the first
-# mismatch known (rank, call, rank, call: 16 words), the lowest invalid rank and its text length.
-_CALL = slice(3, 10)
-_MISMATCH = slice(10, 26)
-_INVALID = slice(26, 28)
+# Header layout (int64 words): magic, sender, flags, the sender's call (8 words), the first
+# mismatch known (rank, call, rank, call: 18 words), the lowest invalid rank and its text length.
+_CALL = slice(3, 11)
+_MISMATCH = slice(11, 29)
+_INVALID = slice(29, 31)
 _HAS_MISMATCH = 1
 _HAS_INVALID = 2
 
@@ -219,7 +243,7 @@ class HeaderState:
         if self.mismatch is None:
             if flags & _HAS_MISMATCH:
                 m = words[_MISMATCH]
-                self.mismatch = (m[0], CallInfo(*m[1:8]), m[8], CallInfo(*m[9:16]))
+                self.mismatch = (m[0], CallInfo(*m[1:9]), m[9], CallInfo(*m[10:18]))
             elif theirs != self.call:
                 self.mismatch = (self.rank, self.call, peer, theirs)
         return self.ok

@@ -1,0 +1,242 @@
+"""The Horovod-style API's process state: init and shutdown, who am I, what is built, handles, process sets."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ringpipe.comm.base import Communicator, ReduceOp
+from ringpipe.dp import world as _w
+from ringpipe.dp.engine import Handle
+from ringpipe.dp.process_sets import (
+    ProcessSet,
+    add_process_set,
+    global_process_set,
+    register_initial,
+    remove_process_set,
+)
+from ringpipe.dp.world import HorovodInternalError, NotInitializedError, World
+
+__all__ = [
+    "Average",
+    "HorovodInternalError",
+    "Max",
+    "Min",
+    "NotInitializedError",
+    "ProcessSet",
+    "Product",
+    "Sum",
+    "World",
+    "add_process_set",
+    "ccl_built",
+    "communicator",
+    "cross_rank",
+    "cross_size",
+    "cuda_built",
+    "ddl_built",
+    "gloo_built",
+    "gloo_enabled",
+    "global_process_set",
+    "init",
+    "is_initialized",
+    "local_rank",
+    "local_size",
+    "mpi_built",
+    "mpi_enabled",
+    "mpi_threads_supported",
+    "nccl_built",
+    "poll",
+    "rank",
+    "remove_process_set",
+    "rocm_built",
+    "shutdown",
+    "size",
+    "synchronize",
+]
+
+log = logging.getLogger("ringpipe.api")
+
+Average = ReduceOp.AVERAGE
+Sum = ReduceOp.SUM
+Min = ReduceOp.MIN
+Max = ReduceOp.MAX
+Product = ReduceOp.PRODUCT
+
+
+def _world() -> World:
+    return _w.current()
+
+
+def init(
+    comm: Communicator | Sequence[int] | None = None,
+    backend: str | None = None,
+    process_sets: Sequence[ProcessSet] | str | None = None,
+) -> None:
+    """Initialise ringpipe (Horovod step 1): from the launch environment, or around an existing ``comm``.
+
+    The backend is ``backend``, else ``$RINGPIPE_BACKEND``, else NCCL with GPUs and gloo without.
+    ``process_sets``: process sets to register now (every rank passes the same), or
+    ``"dynamic"`` to add them later with :func:`add_process_set`. Calling ``init`` again while
+    initialised does nothing; after :func:`shutdown` it initialises anew.
+    """
+    state = _w._state
+    if state is not None:
+        if isinstance(comm, Communicator) and comm is not state.comm:
+            raise RuntimeError("ringpipe is already initialised with another communicator; call shutdown() first")
+        return
+    if comm is not None and not isinstance(comm, Communicator):
+        raise ValueError(
+            "init(comm=...) takes a ringpipe Communicator; Horovod's list of ranks or mpi4py communicator for a "
+            "subset of the job is not supported: start only those ranks, or use process sets"
+        )
+    owns = comm is None
+    if comm is None:
+        from ringpipe.comm.world import init_world
+
+        comm = init_world(backend or os.environ.get("RINGPIPE_BACKEND") or None)
+    world = World(comm, owns_comm=owns)
+    _w.install(world)
+    try:
+        register_initial(world, process_sets)
+    except BaseException:
+        _w.release()
+        world.close()
+        raise
+    log.debug("ringpipe initialised: %r", comm)
+
+
+def shutdown() -> None:
+    """Stop the engines and release the communicator created by :func:`init` (or by ``init_world``).
+
+    With ``RINGPIPE_TIMELINE=FILE`` in the environment (as ``HOROVOD_TIMELINE`` in Horovod), rank 0
+    first writes a Chrome timeline of every rank's communication to ``FILE`` and the events beside it
+    (``FILE`` with ``.events.json``, for ``ringpipe doctor`` and ``ringpipe trace``).
+    """
+    state = _w.release()
+    if state is None:  # a world from init_world() (the lower-level entry point) is released too
+        from ringpipe.comm.world import shutdown_world
+
+        shutdown_world()
+        return
+    path = os.environ.get("RINGPIPE_TIMELINE")
+    try:
+        if path:
+            state.engine.run(lambda: _write_timeline(state.comm, path), name="timeline")
+    finally:
+        state.close()
+        global_process_set.ranks = []
+        global_process_set.comm = None
+
+
+def _write_timeline(comm: Communicator, path: str) -> None:
+    from pathlib import Path
+
+    from ringpipe.observe import collect_events, save_events, write_timeline
+
+    job = collect_events(comm)
+    if job is not None:
+        out = write_timeline(path, job)
+        save_events(out.with_name(out.stem + ".events.json"), job)
+        log.info("timeline written to %s (open in chrome://tracing or ui.perfetto.dev)", Path(path))
+
+
+def is_initialized() -> bool:
+    return _w.is_initialized()
+
+
+def communicator() -> Communicator:
+    """The world communicator (for ringpipe's lower layers)."""
+    return _world().comm
+
+
+def rank() -> int:
+    return _world().comm.rank
+
+
+def size() -> int:
+    return _world().comm.size
+
+
+def local_rank() -> int:
+    return _world().comm.topology.local_rank
+
+
+def local_size() -> int:
+    return _world().comm.topology.local_size
+
+
+def cross_rank() -> int:
+    """The index of this rank's node."""
+    return _world().comm.topology.node_rank
+
+
+def cross_size() -> int:
+    """The number of nodes."""
+    return _world().comm.topology.num_nodes
+
+
+def mpi_enabled() -> bool:
+    return _world().comm.backend == "mpi"
+
+
+def gloo_enabled() -> bool:
+    return _world().comm.backend == "gloo"
+
+
+def mpi_built() -> bool:
+    from ringpipe.comm.mpi_backend import mpi_available
+
+    return mpi_available()
+
+
+def gloo_built() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_gloo_available()
+
+
+def nccl_built() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_nccl_available()
+
+
+def ccl_built() -> bool:
+    """Intel oneCCL: not a ringpipe backend."""
+    return False
+
+
+def ddl_built() -> bool:
+    """IBM DDL: not a ringpipe backend."""
+    return False
+
+
+def cuda_built() -> bool:
+    return torch.cuda.is_available()
+
+
+def rocm_built() -> bool:
+    return torch.version.hip is not None
+
+
+def mpi_threads_supported() -> bool:
+    """Only the engine thread calls MPI, so ringpipe needs no MPI thread support."""
+    return False
+
+
+def poll(handle: Handle) -> bool:
+    """Whether the asynchronous operation behind ``handle`` has finished (never blocks)."""
+    if callable(handle) and not isinstance(handle, Handle):
+        return True
+    return handle.done()
+
+
+def synchronize(handle: Handle | Any) -> Any:
+    """Wait for an asynchronous operation and return its result.
+
+    A failed collective (a mismatch across ranks, a lost peer) raises a
+    :class:`HorovodInternalError`, as in Horovod.
+    """
+    if callable(handle) and not isinstance(handle, Handle):  # sparse_allreduce_async's handle
+        return handle()
+    return handle.wait()

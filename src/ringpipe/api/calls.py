@@ -1,0 +1,62 @@
+"""What every call of the Horovod-style API shares: its process set, its name, its place on the engine."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from ringpipe.comm.base import Communicator, ReduceOp
+from ringpipe.dp.engine import Engine, Handle
+from ringpipe.dp.process_sets import ProcessSet, resolve
+from ringpipe.dp.world import current
+
+__all__ = ["Call", "parse_op", "set_detail"]
+
+
+def parse_op(op: ReduceOp | str | None, average: bool | None, default: ReduceOp = ReduceOp.AVERAGE) -> ReduceOp:
+    """Horovod's ``op`` / deprecated ``average`` pair (both given is an error, as in Horovod)."""
+    if op is not None and average is not None:
+        raise ValueError("The op parameter supersedes average. Please provide only one of them.")
+    if average is not None:
+        return ReduceOp.AVERAGE if average else ReduceOp.SUM
+    return ReduceOp.parse(op if op is not None else default)
+
+
+def set_detail(process_set: ProcessSet | None) -> dict[str, Any]:
+    """The process set as an announced argument (every member must name the same set)."""
+    return {"process_set": 0 if process_set is None else process_set.process_set_id}
+
+
+class Call:
+    """One API call: the communicator of its process set, its name, and a problem found on this rank.
+
+    A ``name`` still in flight (submitted, not yet synchronized) is a problem, as in Horovod;
+    like every invalid argument it is announced so that every rank raises it.
+    """
+
+    def __init__(self, what: str, process_set: ProcessSet | None, name: str | None) -> None:
+        self.what = what
+        self.comm: Communicator
+        self.comm, self.ranks = resolve(process_set, what)
+        self.detail = set_detail(process_set)
+        self.name = name
+        self.problem: BaseException | None = None
+        if name is not None:
+            names = current().names
+            earlier = names.get(name)
+            if earlier is not None and not earlier.done():
+                self.problem = ValueError(
+                    f"{what}: an operation named {name!r} is still in flight; synchronize it first or use "
+                    "another name (Horovod: requested a tensor with the same name as another tensor that is "
+                    "currently being processed)"
+                )
+
+    @property
+    def engine(self) -> Engine:
+        return Engine.of(self.comm)
+
+    def submit(self, task: Callable[[], Any], then: Callable[[Any], Any] | None = None) -> Handle:
+        handle = self.engine.submit(task, then, name=self.name or self.what)
+        if self.name is not None and self.problem is None:
+            current().names[self.name] = handle
+        return handle

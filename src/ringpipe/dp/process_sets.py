@@ -1,0 +1,217 @@
+"""Horovod's process sets: subsets of the world's ranks that run collectives among themselves.
+
+A registered set owns a sub-communicator of the world (:meth:`Communicator.split`, collective on
+every rank, so every rank must register the same sets in the same order) and that
+communicator's engine. Ids are handed out in registration order, so the same set has the same
+id on every rank; id 0 is :data:`global_process_set`, every rank. As in Horovod, ranks passed
+to a collective on a set (``root_rank``) are world ranks, a rank outside the set that calls a
+collective on it gets ``HorovodInternalError("...: Rank R is not a member of the provided
+process set.")``, and a removed set can no longer be used.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from ringpipe.comm.base import Communicator
+from ringpipe.dp.engine import Engine
+from ringpipe.dp.world import HorovodInternalError, World, current
+
+__all__ = [
+    "ProcessSet",
+    "add_process_set",
+    "global_process_set",
+    "register_initial",
+    "remove_process_set",
+    "resolve",
+    "set_root",
+]
+
+
+class ProcessSet:
+    """A set of world ranks (or an mpi4py communicator) that runs collectives together.
+
+    Create it with a list of ranks, then pass it to ``init(process_sets=[...])`` or
+    :func:`add_process_set`; it is usable once ``process_set_id`` is set.
+    """
+
+    process_set_id: int | None = None
+    ranks: list[int] | None = None
+    mpi_comm: Any = None
+
+    def __init__(self, ranks_or_comm: Sequence[int] | Any) -> None:
+        self.comm: Communicator | None = None
+        if isinstance(ranks_or_comm, Iterable) and not isinstance(ranks_or_comm, (str, bytes)):
+            ranks = sorted(ranks_or_comm)
+            if any(not isinstance(r, int) or isinstance(r, bool) for r in ranks):
+                raise ValueError("ProcessSet should be initialized with a list of process ranks or an mpi4py Comm object")
+            self.ranks = ranks
+            return
+        try:
+            from mpi4py import MPI
+        except ImportError:
+            MPI = None  # noqa: N806
+        if MPI is None or not isinstance(ranks_or_comm, MPI.Comm):
+            raise ValueError("ProcessSet should be initialized with a list of process ranks or an mpi4py Comm object")
+        self.mpi_comm = ranks_or_comm
+
+    def size(self) -> int | None:
+        """The number of ranks in the set, or None if it is not registered."""
+        if self.process_set_id is None or self.ranks is None:
+            return None
+        return len(self.ranks)
+
+    def rank(self) -> int | None:
+        """This process's rank inside the set, or None if it is not registered.
+
+        Collectives on a set still take world ranks (``root_rank``), as in Horovod.
+        """
+        if self.process_set_id is None or self.ranks is None:
+            return None
+        me = current().comm.rank
+        if me not in self.ranks:
+            raise ValueError("Process is not part of provided process set.")
+        return self.ranks.index(me)
+
+    def included(self) -> bool | None:
+        """Whether this process belongs to the set, or None if its ranks are not known yet."""
+        if self.ranks is None:
+            return None
+        return current().comm.rank in self.ranks
+
+    def _close(self) -> None:
+        if self.comm is not None and self.process_set_id:
+            Engine.of(self.comm).shutdown()
+        self.comm = None
+
+    def _invalidate(self) -> None:
+        self.process_set_id = None
+
+    def __str__(self) -> str:
+        return f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks}, mpi_comm={self.mpi_comm})"
+
+    __repr__ = __str__
+
+
+global_process_set = ProcessSet([])
+global_process_set.process_set_id = 0
+
+
+def _world_ranks_of(world: World, mpi_comm: Any) -> list[int]:
+    """The world ranks of an mpi4py communicator's members (this rank's view)."""
+    from mpi4py import MPI
+
+    members = list(range(mpi_comm.Get_size()))
+    return sorted(int(r) for r in MPI.Group.Translate_ranks(mpi_comm.Get_group(), members, MPI.COMM_WORLD.Get_group()))
+
+
+def _register(world: World, ps: ProcessSet) -> ProcessSet:
+    assert ps.ranks is not None
+    size = world.comm.size
+    if not ps.ranks or len(set(ps.ranks)) != len(ps.ranks) or not all(0 <= r < size for r in ps.ranks):
+        raise ValueError(f"process set ranks {ps.ranks} must be distinct ranks in [0, {size}) (hvd.size() is {size})")
+    if any(other.ranks == ps.ranks for other in world.sets.values()):
+        raise ValueError(f"Attempted to add a duplicate process set: {ps}")
+    set_id = world.next_set_id
+    ps.comm = world.engine.run(lambda: world.comm.split(ps.ranks or [], name=f"process_set{set_id}"),
+                               name="add_process_set")
+    world.next_set_id += 1
+    ps.process_set_id = set_id
+    world.sets[set_id] = ps
+    return ps
+
+
+def register_initial(world: World, process_sets: Sequence[ProcessSet] | str | None) -> None:
+    """Register the global set and those given to ``init(process_sets=...)`` ("dynamic": none yet)."""
+    global_process_set.ranks = list(range(world.comm.size))
+    global_process_set.comm = world.comm
+    world.sets[0] = global_process_set
+    if isinstance(process_sets, str):
+        if process_sets.lower() != "dynamic":
+            raise ValueError(f"process_sets must be a list of ProcessSet or 'dynamic', got {process_sets!r}")
+        world.dynamic_sets = True
+        return
+    for ps in process_sets or []:
+        if not isinstance(ps, ProcessSet):
+            raise ValueError(f"process_sets must hold ProcessSet objects, got {type(ps).__name__}")
+        if ps.ranks is None and ps.mpi_comm is not None:
+            # every rank names its own communicator's members; register each distinct set once
+            mine = _world_ranks_of(world, ps.mpi_comm)
+            every = world.engine.run(lambda mine=mine: world.comm.allgather_object(mine), name="process_sets")
+            for ranks in dict.fromkeys(tuple(r) for r in every):
+                holder = ps if list(ranks) == mine else ProcessSet(list(ranks))
+                holder.ranks = list(ranks)
+                if not any(o.ranks == holder.ranks for o in world.sets.values()):
+                    _register(world, holder)
+            continue
+        if any(o.ranks == ps.ranks for o in world.sets.values()):
+            ps._invalidate()  # Horovod: a second object with the ranks of a registered set is not valid
+            continue
+        _register(world, ps)
+
+
+def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
+    """Register a new process set after ``init`` and return it (collective: every rank calls it alike).
+
+    Needs ``init(process_sets="dynamic")`` or ``HOROVOD_DYNAMIC_PROCESS_SETS=1``, as in Horovod.
+    """
+    world = current()
+    if not world.dynamic_sets:
+        raise ValueError("Set HOROVOD_DYNAMIC_PROCESS_SETS=1 to allow adding process sets after Horovod initialization.")
+    ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
+    if ps.ranks is None and ps.mpi_comm is not None:
+        raise NotImplementedError(
+            "Dynamically adding process sets defined by an MPI communicator is not implemented. "
+            "Please build the process set via a list of ranks."
+        )
+    return _register(world, ps)
+
+
+def remove_process_set(process_set: ProcessSet) -> bool:
+    """Unregister ``process_set`` (collective); returns whether it was removed. The global set stays."""
+    world = current()
+    set_id = process_set.process_set_id
+    if set_id is None or set_id == 0 or world.sets.get(set_id) is not process_set:
+        return False
+    if not world.dynamic_sets:
+        raise ValueError("Set HOROVOD_DYNAMIC_PROCESS_SETS=1 to allow removing process sets after Horovod initialization.")
+    ids = world.engine.run(lambda: world.comm.allgather_object(set_id), name="remove_process_set")
+    if len(set(ids)) != 1:
+        raise ValueError(
+            f"remove_process_set: ranks removed different process sets (ids by rank: {ids}); every rank must "
+            "remove the same set in the same order"
+        )
+    process_set._close()
+    del world.sets[set_id]
+    process_set._invalidate()
+    return True
+
+
+def resolve(process_set: ProcessSet | None, what: str) -> tuple[Communicator, list[int]]:
+    """The communicator a collective ``what`` on ``process_set`` runs on (this rank must be a member),
+    and the set's world ranks."""
+    ps = global_process_set if process_set is None else process_set
+    if not isinstance(ps, ProcessSet):
+        raise TypeError(f"{what}: process_set must be a ProcessSet, got {type(ps).__name__}")
+    world = current()
+    if ps.process_set_id is None or world.sets.get(ps.process_set_id) is not ps:
+        raise ValueError(
+            f"{what}: the process set {ps} does not exist or has not been registered (removed, or never passed to "
+            "init(process_sets=...) or add_process_set)"
+        )
+    if ps.comm is None:
+        raise HorovodInternalError(f"{what}: Rank {world.comm.rank} is not a member of the provided process set.")
+    assert ps.ranks is not None
+    return ps.comm, ps.ranks
+
+
+def set_root(ranks: list[int], root_rank: int, what: str) -> tuple[int, ValueError | None]:
+    """The rank inside a set of the world rank ``root_rank``, or (0, the error naming the set) if absent.
+
+    The error is returned, not raised, so that the caller announces its call as invalid and every
+    rank raises it (a rank raising alone would leave the others waiting).
+    """
+    if isinstance(root_rank, int) and not isinstance(root_rank, bool) and root_rank in ranks:
+        return ranks.index(root_rank), None
+    return 0, ValueError(f"{what}: root_rank {root_rank!r} is not a rank of the process set (world ranks {ranks})")
