@@ -61,7 +61,8 @@ def _mpi_op(op: ReduceOp) -> Any:
         ReduceOp.PRODUCT: MPI.PROD,
     }
     if op not in ops:
-        raise CommError(f"the mpi backend has no native {op.value} reduction; use ringpipe.collectives for it")
+        raise CommError(f"the mpi backend has no native {op.value} reduction; use "
+                        f"ringpipe.collectives.allreduce(comm, tensor, op={op.value!r}) for it")
     return ops[op]
 
 

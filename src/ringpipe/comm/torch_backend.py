@@ -148,8 +148,8 @@ class TorchCommunicator(Communicator):
         native = _NATIVE_OPS.get(op)
         if native is None:
             raise CommError(
-                f"the {self.backend} backend has no native {op.value} reduction; "
-                "use ringpipe.collectives for it"
+                f"the {self.backend} backend has no native {op.value} reduction; use "
+                f"ringpipe.collectives.allreduce(comm, tensor, op={op.value!r}) for it"
             )
         return native, False
 
