@@ -19,7 +19,7 @@ def _nccl_ops(comm):
     assert comm.device == dev
     out = {}
     for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.int64):
-        for op in ReduceOp:
+        for op in (o for o in ReduceOp if o is not ReduceOp.ADASUM):  # adasum: ringpipe.collectives
             t = (torch.arange(6, device=dev) + 1).to(dtype)
             comm.allreduce(t, op)
             out[f"allreduce-{op.value}-{dtype}"] = t.cpu().double().tolist()
@@ -43,7 +43,7 @@ def _nccl_ops(comm):
 def test_nccl_single_rank_every_operation():
     (out,) = spawn(_nccl_ops, 1, backend="nccl")
     for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.int64):
-        for op in ReduceOp:
+        for op in (o for o in ReduceOp if o is not ReduceOp.ADASUM):  # adasum: ringpipe.collectives
             exp = [float(i + 1) for i in range(6)]
             if op is ReduceOp.AVERAGE and dtype == torch.int64:
                 exp = exp  # one rank: the average is the value itself
