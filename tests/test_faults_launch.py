@@ -222,3 +222,24 @@ def test_max_restarts_restarts_the_ranks_after_a_kill(tmp_path):
                          timeout=200, env=env())
     assert out.returncode == 128 + signal.SIGKILL
     assert "ringpipe launch: rank 1 failed with signal SIGKILL" in out.stderr, out.stderr[-3000:]
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("mode", MODES)
+def test_ctrl_c_prints_one_line_and_exits_130(tmp_path, mode):
+    """SIGINT to the launcher's process group, as a terminal's Ctrl-C sends it: one line, status 130, nothing left."""
+    proc, script = start(["-n", "2", *mode], tmp_path, "forever.py")
+    try:
+        wait_until(lambda: all((tmp_path / f"pid-{r}").exists() for r in (0, 1)) or proc.poll() is not None,
+                   120, "every rank started")
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=60) == 130
+        wait_until(lambda: not alive(str(script)), 30, f"every process ended: {alive(str(script))}")
+        log = (tmp_path / "forever.py.log").read_text()
+        assert "ringpipe launch: interrupted by SIGINT; every rank was stopped" in log, log[-3000:]
+        assert "Traceback" not in log and "SignalException" not in log, log[-3000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        for pid, _ in alive(str(script)):
+            os.kill(pid, signal.SIGKILL)

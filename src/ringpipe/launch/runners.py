@@ -70,6 +70,7 @@ def _failures(relay: OutputRelay, codes: dict[int, int], times: dict[int, float]
 
 def run_agent(opts: LaunchOptions) -> int:
     from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     nproc = int(opts.nprocs or 1)
@@ -118,6 +119,11 @@ def run_agent(opts: LaunchOptions) -> int:
                 codes.pop(r)
         relay.close()
         return report_failures(_failures(relay, codes, times))
+    except (SignalException, KeyboardInterrupt) as exc:  # the agent stopped every rank first
+        relay.close()
+        sig = int(getattr(exc, "sigval", signal.SIGINT))
+        print(f"ringpipe launch: interrupted by {signal.Signals(sig).name}; every rank was stopped", file=sys.stderr)
+        return 128 + sig
     except Exception as exc:  # noqa: BLE001 - the agent itself failed (rendezvous, ...): say so in one line
         relay.close()
         print(f"ringpipe launch: {type(exc).__name__}: {exc}", file=sys.stderr)
@@ -231,7 +237,7 @@ def run_mpi(opts: LaunchOptions) -> int:
         except subprocess.TimeoutExpired:
             proc.kill()
         relay.close()
-        print("ringpipe launch: interrupted", file=sys.stderr)
+        print("ringpipe launch: interrupted by SIGINT; every rank was stopped", file=sys.stderr)
         return 130
     relay.close()
     if code == 0:
@@ -292,6 +298,17 @@ def run_mp(opts: LaunchOptions) -> int:
     try:
         while not ctx.join(timeout=0.2):
             pass
+    except KeyboardInterrupt:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.terminate()
+        for p in ctx.processes:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+        relay.close()
+        print("ringpipe launch: interrupted by SIGINT; every rank was stopped", file=sys.stderr)
+        return 130
     except (tmp.ProcessRaisedException, tmp.ProcessExitedException):
         codes = {}
         for rank, p in enumerate(ctx.processes):
