@@ -22,7 +22,12 @@ import torch
 from ringpipe.dp.checkpoint import UnsafeCheckpointError
 from ringpipe.dp.checkpoint import load_checkpoint as hvd_load_checkpoint
 from ringpipe.launch import spawn
-from ringpipe.train.checkpoint import CheckpointError, content_digest, load_checkpoint, save_checkpoint
+from ringpipe.train.checkpoint import (
+    CheckpointError,
+    content_digest,
+    load_checkpoint,
+    save_checkpoint,
+)
 from trainrun import sets, train
 
 #: 1,438 training records in batches of 32: epochs end at steps 45, 90 and 135.

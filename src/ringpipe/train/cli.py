@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import importlib
 import logging
 import multiprocessing

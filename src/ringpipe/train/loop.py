@@ -15,7 +15,6 @@ the first, stops at once (``KeyboardInterrupt``), keeping the newest checkpoint.
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
 import math
 import signal
@@ -33,22 +32,13 @@ import yaml
 
 from ringpipe.comm import Communicator
 from ringpipe.comm.events import blocked_ns
-from ringpipe.observe.regions import expected_work
-from ringpipe.train.checkpoint import (
-    CheckpointError,
-    Resumable,
-    find_resumable,
-    remove_stale_temporaries,
-    save_checkpoint,
-    set_aside,
-    world_mismatch,
-)
 from ringpipe.train.config import TrainConfig, dump_config
 from ringpipe.train.datasets import Dataset, load_dataset
 from ringpipe.train.metrics import MetricsWriter, plot_curves, write_json_atomic
 from ringpipe.train.models import build_model
 from ringpipe.train.modes import Engine, ModeContext, build_engine
 from ringpipe.train.rundir import clear_run_dir
+from ringpipe.train.runstate import Checkpointing, NothingToResume, nothing_to_resume
 from ringpipe.train.sampling import ShardStream, eval_indices
 from ringpipe.train.schedules import build_schedule
 
@@ -57,28 +47,11 @@ __all__ = ["train", "seed_everything", "node_first", "write_observations", "Noth
 
 log = logging.getLogger(__name__)
 
-CHECKPOINT_VERSION = 1
 
 
 #: A second SIGINT within this many seconds of the first is the same Ctrl-C delivered twice (to the
 #: process group by the terminal, and forwarded by the parent of spawned ranks); a later one stops at once.
 REPEAT_S = 1.0
-
-
-class NothingToResume(CheckpointError):
-    """``--resume`` of a run whose checkpoint is already at its last step (or at ``max_steps``)."""
-
-
-def nothing_to_resume(run_dir: str | Path, step: int, total: int, max_steps: int | None) -> str:
-    """Why a run at ``step`` of ``total`` has nothing left to train ("" if it has)."""
-    if step >= total:
-        return f"the run in {run_dir} is already complete (step {step} of {total}); nothing to resume"
-    if max_steps is not None and step >= max_steps:
-        return (
-            f"the run in {run_dir} already stopped at max_steps={max_steps} (step {step} of {total}); "
-            "nothing to resume: resume with --set max_steps=null (or a larger max_steps) to continue"
-        )
-    return ""
 
 
 class StopRequest:
@@ -132,20 +105,6 @@ def node_first(comm: Communicator) -> AbstractContextManager[None]:
     return local_rank_zero_first(comm)
 
 
-def _rng_state() -> dict[str, Any]:
-    """The RNG state that training consumes after initialisation (dropout and other torch sampling)."""
-    state = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-
-
 class _Tally:
     """Running ``[loss_sum, correct, count]`` sums, reduced across ranks when read."""
 
@@ -171,27 +130,7 @@ class _Tally:
         return loss_sum / count, correct / count, int(count), flags > 0
 
 
-def _model_mismatch(saved: dict[str, Any], current: dict[str, Any]) -> str:
-    """The first difference between the model weights of two engine states ("" if none is found)."""
-    where = f"stage {saved['stage']}: " if "stage" in saved else ""
-    if "balance" in saved and list(saved["balance"]) != list(current.get("balance", [])):
-        return f"its pipeline stages hold {list(saved['balance'])} layers, this config's {list(current['balance'])}"
-    for key in ("model", "module"):  # data-parallel engines, pipeline stages
-        old, new = saved.get(key), current.get(key)
-        if not (isinstance(old, dict) and isinstance(new, dict)):
-            continue
-        for name in [*old, *(k for k in new if k not in old)]:
-            if name not in new:
-                return f"{where}{name} is in the checkpoint but not in this model"
-            if name not in old:
-                return f"{where}{name} of this model is not in the checkpoint"
-            if tuple(old[name].shape) != tuple(new[name].shape):
-                return (f"{where}{name} has shape {list(old[name].shape)} in the checkpoint, "
-                        f"{list(new[name].shape)} in this model")
-    return ""
-
-
-class _Run:
+class _Run(Checkpointing):
     """The state of one run on one rank."""
 
     def __init__(self, comm: Communicator, cfg: TrainConfig, run_dir: Path, progress: bool,
@@ -241,145 +180,6 @@ class _Run:
         """The whole epoch reached by ``step`` if step-1 was still before it."""
         before, after = math.floor(self.epoch_at(step - 1) + 1e-9), math.floor(self.epoch_at(step) + 1e-9)
         return after if after > before else None
-
-    # ------------------------------------------------------------------ checkpoints
-
-    def _payload(self) -> dict[str, Any] | None:
-        mine = {
-            "rng": _rng_state(),
-            "stream": self.stream.state_dict(),
-            "window": self.window.value.clone(),
-            "epoch_tally": self.epoch_tally.value.clone(),
-            "schedule": self.schedule.state_dict(),
-        }
-        if not self.engine.shared_state:
-            mine["engine"] = self.engine.state_dict()
-        ranks = self.comm.allgather_object(mine) if self.comm.size > 1 else [mine]
-        if not self.is_root:
-            return None
-        return {
-            "version": CHECKPOINT_VERSION,
-            "step": self.step,
-            "epoch": self.epoch_at(self.step),
-            "mode": self.cfg.mode,
-            "world_size": self.comm.size,
-            "config": dump_config(self.cfg),
-            "engine": self.engine.state_dict() if self.engine.shared_state else None,
-            "ranks": ranks,
-            "train_time": self.train_time,
-            "wall_time": self.wall_time(),
-            "records": self.records,
-            "replicas": self.engine.replicas,
-            "last_eval": self.last_eval,
-            "last_train": self.last_train,
-        }
-
-    def save(self, gathered: tuple[dict[str, Any] | None] | None = None) -> None:
-        """Checkpoint the current step (collective); ``gathered``: its payload, already gathered."""
-        payload = gathered[0] if gathered is not None else self._payload()
-        if payload is not None:
-            with expected_work("checkpoint"):  # rank 0 alone: the doctor does not call it lateness
-                path = save_checkpoint(self.run_dir / "checkpoints", payload["step"], payload, self.cfg.checkpoint.keep)
-            log.debug("checkpoint %s", path)
-        self.saved_step = self.step
-        if self.comm.size > 1:
-            self.comm.barrier()
-
-    def note_drained(self) -> dict[str, Any] | None:
-        """A streaming engine just drained: keep this step's state (a copy), for a stop before the next drain."""
-        payload = self._payload()
-        self.drained = (self.step, copy.deepcopy(payload))
-        return payload
-
-    def save_drained(self) -> None:
-        """Stopped between drains (streaming engine): checkpoint the state of the last drain.
-
-        Saving here would first drain the micro-batches in flight, which an uninterrupted run
-        does not do: resumed from such a checkpoint, the run would see other weight versions.
-        From the last drain, ``--resume`` repeats the steps since then exactly.
-        """
-        assert self.drained is not None
-        step, payload = self.drained
-        if self.is_root:
-            log.warning(
-                "mode %s stopped at step %d with micro-batches in flight (the pipeline drains only at epoch "
-                "ends): the checkpoint is its state at its last drain, step %d; --resume repeats steps %d-%d "
-                "exactly", self.cfg.mode, self.step, step, step + 1, self.step)
-            if payload is not None and not (self.run_dir / "checkpoints" / f"step-{step:08d}.pt").exists():
-                save_checkpoint(self.run_dir / "checkpoints", step, payload, self.cfg.checkpoint.keep)
-        self.saved_step = self.step
-        if self.comm.size > 1:
-            self.comm.barrier()
-
-    def resume(self) -> None:
-        ckpt: dict[str, Any] | None = None
-        error, path = "", ""
-        if self.is_root:
-            try:
-                found = self._find_resumable()
-                path, ckpt = str(found.path), found.checkpoint
-                error = world_mismatch(found.path, ckpt, self.cfg.mode, self.comm.size)
-            except CheckpointError as exc:
-                error = str(exc)
-            if not error:
-                assert ckpt is not None
-                log.info("resuming from %s (step %d)", path, ckpt["step"])
-        if self.comm.size > 1:
-            error, path, ckpt = self.comm.broadcast_object((error, path, ckpt if not error else None))
-        if error:
-            raise CheckpointError(error)
-        assert ckpt is not None
-        done = nothing_to_resume(self.run_dir, int(ckpt["step"]), self.total_steps, self.cfg.max_steps)
-        if done:
-            raise NothingToResume(done)  # before anything in the run directory changes
-        mine = ckpt["ranks"][self.comm.rank]
-        self._load_engine(ckpt["engine"] if self.engine.shared_state else mine["engine"], path)
-        self.schedule.load_state_dict(mine["schedule"])
-        self.stream.load_state_dict(mine["stream"])
-        self.window.value = mine["window"].clone()
-        self.epoch_tally.value = mine["epoch_tally"].clone()
-        _set_rng_state(mine["rng"])
-        self.step = int(ckpt["step"])
-        self.saved_step = self.step
-        self.train_time = float(ckpt["train_time"])
-        self.wall_before = float(ckpt.get("wall_time", self.train_time))
-        self.last_eval, self.last_train = dict(ckpt["last_eval"]), dict(ckpt["last_train"])
-        self.metrics.truncate_after(self.step)
-
-    def _find_resumable(self) -> Resumable:
-        """Rank 0: the newest good checkpoint; newer unusable ones are reported and moved aside,
-        temporary files of a save that never finished are removed."""
-        directory = self.run_dir / "checkpoints"
-        for tmp in remove_stale_temporaries(directory):
-            log.warning("removed %s, left by a run stopped while it saved a checkpoint", tmp)
-        found = find_resumable(self.run_dir)
-        for bad, reason in found.skipped:
-            set_aside(bad, reason.replace("--resume: ", ""))
-        if found.skipped:
-            log.warning("--resume: continuing from %s, the newest good checkpoint (step %d)",
-                        found.path, found.checkpoint["step"])
-        return found
-
-    def _load_engine(self, state: dict[str, Any], path: str) -> None:
-        """Load the engine's state; a checkpoint of another model is refused on every rank, saying how."""
-        error = ""
-        try:
-            self.engine.load_state_dict(state)
-        except (RuntimeError, ValueError, KeyError) as exc:
-            try:
-                first = _model_mismatch(state, self.engine.state_dict())
-            except Exception:  # the engine's own state is only read to name the difference
-                first = ""
-            first = first or str(exc).strip().splitlines()[-1].strip()
-            error = (
-                f"--resume: the model in {path} does not match this config's model ({first}): resume with the "
-                f"run's own config ({self.run_dir / 'config.yaml'}; leave out the --config or --set that "
-                f"changed the model), or start a new run in another --run-dir"
-            )
-        if self.comm.size > 1:
-            error = next((e for e in self.comm.allgather_object(error) if e), "")
-        if error:
-            raise CheckpointError(error)
 
     def wall_time(self) -> float:
         """Wall time of the loop over the run's parts so far (resumed runs count every part)."""

@@ -1,0 +1,265 @@
+"""What a checkpoint holds of a run, and how a run is saved and restored: the trainer's side of checkpoints.
+
+The state that makes a resumed run equal to an uninterrupted one: the engine (model and
+optimizer, each rank's own for pipeline stages), the LR schedule, each rank's RNG state,
+batch-stream position and partial metric sums, the run's clocks and last records. Rank 0
+gathers it and writes it (:mod:`ringpipe.train.checkpoint` adds the checksum and the atomic
+write); ``--resume`` reads the newest good checkpoint on rank 0 and broadcasts it.
+
+A streaming engine (mode ``async``) has micro-batches in flight between its drains, which a
+checkpoint cannot hold; saving there would drain them, which an uninterrupted run does not
+do. So its state is kept (a copy) at every drain, and a run stopped between drains is
+checkpointed as it was at the last one: ``--resume`` repeats the steps since then exactly.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ringpipe.observe.regions import expected_work
+from ringpipe.train.checkpoint import (
+    CheckpointError,
+    Resumable,
+    find_resumable,
+    remove_stale_temporaries,
+    save_checkpoint,
+    set_aside,
+    world_mismatch,
+)
+from ringpipe.train.config import dump_config
+
+if TYPE_CHECKING:
+    from ringpipe.comm import Communicator
+    from ringpipe.train.config import TrainConfig
+    from ringpipe.train.metrics import MetricsWriter
+    from ringpipe.train.modes import Engine
+    from ringpipe.train.sampling import ShardStream
+
+__all__ = ["CHECKPOINT_VERSION", "Checkpointing", "NothingToResume", "nothing_to_resume"]
+
+log = logging.getLogger("ringpipe.train.loop")
+
+CHECKPOINT_VERSION = 1
+
+
+class NothingToResume(CheckpointError):
+    """``--resume`` of a run whose checkpoint is already at its last step (or at ``max_steps``)."""
+
+
+def nothing_to_resume(run_dir: str | Path, step: int, total: int, max_steps: int | None) -> str:
+    """Why a run at ``step`` of ``total`` has nothing left to train ("" if it has)."""
+    if step >= total:
+        return f"the run in {run_dir} is already complete (step {step} of {total}); nothing to resume"
+    if max_steps is not None and step >= max_steps:
+        return (
+            f"the run in {run_dir} already stopped at max_steps={max_steps} (step {step} of {total}); "
+            "nothing to resume: resume with --set max_steps=null (or a larger max_steps) to continue"
+        )
+    return ""
+
+
+def _rng_state() -> dict[str, Any]:
+    """The RNG state that training consumes after initialisation (dropout and other torch sampling)."""
+    state = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _model_mismatch(saved: dict[str, Any], current: dict[str, Any]) -> str:
+    """The first difference between the model weights of two engine states ("" if none is found)."""
+    where = f"stage {saved['stage']}: " if "stage" in saved else ""
+    if "balance" in saved and list(saved["balance"]) != list(current.get("balance", [])):
+        return f"its pipeline stages hold {list(saved['balance'])} layers, this config's {list(current['balance'])}"
+    for key in ("model", "module"):  # data-parallel engines, pipeline stages
+        old, new = saved.get(key), current.get(key)
+        if not (isinstance(old, dict) and isinstance(new, dict)):
+            continue
+        for name in [*old, *(k for k in new if k not in old)]:
+            if name not in new:
+                return f"{where}{name} is in the checkpoint but not in this model"
+            if name not in old:
+                return f"{where}{name} of this model is not in the checkpoint"
+            if tuple(old[name].shape) != tuple(new[name].shape):
+                return (f"{where}{name} has shape {list(old[name].shape)} in the checkpoint, "
+                        f"{list(new[name].shape)} in this model")
+    return ""
+
+
+class Checkpointing:
+    """The checkpoint half of a run on one rank (mixed into the loop's run state)."""
+
+    comm: Communicator
+    cfg: TrainConfig
+    run_dir: Path
+    engine: Engine
+    stream: ShardStream
+    schedule: Any
+    window: Any
+    epoch_tally: Any
+    metrics: MetricsWriter
+    is_root: bool
+    step: int
+    saved_step: int
+    total_steps: int
+    records: int
+    train_time: float
+    wall_before: float
+    last_eval: dict[str, Any]
+    last_train: dict[str, Any]
+    drained: tuple[int, dict[str, Any] | None] | None
+
+    def epoch_at(self, step: int) -> float:
+        raise NotImplementedError
+
+    def wall_time(self) -> float:
+        raise NotImplementedError
+
+    def _payload(self) -> dict[str, Any] | None:
+        mine = {
+            "rng": _rng_state(),
+            "stream": self.stream.state_dict(),
+            "window": self.window.value.clone(),
+            "epoch_tally": self.epoch_tally.value.clone(),
+            "schedule": self.schedule.state_dict(),
+        }
+        if not self.engine.shared_state:
+            mine["engine"] = self.engine.state_dict()
+        ranks = self.comm.allgather_object(mine) if self.comm.size > 1 else [mine]
+        if not self.is_root:
+            return None
+        return {
+            "version": CHECKPOINT_VERSION,
+            "step": self.step,
+            "epoch": self.epoch_at(self.step),
+            "mode": self.cfg.mode,
+            "world_size": self.comm.size,
+            "config": dump_config(self.cfg),
+            "engine": self.engine.state_dict() if self.engine.shared_state else None,
+            "ranks": ranks,
+            "train_time": self.train_time,
+            "wall_time": self.wall_time(),
+            "records": self.records,
+            "replicas": self.engine.replicas,
+            "last_eval": self.last_eval,
+            "last_train": self.last_train,
+        }
+
+    def save(self, gathered: tuple[dict[str, Any] | None] | None = None) -> None:
+        """Checkpoint the current step (collective); ``gathered``: its payload, already gathered."""
+        payload = gathered[0] if gathered is not None else self._payload()
+        if payload is not None:
+            with expected_work("checkpoint"):  # rank 0 alone: the doctor does not call it lateness
+                path = save_checkpoint(self.run_dir / "checkpoints", payload["step"], payload, self.cfg.checkpoint.keep)
+            log.debug("checkpoint %s", path)
+        self.saved_step = self.step
+        if self.comm.size > 1:
+            self.comm.barrier()
+
+    def note_drained(self) -> dict[str, Any] | None:
+        """A streaming engine just drained: keep this step's state (a copy), for a stop before the next drain."""
+        payload = self._payload()
+        self.drained = (self.step, copy.deepcopy(payload))
+        return payload
+
+    def save_drained(self) -> None:
+        """Stopped between drains (streaming engine): checkpoint the state of the last drain.
+
+        Saving here would first drain the micro-batches in flight, which an uninterrupted run
+        does not do: resumed from such a checkpoint, the run would see other weight versions.
+        From the last drain, ``--resume`` repeats the steps since then exactly.
+        """
+        assert self.drained is not None
+        step, payload = self.drained
+        if self.is_root:
+            log.warning(
+                "mode %s stopped at step %d with micro-batches in flight (the pipeline drains only at epoch "
+                "ends): the checkpoint is its state at its last drain, step %d; --resume repeats steps %d-%d "
+                "exactly", self.cfg.mode, self.step, step, step + 1, self.step)
+            if payload is not None and not (self.run_dir / "checkpoints" / f"step-{step:08d}.pt").exists():
+                with expected_work("checkpoint"):
+                    save_checkpoint(self.run_dir / "checkpoints", step, payload, self.cfg.checkpoint.keep)
+        self.saved_step = self.step
+        if self.comm.size > 1:
+            self.comm.barrier()
+
+    def resume(self) -> None:
+        ckpt: dict[str, Any] | None = None
+        error, path = "", ""
+        if self.is_root:
+            try:
+                found = self._find_resumable()
+                path, ckpt = str(found.path), found.checkpoint
+                error = world_mismatch(found.path, ckpt, self.cfg.mode, self.comm.size)
+            except CheckpointError as exc:
+                error = str(exc)
+            if not error:
+                assert ckpt is not None
+                log.info("resuming from %s (step %d)", path, ckpt["step"])
+        if self.comm.size > 1:
+            error, path, ckpt = self.comm.broadcast_object((error, path, ckpt if not error else None))
+        if error:
+            raise CheckpointError(error)
+        assert ckpt is not None
+        done = nothing_to_resume(self.run_dir, int(ckpt["step"]), self.total_steps, self.cfg.max_steps)
+        if done:
+            raise NothingToResume(done)  # before anything in the run directory changes
+        mine = ckpt["ranks"][self.comm.rank]
+        self._load_engine(ckpt["engine"] if self.engine.shared_state else mine["engine"], path)
+        self.schedule.load_state_dict(mine["schedule"])
+        self.stream.load_state_dict(mine["stream"])
+        self.window.value = mine["window"].clone()
+        self.epoch_tally.value = mine["epoch_tally"].clone()
+        _set_rng_state(mine["rng"])
+        self.step = int(ckpt["step"])
+        self.saved_step = self.step
+        self.train_time = float(ckpt["train_time"])
+        self.wall_before = float(ckpt.get("wall_time", self.train_time))
+        self.last_eval, self.last_train = dict(ckpt["last_eval"]), dict(ckpt["last_train"])
+        self.metrics.truncate_after(self.step)
+
+    def _find_resumable(self) -> Resumable:
+        """Rank 0: the newest good checkpoint; newer unusable ones are reported and moved aside,
+        temporary files of a save that never finished are removed."""
+        directory = self.run_dir / "checkpoints"
+        for tmp in remove_stale_temporaries(directory):
+            log.warning("removed %s, left by a run stopped while it saved a checkpoint", tmp)
+        found = find_resumable(self.run_dir)
+        for bad, reason in found.skipped:
+            set_aside(bad, reason.replace("--resume: ", ""))
+        if found.skipped:
+            log.warning("--resume: continuing from %s, the newest good checkpoint (step %d)",
+                        found.path, found.checkpoint["step"])
+        return found
+
+    def _load_engine(self, state: dict[str, Any], path: str) -> None:
+        """Load the engine's state; a checkpoint of another model is refused on every rank, saying how."""
+        error = ""
+        try:
+            self.engine.load_state_dict(state)
+        except (RuntimeError, ValueError, KeyError) as exc:
+            try:
+                first = _model_mismatch(state, self.engine.state_dict())
+            except Exception:  # the engine's own state is only read to name the difference
+                first = ""
+            first = first or str(exc).strip().splitlines()[-1].strip()
+            error = (
+                f"--resume: the model in {path} does not match this config's model ({first}): resume with the "
+                f"run's own config ({self.run_dir / 'config.yaml'}; leave out the --config or --set that "
+                f"changed the model), or start a new run in another --run-dir"
+            )
+        if self.comm.size > 1:
+            error = next((e for e in self.comm.allgather_object(error) if e), "")
+        if error:
+            raise CheckpointError(error)
