@@ -86,7 +86,7 @@ def wait_until(predicate, seconds, what):
 def start(args, tmp_path, name):
     script = tmp_path / name
     script.write_text(FOREVER)
-    log = open(tmp_path / f"{name}.log", "w")
+    log = open(tmp_path / f"{name}.log", "w")  # noqa: SIM115 - the launcher writes it while the test runs
     proc = subprocess.Popen([*RINGPIPE, "launch", *args, str(script), str(tmp_path)], stdout=log,
                             stderr=subprocess.STDOUT, env=env(), start_new_session=True)
     return proc, script
@@ -129,7 +129,7 @@ def test_no_rank_outlives_its_launcher_on_two_nodes(tmp_path):
     script.write_text(FOREVER)
     procs = []
     for node in (0, 1):
-        log = open(tmp_path / f"node{node}.log", "w")
+        log = open(tmp_path / f"node{node}.log", "w")  # noqa: SIM115 - written while the test runs
         procs.append(subprocess.Popen(
             [*RINGPIPE, "launch", "-n", "1", "--nnodes", "2", "--node-rank", str(node), "--rdzv-endpoint", endpoint,
              str(script), str(tmp_path)], stdout=log, stderr=subprocess.STDOUT, env=env(), start_new_session=True))

@@ -12,7 +12,13 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from ringpipe.launch.options import LaunchOptions, LaunchUsageError, launch_help, parse_launch_args, validate
+from ringpipe.launch.options import (
+    LaunchOptions,
+    LaunchUsageError,
+    launch_help,
+    parse_launch_args,
+    validate,
+)
 from ringpipe.launch.runners import mpirun_command
 from ringpipe.launch.spawn import WorkerFailed, local_rank_zero_first, spawn
 

@@ -20,6 +20,7 @@ standard library only and starts before torch or ringpipe is imported. In order,
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -163,10 +164,8 @@ def _user_traceback(exc: BaseException) -> str:
 
 def _flush() -> None:
     for stream in (sys.stdout, sys.stderr):
-        try:
+        with contextlib.suppress(Exception):  # a closed stream
             stream.flush()
-        except Exception:  # noqa: BLE001 - a closed stream
-            pass
 
 
 def run_program(program: Sequence[str]) -> int:

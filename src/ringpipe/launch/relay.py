@@ -12,6 +12,7 @@ the ranks that failed only because they lost their connection to it.
 from __future__ import annotations
 
 import collections
+import contextlib
 import errno
 import glob
 import json
@@ -136,10 +137,8 @@ class OutputRelay:
 
 
 def _write_all(fd: int, data: bytes) -> None:
-    try:
+    with contextlib.suppress(Exception):  # a closed stream: write below anyway
         sys.stdout.flush() if fd == 1 else sys.stderr.flush()
-    except Exception:  # noqa: BLE001 - a closed stream: write below anyway
-        pass
     view = memoryview(data)
     while view:
         try:

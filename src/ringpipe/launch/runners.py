@@ -16,6 +16,7 @@ import shutil
 import signal
 import subprocess
 import sys
+from collections.abc import Iterable
 from typing import Any
 
 from ringpipe.launch import bootstrap
@@ -57,7 +58,7 @@ def _failures(relay: OutputRelay, codes: dict[int, int], times: dict[int, float]
     out = []
     for rank in sorted(set(codes) | set(records)):
         rec = records.get(rank, {})
-        tail = relay.tails.get(rank, [])
+        tail: Iterable[str] = relay.tails.get(rank, [])
         code = codes.get(rank, rec.get("code", 1))
         error = rec.get("error") or last_error(tail)
         when = rec.get("time", (times or {}).get(rank, float("inf")))
