@@ -156,8 +156,8 @@ def main() -> int:
                 rows.append((name, launcher, args.trials, named if expected else "-", len(falses),
                              sorted(set(falses)), statistics.median(gains) if gains else None,
                              statistics.median(secs) if secs else 0.0))
-    print(f"\n| scenario | launcher | trials | named correctly | false accusations | fix measured (ring / fix) "
-          f"| s per trial |\n|---|---|---|---|---|---|---|")
+    print("\n| scenario | launcher | trials | named correctly | false accusations | fix measured (ring / fix) "
+          "| s per trial |\n|---|---|---|---|---|---|---|")
     for name, launcher, n, named, nfalse, falses, gain, secs in rows:
         what = f"{nfalse}" + (f" ({'; '.join(falses)[:160]})" if falses else "")
         print(f"| {name} | {launcher} | {n} | {named if named == '-' else f'{named}/{n}'} | {what} | "

@@ -22,7 +22,7 @@ MS = 1_000_000
 
 
 def _hosts(shape):
-    return [f"rp-host-{h}" for h, n in zip("abc", shape) for _ in range(n)]
+    return [f"rp-host-{h}" for h, n in zip("abc", shape, strict=False) for _ in range(n)]
 
 
 def _job(hosts, events=None, infos=None):

@@ -20,9 +20,9 @@ import json
 import logging
 import os
 import re
+import subprocess
 import sys
 import time
-import subprocess
 from collections.abc import Callable
 from typing import Any
 

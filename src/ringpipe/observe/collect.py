@@ -9,6 +9,7 @@ timeline and the doctor can compare when ranks entered the same collective.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -99,10 +100,8 @@ def _rank_info() -> dict[str, Any]:
     except (AttributeError, OSError):
         cpus = list(range(os.cpu_count() or 1))
     info: dict[str, Any] = {"pid": os.getpid(), "cpus": cpus, "cpu_count": os.cpu_count() or 1}
-    try:  # one id per booted kernel: containers and network namespaces of one machine share it
+    with contextlib.suppress(OSError):  # one id per booted kernel: containers and namespaces of a machine share it
         info["machine"] = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        pass
     return info
 
 
