@@ -291,3 +291,46 @@ def test_small_horovod_behaviours():
         assert first["state"] == ["exp_avg", "exp_avg_sq", "step"]
         assert first["warned"] is True
         assert again == 2
+
+
+# ----------------------------------------------------------------------------- Adasum
+
+
+def _adasum_pair(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Maleki et al. (MLSys 2021): (1 - a.b / (2|a|^2)) a + (1 - a.b / (2|b|^2)) b, in float64."""
+    a, b = a.double(), b.double()
+    dot = float((a * b).sum())
+    return (1 - dot / (2 * float((a * a).sum()))) * a + (1 - dot / (2 * float((b * b).sum()))) * b
+
+
+def _adasum_api(comm):  # noqa: ANN001
+    def body():
+        r = hvd.rank()
+        g = torch.tensor([1.0, 2.0, -1.0]) * (r + 1) + torch.tensor([0.5, -3.0, 2.0]) * r
+        out = {"allreduce": hvd.allreduce(g, op=hvd.Adasum).tolist()}
+        h = torch.tensor([3.0, -1.0]) * (1 - 2 * r)
+        out["grouped"] = [t.tolist() for t in hvd.grouped_allreduce_([g.clone(), h.clone()], op=hvd.Adasum)]
+        w = torch.nn.Parameter(torch.tensor([1.0, 1.0, 1.0]))
+        opt = hvd.DistributedOptimizer(torch.optim.SGD([w], lr=0.5), named_parameters=[("w", w)], op=hvd.Adasum)
+        (w * g).sum().backward()
+        opt.step()
+        out["optimizer"] = w.detach().tolist()
+        return out
+
+    return _with_world(comm, body)
+
+
+@pytest.mark.timeout(120)
+def test_adasum_through_the_api_and_the_optimizer():
+    out = spawn(_adasum_api, 2)
+    g = [torch.tensor([1.0, 2.0, -1.0]) * (r + 1) + torch.tensor([0.5, -3.0, 2.0]) * r for r in range(2)]
+    h = [torch.tensor([3.0, -1.0]) * (1 - 2 * r) for r in range(2)]
+    want = _adasum_pair(g[0], g[1])
+    for o in out:
+        assert torch.allclose(torch.tensor(o["allreduce"]).double(), want, atol=1e-5)
+        # grouped: every tensor combined with its own dot products
+        assert torch.allclose(torch.tensor(o["grouped"][0]).double(), want, atol=1e-5)
+        assert torch.allclose(torch.tensor(o["grouped"][1]).double(), _adasum_pair(h[0], h[1]), atol=1e-5)
+        # Horovod's delta optimizer: each rank's SGD update -lr * g_r, combined by Adasum, added to the start
+        step = _adasum_pair(-0.5 * g[0], -0.5 * g[1])
+        assert torch.allclose(torch.tensor(o["optimizer"]).double(), 1.0 + step, atol=1e-5)

@@ -175,9 +175,10 @@ def _uneven_reference(batches):
         r = _owner(i, batches)
         steps.setdefault(seen[r], []).append(i)
         seen[r] += 1
-    for k in sorted(steps):  # average over the ranks that still had data at step k
+    n = len(batches)
+    for k in sorted(steps):  # Horovod's Average with joined ranks: the ranks with data, divided by n
         opt.zero_grad()
-        torch.stack([nn.functional.mse_loss(model(xs[i]), ys[i]) for i in steps[k]]).mean().backward()
+        (torch.stack([nn.functional.mse_loss(model(xs[i]), ys[i]) for i in steps[k]]).sum() / n).backward()
         opt.step()
     opt.zero_grad()
     nn.functional.mse_loss(model(xs[9]), ys[9]).backward()

@@ -22,6 +22,7 @@ from ringpipe.dp.process_sets import (
 from ringpipe.dp.world import HorovodInternalError, NotInitializedError, World
 
 __all__ = [
+    "Adasum",
     "Average",
     "HorovodInternalError",
     "Max",
@@ -65,6 +66,7 @@ Sum = ReduceOp.SUM
 Min = ReduceOp.MIN
 Max = ReduceOp.MAX
 Product = ReduceOp.PRODUCT
+Adasum = ReduceOp.ADASUM
 
 
 def _world() -> World:

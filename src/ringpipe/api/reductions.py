@@ -15,7 +15,7 @@ import torch
 
 from ringpipe.comm.base import ReduceOp
 from ringpipe.dp import ops
-from ringpipe.dp.announce import announce, checks, finish, wire_op
+from ringpipe.dp.announce import announce, checks
 from ringpipe.dp.compression import Compression
 from ringpipe.dp.engine import Handle
 from ringpipe.dp.process_sets import ProcessSet, global_process_set
@@ -72,16 +72,13 @@ def allreduce_async_(
     call = Call("allreduce", process_set, name)
     comm, rop = call.comm, parse_op(op, average)
     detail = {**call.detail, **(ops.scale_detail(prescale_factor, postscale_factor) or {})}
-    notes = []
 
     def task() -> Any:
-        notes.append(announce(comm, "allreduce", tensor, rop, detail,
-                              checks(comm, "allreduce", tensor, problem=call.problem)))
+        announce(comm, "allreduce", tensor, rop, detail, checks(comm, "allreduce", tensor, problem=call.problem))
         ops.scale_(tensor, prescale_factor)
-        return comm.iallreduce(tensor, wire_op(rop, notes[0]))
+        return ops.start_reduction(comm, tensor, rop)
 
     def then(out: torch.Tensor) -> torch.Tensor:
-        finish(tensor, rop, notes[0])
         ops.scale_(tensor, postscale_factor)
         return tensor
 
@@ -125,15 +122,16 @@ def grouped_allreduce_async_(
     flat = torch.cat([t.detach().reshape(-1).to(items[0].dtype) for t in items])
     detail = {**call.detail, "shapes": [list(t.shape) for t in items],
               **(ops.scale_detail(prescale_factor, postscale_factor) or {})}
-    notes = []
 
     def task() -> Any:
-        notes.append(announce(comm, "allreduce", flat, rop, detail, checks(comm, "grouped_allreduce", problem=problem)))
+        announce(comm, "allreduce", flat, rop, detail, checks(comm, "grouped_allreduce", problem=problem))
         ops.scale_(flat, prescale_factor)
-        return comm.iallreduce(flat, wire_op(rop, notes[0]))
+        if rop is ReduceOp.ADASUM:  # each tensor with its own dot products, as Horovod's fused Adasum
+            ops.start_reduction(comm, list(flat.split([t.numel() for t in items])), rop)  # type: ignore[arg-type]
+            return flat
+        return ops.start_reduction(comm, flat, rop)
 
     def then(out: torch.Tensor) -> list[torch.Tensor]:
-        finish(flat, rop, notes[0])
         ops.scale_(flat, postscale_factor)
         offset = 0
         with torch.no_grad():

@@ -221,9 +221,18 @@ class Communicator(ABC):
             EventLog.end(ev)
             add_blocked(ev[END] - ev[START])  # a synchronous operation blocks its caller throughout
 
+    def _checked(self, op: str, nbytes: int, peer: int, validate: Callable[[], dict[str, Any]],
+                 run: Callable[[dict[str, Any]], Any]) -> Any:
+        """A collective: its event begins, every rank agrees on the call, then ``run(fields)``."""
+        return self._traced(op, nbytes, peer, 0, lambda: run(self._agree(op, validate)))
+
     def _traced_async(self, op: str, nbytes: int, peer: int, tag: int, fn: Callable[[], Work]) -> Work:
         ev = self.log.begin(op, nbytes, peer, tag, self.name)
-        work = fn()
+        try:
+            work = fn()
+        except BaseException:
+            EventLog.end(ev)
+            raise
         work._event = ev
         if work._done:
             EventLog.end(ev)
@@ -256,14 +265,17 @@ class Communicator(ABC):
 
     def allreduce(self, tensor: torch.Tensor, op: ReduceOp | str = ReduceOp.SUM) -> torch.Tensor:
         """Reduce ``tensor`` in place across ranks; returns it."""
-        rop = self._agree("allreduce", lambda: self._tensor_call("allreduce", tensor, op))["op"]
-        self._traced("allreduce", nbytes_of(tensor), -1, 0, lambda: self._allreduce(tensor, rop))
+        self._checked("allreduce", _nbytes(tensor), -1, lambda: self._tensor_call("allreduce", tensor, op),
+                      lambda f: self._allreduce(tensor, f["op"]))
         return tensor
 
     def iallreduce(self, tensor: torch.Tensor, op: ReduceOp | str = ReduceOp.SUM) -> Work:
         """Asynchronous in-place allreduce; ``wait()`` returns the tensor."""
-        rop = self._agree("allreduce", lambda: self._tensor_call("iallreduce", tensor, op))["op"]
-        return self._traced_async("allreduce", nbytes_of(tensor), -1, 0, lambda: self._iallreduce(tensor, rop))
+        return self._traced_async(
+            "allreduce", _nbytes(tensor), -1, 0,
+            lambda: self._iallreduce(tensor, self._agree("allreduce",
+                                                         lambda: self._tensor_call("iallreduce", tensor, op))["op"]),
+        )
 
     def allgather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Gather every rank's tensor; first dimensions may differ between ranks."""
@@ -272,8 +284,6 @@ class Communicator(ABC):
             self._check_tensor(tensor, "allgather")
             # the first dimension may differ between ranks: it is shown, not compared
             return {"dtype": tensor.dtype, "shape": ["*", *tensor.shape[1:]] if tensor.dim() else []}
-
-        self._agree("allgather", validate)
 
         def run() -> list[torch.Tensor]:
             if tensor.dim() == 0:
@@ -288,17 +298,17 @@ class Communicator(ABC):
             parts = self._allgather_equal(padded)
             return [p[:n] for p, n in zip(parts, all_sizes, strict=True)]
 
-        return self._traced("allgather", nbytes_of(tensor), -1, 0, run)
+        return self._checked("allgather", _nbytes(tensor), -1, validate, lambda f: run())
 
     def broadcast(self, tensor: torch.Tensor, root: int = 0) -> torch.Tensor:
-        self._agree("broadcast", lambda: self._tensor_call("broadcast", tensor, root=root))
-        self._traced("broadcast", nbytes_of(tensor), root, 0, lambda: self._broadcast(tensor, root))
+        self._checked("broadcast", _nbytes(tensor), root, lambda: self._tensor_call("broadcast", tensor, root=root),
+                      lambda f: self._broadcast(tensor, root))
         return tensor
 
     def reduce(self, tensor: torch.Tensor, root: int = 0, op: ReduceOp | str = ReduceOp.SUM) -> torch.Tensor:
         """Reduce into ``tensor`` on ``root`` (other ranks' tensors are left unspecified)."""
-        rop = self._agree("reduce", lambda: self._tensor_call("reduce", tensor, op, root))["op"]
-        self._traced("reduce", nbytes_of(tensor), root, 0, lambda: self._reduce(tensor, root, rop))
+        self._checked("reduce", _nbytes(tensor), root, lambda: self._tensor_call("reduce", tensor, op, root),
+                      lambda f: self._reduce(tensor, root, f["op"]))
         return tensor
 
     def reduce_scatter(self, tensor: torch.Tensor, op: ReduceOp | str = ReduceOp.SUM) -> torch.Tensor:
@@ -315,8 +325,8 @@ class Communicator(ABC):
                 )
             return fields
 
-        rop = self._agree("reduce_scatter", validate)["op"]
-        return self._traced("reduce_scatter", nbytes_of(tensor), -1, 0, lambda: self._reduce_scatter(tensor, rop))
+        return self._checked("reduce_scatter", _nbytes(tensor), -1, validate,
+                             lambda f: self._reduce_scatter(tensor, f["op"]))
 
     def alltoall(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Send ``tensors[j]`` to rank ``j``; return the list received (``out[j]`` from rank ``j``).
@@ -332,25 +342,21 @@ class Communicator(ABC):
             return {"numel": sum(t.numel() for t in tensors),
                     "tensors": [f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}" for t in tensors]}
 
-        self._agree("alltoall", validate)
-        total = sum(nbytes_of(t) for t in tensors)
-        return self._traced("alltoall", total, -1, 0, lambda: self._alltoall(list(tensors)))
+        total = sum(_nbytes(t) for t in tensors)
+        return self._checked("alltoall", total, -1, validate, lambda f: self._alltoall(list(tensors)))
 
     def barrier(self) -> None:
-        self._agree("barrier", dict)
-        self._traced("barrier", 0, -1, 0, self._barrier)
+        self._checked("barrier", 0, -1, dict, lambda f: self._barrier())
 
     def broadcast_object(self, obj: Any, root: int = 0) -> Any:
         def validate() -> dict[str, Any]:
             self._check_root(root, "broadcast_object")
             return {"root": root}
 
-        self._agree("broadcast_object", validate)
-        return self._traced("broadcast_object", 0, root, 0, lambda: self._broadcast_object(obj, root))
+        return self._checked("broadcast_object", 0, root, validate, lambda f: self._broadcast_object(obj, root))
 
     def allgather_object(self, obj: Any) -> list[Any]:
-        self._agree("allgather_object", dict)
-        return self._traced("allgather_object", 0, -1, 0, lambda: self._allgather_object(obj))
+        return self._checked("allgather_object", 0, -1, dict, lambda f: self._allgather_object(obj))
 
     def _check_root(self, root: int, what: str) -> None:
         if not isinstance(root, int) or not 0 <= root < self.size:
@@ -467,6 +473,11 @@ class Communicator(ABC):
 
     def _object_device(self) -> torch.device:
         return torch.device("cpu")
+
+
+def _nbytes(tensor: Any) -> int:
+    """The bytes of ``tensor`` for the event log (0 for an argument that is not a tensor)."""
+    return nbytes_of(tensor) if isinstance(tensor, torch.Tensor) else 0
 
 
 def _hostname() -> str:

@@ -10,9 +10,10 @@ joined rank contributes zeros. Ranks with data whose fingerprints differ, or a r
 invalid, make every rank raise the same error before any data moves — the cross-rank check of
 the data-parallel API, at no cost beyond the header. From the sum
 every rank learns which ranks still have data, and a joined rank learns what comes next: it
-takes part in allreduces with the identity of the reduce op (zeros for Sum and Average, so an
-Average is taken over the ranks with data), in barriers and in optimizer steps. Other
-collectives raise :class:`JoinError` on every rank instead of hanging.
+takes part in allreduces with the identity of the reduce op (zeros for Sum and Average; an
+Average still divides by the full size, as in Horovod), in barriers and in optimizer steps.
+Other collectives raise :class:`JoinError` on the ranks that called them, as in Horovod, while
+the joined ranks go on waiting.
 
 Collectives called directly on a communicator, outside ``ringpipe.dp`` and ``ringpipe.api``,
 are not announced and must not be used while a rank is joined.
@@ -40,11 +41,8 @@ __all__ = [
     "checks",
     "device_of",
     "exchange",
-    "finish",
     "identity",
-    "refuse",
     "run_announced",
-    "wire_op",
 ]
 
 # Every announced operation; the header carries its position (plus one; zero: joined).
@@ -190,10 +188,13 @@ def announce(
             problem = exc
     note = exchange(comm, op, tensor, reduce_op, detail, problem)
     if note.joined and op not in SERVED:
+        name = {"allgather_object": "allgather", "broadcast_object": "broadcast"}.get(op, op)
+        hint = " Specify sparse_as_dense=True if using DistributedOptimizer." if name == "allgather" else ""
         raise JoinError(
-            f"{op} called on {_ranks(note.have_data)} while {_ranks(note.joined)} had joined: a rank inside "
-            f"join() takes part only in optimizer steps, allreduce and barrier; call {op} before the first "
-            "rank joins or after join() returns on every rank"
+            f"{name.capitalize()} is not supported with Join at this time.{hint} ({op} called on "
+            f"{_ranks(note.have_data)} while {_ranks(note.joined)} had joined: a rank inside join() takes part "
+            f"only in optimizer steps, allreduce and barrier; call {op} before the first rank joins or after "
+            "join() returns on every rank)"
         )
     if op == "allreduce" and note.joined and tensor is not None and tensor.dtype not in _DTYPES:
         raise JoinError(
@@ -201,15 +202,6 @@ def announce(
             f"part in allreduces of {', '.join(str(d) for d in _DTYPES)} only"
         )
     return note
-
-
-def refuse(comm: Communicator, note: Note) -> JoinError:
-    """The error a joined rank raises for a collective it cannot take part in."""
-    return JoinError(
-        f"join on rank {comm.rank}: {_ranks(note.have_data)} called {note.op}, which a rank that has joined "
-        "cannot take part in (it serves optimizer steps, allreduce and barrier); call it before the first "
-        "rank joins or after join() returns on every rank"
-    )
 
 
 def checks(comm: Communicator, what: str, tensor: torch.Tensor | None = None,
@@ -255,7 +247,7 @@ def run_announced(
 
 def identity(reduce_op: ReduceOp, dtype: torch.dtype, numel: int, device: torch.device) -> torch.Tensor:
     """A joined rank's contribution to an allreduce: the identity element of ``reduce_op``."""
-    if reduce_op in (ReduceOp.SUM, ReduceOp.AVERAGE):
+    if reduce_op in (ReduceOp.SUM, ReduceOp.AVERAGE, ReduceOp.ADASUM):  # a zero vector leaves Adasum's sum as is
         return torch.zeros(numel, dtype=dtype, device=device)
     if reduce_op is ReduceOp.PRODUCT:
         return torch.ones(numel, dtype=dtype, device=device)
@@ -276,17 +268,3 @@ def device_of(comm: Communicator, note: Note) -> torch.device:
         device = comm._object_device()
         return device if device.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def wire_op(reduce_op: ReduceOp, note: Note) -> ReduceOp:
-    """The op to reduce with: an Average while ranks are joined is a Sum divided by :func:`finish`."""
-    return ReduceOp.SUM if reduce_op is ReduceOp.AVERAGE and note.joined else reduce_op
-
-
-def finish(tensor: torch.Tensor, reduce_op: ReduceOp, note: Note) -> None:
-    """Complete an Average reduced as a Sum while ranks were joined: divide by the ranks with data."""
-    if reduce_op is ReduceOp.AVERAGE and note.joined:
-        if tensor.dtype.is_floating_point or tensor.dtype.is_complex:
-            tensor.div_(note.count)
-        else:
-            tensor.div_(note.count, rounding_mode="floor")

@@ -2,14 +2,15 @@
 
 Every data-parallel collective is announced by a small header (:mod:`ringpipe.dp.announce`).
 A joined rank repeats header exchanges with a zero contribution and acts on what the ranks with
-data announce: for an optimizer step it reduces zero gradients and then applies the averaged
-gradients of the ranks with data, with their hyper-parameters (its own learning-rate scheduler
+data announce: for an optimizer step it reduces zero gradients and then applies the reduced
+gradients (an Average divides by the full size, as in Horovod), with their hyper-parameters (its own learning-rate scheduler
 no longer advances), so its parameters stay equal to theirs; for an allreduce (SyncBatchNorm's
 statistics, a metric) it contributes the identity of the reduce op; it takes part in barriers.
 Gradients that the ranks with data change after ``synchronize()`` (clipping) are not what a
 joined rank applies: when every rank has joined, ranks whose parameters then differ take those
 of the rank that joined last, with its optimizer state.
-Any other collective raises :class:`~ringpipe.dp.announce.JoinError` on every rank. When a
+Any other collective raises :class:`~ringpipe.dp.announce.JoinError` on the ranks that called it
+(Horovod's "... is not supported with Join at this time."), while joined ranks go on. When a
 header shows no rank with data, every rank has joined and all of them return together.
 """
 
@@ -21,8 +22,9 @@ from typing import Any
 import torch
 
 from ringpipe.comm.base import Communicator
-from ringpipe.dp.announce import JoinError, Note, device_of, exchange, identity, refuse, wire_op
+from ringpipe.dp.announce import JoinError, Note, device_of, exchange, identity
 from ringpipe.dp.engine import Engine
+from ringpipe.dp.ops import finish_reduction, start_reduction
 
 __all__ = ["join", "JoinError"]
 
@@ -74,8 +76,7 @@ def join(comm: Communicator) -> int:
             _serve_allreduce(comm, engine, note)
         elif note.op == "barrier":
             engine.run(comm.barrier, name="join-barrier")
-        else:
-            raise refuse(comm, note)
+        # any other collective raises JoinError on the ranks that called it; this rank goes on waiting
     mine = (served, optimizer.hyperparameters() if optimizer is not None else None)
     every = engine.run(lambda: comm.allgather_object(mine), name="join")
     fewest = min(c for c, _ in every)
@@ -121,8 +122,8 @@ def _agree_with(comm: Communicator, engine: Engine, optimizer: Any, last: int) -
 
 def _serve_allreduce(comm: Communicator, engine: Engine, note: Note) -> None:
     if note.reduce_op is None or note.dtype is None:
-        raise refuse(comm, note)
+        return  # a dtype a joined rank cannot stand in for: the ranks with data raised (announce)
     rop = note.reduce_op
     contribution = identity(rop, note.dtype, note.numel, device_of(comm, note))
     # Every announced allreduce is non-blocking: MPI does not match a blocking one with it.
-    engine.run(lambda: comm.iallreduce(contribution, wire_op(rop, note)).wait(), name="join-allreduce")
+    engine.run(lambda: finish_reduction(start_reduction(comm, contribution, rop)), name="join-allreduce")

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from ringpipe.comm.base import Communicator, ReduceOp
-from ringpipe.dp.announce import announce, checks, finish, run_announced, wire_op
+from ringpipe.comm.base import Communicator, ReduceOp, Work
+from ringpipe.dp.announce import announce, checks, run_announced
 from ringpipe.dp.engine import Engine
 
 __all__ = [
@@ -28,8 +28,10 @@ __all__ = [
     "alltoall",
     "allreduce_inplace",
     "reducescatter_blocks",
+    "finish_reduction",
     "scale_",
     "scale_detail",
+    "start_reduction",
 ]
 
 Detail = dict[str, Any] | None
@@ -57,6 +59,20 @@ def scale_(tensor: torch.Tensor, factor: float) -> torch.Tensor:
     return tensor.copy_(torch.trunc(tensor.double() * factor).to(tensor.dtype))
 
 
+def start_reduction(comm: Communicator, tensor: torch.Tensor, op: ReduceOp) -> Any:
+    """The reduction of an announced allreduce: the backend's (a Work), or ringpipe's Adasum (done)."""
+    if op is ReduceOp.ADASUM:
+        from ringpipe.collectives import adasum_allreduce
+
+        return adasum_allreduce(comm, tensor, check=False)  # the announcement compared the calls
+    return comm.iallreduce(tensor, op)
+
+
+def finish_reduction(pending: Any) -> Any:
+    """Wait for what :func:`start_reduction` returned."""
+    return pending.wait() if isinstance(pending, Work) else pending
+
+
 def _with(detail: Detail, more: Detail) -> Detail:
     if not detail and not more:
         return None
@@ -70,11 +86,10 @@ def allreduce_inplace(
     """Reduce ``tensor`` in place (on the engine thread), with Horovod's pre/post scale factors."""
 
     def task() -> torch.Tensor:
-        note = announce(comm, "allreduce", tensor, op, _with(detail, scale_detail(prescale, postscale)),
-                        checks(comm, "allreduce", tensor, problem=problem))
+        announce(comm, "allreduce", tensor, op, _with(detail, scale_detail(prescale, postscale)),
+                 checks(comm, "allreduce", tensor, problem=problem))
         scale_(tensor, prescale)
-        comm.iallreduce(tensor, wire_op(op, note)).wait()  # the form joined ranks use (MPI matches by form)
-        finish(tensor, op, note)
+        finish_reduction(start_reduction(comm, tensor, op))  # non-blocking, the form joined ranks use
         scale_(tensor, postscale)
         return tensor
 
@@ -90,9 +105,10 @@ class _Allreduce(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        if ctx.op not in (ReduceOp.SUM, ReduceOp.AVERAGE):
+        if ctx.op not in (ReduceOp.SUM, ReduceOp.AVERAGE, ReduceOp.ADASUM):
             raise RuntimeError(
-                f"allreduce with op {ctx.op.value} has no gradient in ringpipe; use Sum or Average to backpropagate"
+                f"allreduce with op {ctx.op.value} has no gradient in ringpipe; use Sum, Average or Adasum to "
+                "backpropagate"
             )
         out = allreduce_inplace(ctx.comm, grad.detach().clone().contiguous(), ctx.op, ctx.pre, ctx.post, ctx.detail)
         return out, None, None, None, None, None, None

@@ -11,7 +11,7 @@ rank whatever order the hooks fire in, and ``step()`` waits only for what is sti
 
 The first bucket's reduction is announced (:mod:`ringpipe.dp.announce`), which tells every rank
 how many ranks still have data; ranks that called :func:`ringpipe.dp.join.join` take part with
-zeros, and averages are taken over the ranks with data. While a rank is joined, every bucket is
+zeros, and averages still divide by the full size, as in Horovod. While a rank is joined, every bucket is
 announced (other collectives, such as SyncBatchNorm's in backward, may come between two
 buckets), and ``step()`` announces the update and sends the joined ranks its hyper-parameters.
 """
@@ -113,7 +113,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         compression: ``Compression.none`` / ``fp16`` / ``bf16`` (or their names) for the wire.
         backward_passes_per_step: backward passes whose gradients are summed locally before one
             reduction (divide the loss by it to average them, as with plain accumulation).
-        op: ``ReduceOp.AVERAGE`` (default) or ``ReduceOp.SUM``.
+        op: ``ReduceOp.AVERAGE`` (default), ``ReduceOp.SUM`` or ``ReduceOp.ADASUM``. With Adasum, as
+            in Horovod, each rank steps on its own gradients and the ranks combine the parameter
+            updates by Adasum (``ringpipe.collectives.adasum_allreduce``, one combination per
+            parameter) instead of averaging gradients; a power-of-two number of ranks, the global set.
         gradient_predivide_factor: with Average, divide by this before the sum and by
             ``size / factor`` after it (helps fp16 range); must be 1.0 for other ops.
         bucket_bytes: fusion buffer size in bytes (``bucket_cap_mb`` of DDP, ``HOROVOD_FUSION_THRESHOLD``);
@@ -199,6 +202,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if process_set is not None and process_set.included() is False:
                 self._init_local(optimizer)
                 return
+            if process_set is not None and process_set.process_set_id != 0 and problem is None \
+                    and ReduceOp.parse(op) is ReduceOp.ADASUM:
+                raise NotImplementedError("Adasum does not support non-global process sets yet.")
             comm = resolve(process_set, "DistributedOptimizer")[0]
         self._local = False
         try:
@@ -239,7 +245,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._active = float(comm.size)  # ranks with data at the last reduction
         self._peers_joined = False
         self._unused: list[int] = []
-        self._hooks = [s.param.register_post_accumulate_grad_hook(self._make_hook(s)) for s in self._slots]
+        # Adasum combines parameter updates in step(), not gradients in backward (Horovod's delta optimizer)
+        self._adasum = rop is ReduceOp.ADASUM and comm.size > 1
+        self._hooks = [] if self._adasum else [
+            s.param.register_post_accumulate_grad_hook(self._make_hook(s)) for s in self._slots
+        ]
         self._created = next(_CREATED)
         self.engine.optimizers.add(self)
         log.debug("DistributedOptimizer: %d parameters in %d buckets", len(self._slots), len(self._buckets))
@@ -382,8 +392,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 nobody = buffer[bucket.numel : bucket.numel + bucket.bitmap] == 0
                 self._unused = nobody.nonzero().flatten().tolist() if bool(nobody.any()) else []
             if average:
-                # Ranks that joined contributed zeros: average over the ranks that had data.
-                scale = (size if factor == 1.0 else factor) / max(self._active, 1.0)
+                # Horovod's Average: divided by the full size, ranks that joined contributing zeros.
+                scale = 1.0 if factor == 1.0 else factor / size
                 if scale != 1.0:
                     buffer[: bucket.numel].mul_(scale)
 
@@ -432,7 +442,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def synchronize(self) -> None:
         """Finish reducing every gradient; afterwards ``param.grad`` holds the averaged gradients."""
-        if self._local:
+        if self._local or self._adasum:
             self._synchronized = True
             return
         self._launch_all()
@@ -463,9 +473,37 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._synchronized = False
         if self._local:
             return self.optimizer.step(closure)
+        if self._adasum:
+            return self._adasum_step(closure)
         if self._peers_joined:
             self._announce_update()
         return self.optimizer.step(closure)
+
+    def _adasum_step(self, closure: Callable[[], float] | None) -> Any:
+        """Horovod's Adasum delta optimizer: start = p; p = 0; step (p = the local update); p = start + Adasum(updates).
+
+        Stepping from zero makes the local update ``-lr * f(g)`` (a weight-decay term sees zero
+        weights, as in Horovod); every parameter's update is combined with its own dot products.
+        """
+        from ringpipe.collectives import adasum_allreduce
+
+        params = [s.param for s in self._slots]
+        with torch.no_grad():
+            starts = [p.detach().clone() for p in params]
+            for p in params:
+                if p.grad is None:  # a parameter without a gradient keeps its value: its update is zero
+                    p.grad = torch.zeros_like(p)
+                p.zero_()
+        loss = self.optimizer.step(closure)
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for p in params:
+            by_dtype.setdefault(p.dtype, []).append(p.detach())
+        for deltas in by_dtype.values():  # one fused Adasum per dtype
+            self.engine.run(lambda deltas=deltas: adasum_allreduce(self.comm, deltas), name="adasum-step")
+        with torch.no_grad():
+            for p, start in zip(params, starts, strict=True):
+                p.add_(start)
+        return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
@@ -498,44 +536,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
             return f"DistributedOptimizer({self.optimizer!r}, not in its process set: local steps)"
         return f"DistributedOptimizer({self.optimizer!r}, buckets={len(self._buckets)}, op={self.op.value})"
 
-
-def _groups_setting(optimizer: torch.optim.Optimizer, groups: Any) -> Any:
-    """``groups`` as a value every rank can compare: an integer, or the parameters' positions."""
-    if groups is None or isinstance(groups, bool):
-        return groups if groups is None else repr(groups)
-    if isinstance(groups, int):
-        return groups
-    if not isinstance(groups, list):
-        return f"invalid: {type(groups).__name__}"
-    index = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
-    return [[index.get(id(p), -1) if isinstance(p, torch.Tensor) else repr(p) for p in g] for g in groups]
-
-
-def _explicit_groups(groups: Any, slots: list[_Slot]) -> list[list[_Slot]] | None:
-    """Horovod's ``groups``: validated, as lists of slots (parameters outside any group alone)."""
-    if groups is None:
-        return None
-    if isinstance(groups, bool) or not (isinstance(groups, list) or (isinstance(groups, int) and groups > 0)):
-        raise ValueError("groups should be a non-negative integer or a list of list of torch.Tensor.")
-    if isinstance(groups, int):
-        n = min(groups, len(slots)) or 1
-        d, r = divmod(len(slots), n)  # Horovod's split_list: n nearly even runs in registration order
-        return [slots[i * d + min(i, r) : (i + 1) * d + min(i + 1, r)] for i in range(n)]
-    by_id = {id(s.param): s for s in slots}
-    seen: set[int] = set()
-    out = []
-    for group in groups:
-        if not isinstance(group, (list, tuple)) or any(not isinstance(p, torch.Tensor) for p in group):
-            raise ValueError("groups must consist of torch.Tensor.")
-        for p in group:
-            if id(p) in seen:
-                raise ValueError("A parameter can only appear once in groups.")
-            seen.add(id(p))
-        members = [by_id[id(p)] for p in group if id(p) in by_id]
-        if members:
-            out.append(members)
-    out.extend([s] for s in slots if id(s.param) not in seen)
-    return out
 
     # ------------------------------------------------------------------ join
 
@@ -619,3 +619,42 @@ def _reducer(comm: Communicator, algorithm: str) -> Callable[[torch.Tensor], Any
         return t
 
     return reduce
+
+
+def _groups_setting(optimizer: torch.optim.Optimizer, groups: Any) -> Any:
+    """``groups`` as a value every rank can compare: an integer, or the parameters' positions."""
+    if groups is None or isinstance(groups, bool):
+        return groups if groups is None else repr(groups)
+    if isinstance(groups, int):
+        return groups
+    if not isinstance(groups, list):
+        return f"invalid: {type(groups).__name__}"
+    index = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
+    return [[index.get(id(p), -1) if isinstance(p, torch.Tensor) else repr(p) for p in g] for g in groups]
+
+
+def _explicit_groups(groups: Any, slots: list[_Slot]) -> list[list[_Slot]] | None:
+    """Horovod's ``groups``: validated, as lists of slots (parameters outside any group alone)."""
+    if groups is None:
+        return None
+    if isinstance(groups, bool) or not (isinstance(groups, list) or (isinstance(groups, int) and groups > 0)):
+        raise ValueError("groups should be a non-negative integer or a list of list of torch.Tensor.")
+    if isinstance(groups, int):
+        n = min(groups, len(slots)) or 1
+        d, r = divmod(len(slots), n)  # Horovod's split_list: n nearly even runs in registration order
+        return [slots[i * d + min(i, r) : (i + 1) * d + min(i + 1, r)] for i in range(n)]
+    by_id = {id(s.param): s for s in slots}
+    seen: set[int] = set()
+    out = []
+    for group in groups:
+        if not isinstance(group, (list, tuple)) or any(not isinstance(p, torch.Tensor) for p in group):
+            raise ValueError("groups must consist of torch.Tensor.")
+        for p in group:
+            if id(p) in seen:
+                raise ValueError("A parameter can only appear once in groups.")
+            seen.add(id(p))
+        members = [by_id[id(p)] for p in group if id(p) in by_id]
+        if members:
+            out.append(members)
+    out.extend([s] for s in slots if id(s.param) not in seen)
+    return out
