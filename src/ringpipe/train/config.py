@@ -7,6 +7,9 @@ variant does not read is refused rather than silently ignored. The ``pipeline`` 
 sections are read only by the modes that use them; setting them for another mode is an error.
 The defaults are the default run: an MLP on the embedded digits, data-parallel on 2 processes.
 
+The sections live in :mod:`ringpipe.train.config_sections` (models, data, optimizers, schedules,
+checkpoints) and :mod:`ringpipe.train.config_parallel` (pipeline, dp); every name is re-exported here.
+
 The asynchronous pipeline's keys (``pipeline.step_every``, ``pipeline.mitigations`` and their
 options) may also be written at the top level, with ``pipeline.recompute`` (``--set
 mitigations=wp,ws,ga --set step_every=2 --set recompute=false``); they are moved into the
@@ -20,15 +23,58 @@ from __future__ import annotations
 import difflib
 import json
 import math
-import textwrap
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
+
+from ringpipe.train.config_parallel import (
+    ASYNC_KEYS,
+    GA_STAGE_POLICIES,
+    MITIGATION_DOCS,
+    PIPELINE_SHORT_KEYS,
+    DPConfig,
+    PipelineConfig,
+    dp_algorithms,
+    mitigations_help,
+)
+from ringpipe.train.config_parallel import nest_short_keys as _nest_short_keys
+from ringpipe.train.config_parallel import resolve_async as _resolve_async
+from ringpipe.train.config_sections import (
+    MODE_NAMES,
+    PIPELINE_MODES,
+    AdamConfig,
+    CheckpointConfig,
+    CIFARConfig,
+    CNNConfig,
+    ConfigError,
+    ConstantSchedule,
+    CosineSchedule,
+    DataConfig,
+    DigitsConfig,
+    IDXConfig,
+    MLPConfig,
+    ModelConfig,
+    MultiStepSchedule,
+    ObserveConfig,
+    OptimizerConfig,
+    ResNetConfig,
+    ScheduleConfig,
+    SGDConfig,
+    StepSchedule,
+    SyntheticConfig,
+    SyntheticLMConfig,
+    TransformerConfig,
+)
+from ringpipe.train.config_sections import Section as _Section
 
 __all__ = [
+    "ASYNC_KEYS",
+    "MLPConfig", "CNNConfig", "ResNetConfig", "TransformerConfig", "DigitsConfig", "IDXConfig",
+    "CIFARConfig", "SyntheticConfig", "SyntheticLMConfig", "SGDConfig", "AdamConfig", "ConstantSchedule",
+    "StepSchedule", "MultiStepSchedule", "CosineSchedule", "ObserveConfig",
     "ConfigError",
     "TrainConfig",
     "ModelConfig",
@@ -57,339 +103,6 @@ __all__ = [
     "dump_config",
     "did_you_mean",
 ]
-
-#: Every mode the schema knows (whether it can run in this build is decided by ``modes``).
-MODE_NAMES = ("single", "ddp", "dp", "seq", "gpipe", "1f1b", "async")
-#: Modes that split the model into stages and read the ``pipeline`` section.
-PIPELINE_MODES = ("seq", "gpipe", "1f1b", "async")
-
-#: Staleness mitigations of mode ``async`` (the names of ``ringpipe.pipeline.staleness.MITIGATIONS``).
-MITIGATION_DOCS = {
-    "stale": "no mitigation. The forward uses the weights current at forward time, the backward those "
-    "current at backward time; with recompute=true the forward is replayed on the current weights, "
-    "without it the saved activations keep the old weights and only the parameter gradients use the new ones",
-    "ws": "weight stashing (PipeDream): each backward runs on the weights its forward used; with "
-    "step_every > 1 one stash per optimizer step, taken by the step's first stale forward: every "
-    "micro-batch of the step runs its forward and backward on it",
-    "wp": "weight prediction: each forward uses the weights predicted d steps ahead from the optimizer "
-    "state and the LR schedule; msnag for step_every=1, aggmsnag for step_every>1",
-    "msnag": "weight prediction from the optimizer state alone (future gradients taken as zero)",
-    "aggmsnag": "weight prediction that also uses the partially accumulated gradient (step_every>1 only)",
-    "ga": "Gap Aware (Barkai et al. 2020): stale gradients divided by 1 + Gap/C on the stages of ga_stages; "
-    "Adam and AdamW need ws with it",
-    "ga_jfl": "Gap Aware just for loss: backward on the current weights, the stash only sizes the gap "
-    "(needs ws and recompute=true); on stages outside ga_stages the backward also runs on the current "
-    "weights, with no penalty and no stash",
-}
-#: Which stages Gap Aware applies to (``ringpipe.pipeline.staleness.GA_STAGE_POLICIES``).
-GA_STAGE_POLICIES = ("almost_last_partition", "all_except_last", "all_except_last_two")
-#: Keys of the ``pipeline`` section that read only for mode ``async``.
-ASYNC_KEYS = ("step_every", "mitigations", "ga_stages", "nag_with_predictor")
-#: Pipeline keys that may also be written at the top level (``--set step_every=2``).
-PIPELINE_SHORT_KEYS = ("recompute", *ASYNC_KEYS)
-
-
-def mitigations_help(width: int = 100) -> str:
-    """The mitigation names, how they combine and their options, as text for ``ringpipe train`` help."""
-    rows = [*MITIGATION_DOCS.items(),
-            ("ga_stages", f"{' | '.join(GA_STAGE_POLICIES)} (default all_except_last)"),
-            ("nag_with_predictor", "also predict one step ahead at staleness 0 (last stage); needs a predictor"),
-            ("step_every", "optimizer step, and LR schedule step, every k micro-batches (k divides "
-                           "pipeline.microbatches)")]
-    lines = ["staleness mitigations, mode async (e.g. --set mitigations=wp,ws,ga; default stale).",
-             "Combine with ',' or '+': at most one predictor (wp, msnag, aggmsnag), ws, one of ga | ga_jfl;",
-             "'stale' stands alone. Options (pipeline.KEY or top-level KEY):"]
-    pad = max(len(name) for name, _ in rows) + 4
-    for name, doc in rows:
-        lines.append(textwrap.fill(doc, width, initial_indent=f"  {name:<{pad - 2}}",
-                                   subsequent_indent=" " * pad))
-    return "\n".join(lines)
-
-
-class ConfigError(ValueError):
-    """A configuration is invalid; the message names the field, the value and the valid choices."""
-
-
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-
-# --------------------------------------------------------------------------------- models
-
-
-class MLPConfig(_Section):
-    """Multi-layer perceptron on flattened inputs."""
-
-    name: Literal["mlp"] = "mlp"
-    hidden: list[Annotated[int, Field(gt=0)]] = Field(default_factory=lambda: [128, 64])
-    dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
-
-
-class CNNConfig(_Section):
-    """Small convolutional network: conv-ReLU-pool blocks, then a hidden dense layer."""
-
-    name: Literal["cnn"] = "cnn"
-    channels: list[Annotated[int, Field(gt=0)]] = Field(default_factory=lambda: [16, 32], min_length=1)
-    hidden: int = Field(default=64, gt=0)
-    dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
-
-
-class ResNetConfig(_Section):
-    """Small residual network (basic blocks, He et al. 2016), one stage per entry of ``blocks``."""
-
-    name: Literal["resnet"] = "resnet"
-    width: int = Field(default=16, gt=0)
-    blocks: list[Annotated[int, Field(gt=0)]] = Field(default_factory=lambda: [1, 1, 1], min_length=1)
-
-
-class TransformerConfig(_Section):
-    """Small decoder-only transformer language model (pre-norm blocks, causal attention)."""
-
-    name: Literal["transformer"] = "transformer"
-    d_model: int = Field(default=64, gt=0)
-    heads: int = Field(default=4, gt=0)
-    layers: int = Field(default=2, gt=0)
-    ff: int = Field(default=128, gt=0)
-    dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
-
-    @model_validator(mode="after")
-    def _heads_divide(self) -> TransformerConfig:
-        if self.d_model % self.heads:
-            raise ValueError(
-                f"model.d_model={self.d_model} must be divisible by model.heads={self.heads}"
-            )
-        return self
-
-
-ModelConfig = Annotated[
-    MLPConfig | CNNConfig | ResNetConfig | TransformerConfig, Field(discriminator="name")
-]
-
-# --------------------------------------------------------------------------------- data
-
-
-class DigitsConfig(_Section):
-    """scikit-learn's 8x8 handwritten digits (1,797 images), shipped with the package: no download."""
-
-    name: Literal["digits"] = "digits"
-    test_fraction: float = Field(default=0.2, gt=0.0, lt=1.0)
-
-
-class IDXConfig(_Section):
-    """MNIST or Fashion-MNIST from the four IDX files (optionally gzipped) in ``root``."""
-
-    name: Literal["mnist", "fashion_mnist"]
-    root: Path
-
-
-class CIFARConfig(_Section):
-    """CIFAR-10 from its python pickle batches in ``root`` (or ``root/cifar-10-batches-py``)."""
-
-    name: Literal["cifar10"] = "cifar10"
-    root: Path
-
-
-class SyntheticConfig(_Section):
-    """Gaussian class clusters of any input shape, for throughput runs and tests."""
-
-    name: Literal["synthetic"] = "synthetic"
-    samples: int = Field(default=2048, gt=1)
-    classes: int = Field(default=10, gt=1)
-    shape: list[Annotated[int, Field(gt=0)]] = Field(default_factory=lambda: [1, 8, 8], min_length=1)
-    noise: float = Field(default=1.0, ge=0.0)
-    test_fraction: float = Field(default=0.2, gt=0.0, lt=1.0)
-
-
-class SyntheticLMConfig(_Section):
-    """Token sequences from a noisy fixed successor map, for the transformer language model."""
-
-    name: Literal["synthetic_lm"] = "synthetic_lm"
-    samples: int = Field(default=2048, gt=1)
-    vocab: int = Field(default=32, gt=1)
-    seq_len: int = Field(default=16, gt=1)
-    noise: float = Field(default=0.1, ge=0.0, le=1.0)
-    test_fraction: float = Field(default=0.2, gt=0.0, lt=1.0)
-
-
-DataConfig = Annotated[
-    DigitsConfig | IDXConfig | CIFARConfig | SyntheticConfig | SyntheticLMConfig,
-    Field(discriminator="name"),
-]
-
-# --------------------------------------------------------------------------------- optimizers
-
-
-class _OptimizerBase(_Section):
-    lr: float = Field(gt=0.0)
-    weight_decay: float = Field(default=0.0, ge=0.0)
-    scale_lr: bool = True
-
-
-class SGDConfig(_OptimizerBase):
-    """SGD with (Nesterov) momentum; ``lr`` is the single-process rate, scaled by the replicas if ``scale_lr``."""
-
-    name: Literal["sgd"] = "sgd"
-    lr: float = Field(default=0.05, gt=0.0)
-    momentum: float = Field(default=0.9, ge=0.0, lt=1.0)
-    nesterov: bool = False
-
-    @model_validator(mode="after")
-    def _nesterov_needs_momentum(self) -> SGDConfig:
-        if self.nesterov and self.momentum == 0:
-            raise ValueError("optimizer.nesterov=true needs optimizer.momentum > 0")
-        return self
-
-
-class AdamConfig(_OptimizerBase):
-    """Adam (L2 weight decay) or AdamW (decoupled weight decay)."""
-
-    name: Literal["adam", "adamw"] = "adam"
-    lr: float = Field(default=0.001, gt=0.0)
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = Field(default=1e-8, gt=0.0)
-
-
-OptimizerConfig = Annotated[SGDConfig | AdamConfig, Field(discriminator="name")]
-
-# --------------------------------------------------------------------------------- schedules
-
-
-class _ScheduleBase(_Section):
-    warmup_epochs: float = Field(default=0.0, ge=0.0)
-    warmup_start_factor: float | None = Field(default=None, gt=0.0, le=1.0)
-
-
-class ConstantSchedule(_ScheduleBase):
-    """Constant learning rate after the warmup."""
-
-    name: Literal["constant"] = "constant"
-
-
-class StepSchedule(_ScheduleBase):
-    """Multiply the rate by ``gamma`` every ``step_epochs`` epochs."""
-
-    name: Literal["step"] = "step"
-    step_epochs: float = Field(default=10.0, gt=0.0)
-    gamma: float = Field(default=0.1, gt=0.0, le=1.0)
-
-
-class MultiStepSchedule(_ScheduleBase):
-    """Multiply the rate by ``gamma`` at each epoch of ``milestones``."""
-
-    name: Literal["multistep"] = "multistep"
-    milestones: list[float] = Field(default_factory=lambda: [30.0, 60.0, 80.0])
-    gamma: float = Field(default=0.1, gt=0.0, le=1.0)
-
-    @field_validator("milestones")
-    @classmethod
-    def _increasing(cls, v: list[float]) -> list[float]:
-        if any(b <= a for a, b in zip(v, v[1:], strict=False)):
-            raise ValueError(f"milestones {v} must be strictly increasing")
-        return v
-
-
-class CosineSchedule(_ScheduleBase):
-    """Half-cosine decay from the rate to ``min_factor`` x the rate at the last epoch."""
-
-    name: Literal["cosine"] = "cosine"
-    min_factor: float = Field(default=0.0, ge=0.0, le=1.0)
-
-
-ScheduleConfig = Annotated[
-    ConstantSchedule | StepSchedule | MultiStepSchedule | CosineSchedule,
-    Field(discriminator="name"),
-]
-
-# --------------------------------------------------------------------------------- other sections
-
-
-class CheckpointConfig(_Section):
-    """Checkpoints in ``<run-dir>/checkpoints``, written by rank 0 (also at the end and on ``max_steps``)."""
-
-    every_epochs: int = Field(default=1, ge=0)
-    keep: int = Field(default=3, ge=1)
-
-
-class ObserveConfig(_Section):
-    """Where the time went, written by rank 0 when the run ends (all ranks' events gathered on one clock).
-
-    ``profile``: ``comm_profile.txt`` (MPI-style table of time, calls and bytes per operation and
-    rank) and ``doctor.txt`` (late ranks, placement). ``timeline``: also ``events.json`` and
-    ``timeline.json`` (Chrome trace: chrome://tracing or ui.perfetto.dev).
-    """
-
-    profile: bool = True
-    timeline: bool = False
-
-
-class PipelineConfig(_Section):
-    """How pipeline modes cut the model: ``stages`` per replica (world = stages x replicas).
-
-    ``step_every``, ``mitigations``, ``ga_stages`` and ``nag_with_predictor`` are read by mode
-    ``async`` only; left out, they resolve to 1, ``[stale]`` and the defaults of the chosen names.
-    """
-
-    stages: int = Field(default=2, ge=1)
-    microbatches: int = Field(default=4, ge=1)
-    balance: list[Annotated[int, Field(gt=0)]] | None = None
-    partition: Literal["parameters", "time", "uniform"] = "parameters"
-    recompute: bool = Field(
-        default=False,
-        description="replay each forward before its backward instead of keeping activations "
-        "(async: the backward then sees the current weights, see mitigation 'stale')",
-    )
-    step_every: int | None = Field(
-        default=None, ge=1,
-        description="async only: optimizer step (and LR schedule step) every step_every micro-batches",
-    )
-    mitigations: list[str] | None = Field(
-        default=None,
-        description="async only: staleness mitigations, a list or 'wp,ws,ga'; "
-        + "; ".join(f"{k}: {v}" for k, v in MITIGATION_DOCS.items()),
-    )
-    ga_stages: Literal["almost_last_partition", "all_except_last", "all_except_last_two"] | None = Field(
-        default=None,
-        description="async with ga or ga_jfl: the stages Gap Aware applies to (default all_except_last)",
-    )
-    nag_with_predictor: bool | None = Field(
-        default=None,
-        description="async with a predictor: also predict one step ahead at staleness 0 (a Nesterov look-ahead)",
-    )
-
-    @field_validator("mitigations", mode="before")
-    @classmethod
-    def _split_names(cls, v: Any) -> Any:
-        if isinstance(v, str):
-            return [n.strip().lower() for n in v.replace("+", ",").split(",") if n.strip()]
-        if isinstance(v, list | tuple):
-            return [n.strip().lower() if isinstance(n, str) else n for n in v]
-        return v
-
-
-class DPConfig(_Section):
-    """ringpipe's DistributedOptimizer settings (``dp`` mode)."""
-
-    bucket_mb: float = Field(default=25.0, gt=0.0)
-    compression: Literal["none", "fp16", "bf16"] = "none"
-    backward_passes_per_step: int = Field(default=1, ge=1)
-    algorithm: str = Field(default="native", description="allreduce algorithm, one of dp_algorithms()")
-
-    @field_validator("algorithm")
-    @classmethod
-    def _known_algorithm(cls, v: str) -> str:
-        valid = dp_algorithms()
-        if v not in valid:
-            raise ValueError(f"{v!r} is not an allreduce algorithm; valid algorithms: {', '.join(valid)}")
-        return v
-
-
-def dp_algorithms() -> tuple[str, ...]:
-    """The names ``dp.algorithm`` accepts: the allreduce algorithms of ``ringpipe.collectives``."""
-    try:
-        from ringpipe.collectives import SUPPORTED
-    except ImportError:  # a build without the collectives: the backend's own allreduce only
-        return ("native",)
-    return tuple(SUPPORTED["allreduce"])
 
 
 # --------------------------------------------------------------------------------- root
@@ -483,91 +196,6 @@ class TrainConfig(_Section):
     def total_steps(self, records: int, replicas: int) -> int:
         """Optimizer steps for ``epochs`` passes, epochs counted as ``step * global_batch / records``."""
         return max(1, math.ceil(self.epochs * records / (self.batch_size * replicas) - 1e-9))
-
-
-# --------------------------------------------------------------------------------- async pipeline
-
-
-def _same_value(key: str, a: Any, b: Any) -> bool:
-    if key == "mitigations":
-        split = PipelineConfig._split_names
-        return bool(split(a) == split(b))
-    return bool(a == b)
-
-
-def _nest_short_keys(raw: Mapping[str, Any]) -> dict[str, Any]:
-    """Move the top-level short forms (``step_every``, ``mitigations``, ...) into ``pipeline``."""
-    out = dict(raw)
-    short = [k for k in PIPELINE_SHORT_KEYS if k in out]
-    section = out.get("pipeline")
-    if not short or not isinstance(section, Mapping | None):
-        return out  # nothing to move, or a malformed section that field validation reports
-    section = dict(section or {})
-    for key in short:
-        value = out.pop(key)
-        if key in section and not _same_value(key, section[key], value):
-            raise ValueError(
-                f"{key}={value!r} and pipeline.{key}={section[key]!r} disagree: give the key once"
-            )
-        section[key] = value
-    out["pipeline"] = section
-    return out
-
-
-def _resolve_async(p: PipelineConfig, optimizer: Any) -> None:
-    """Check mode async's keys with the staleness factory and fill in their defaults."""
-    import torch
-
-    from ringpipe.pipeline.staleness import gap_aware_stages, make_policy, parse_mitigations
-    from ringpipe.train.optimizers import build_optimizer
-
-    k = p.step_every or 1
-    if p.microbatches % k:
-        raise ValueError(
-            f"pipeline.step_every={k} must divide pipeline.microbatches={p.microbatches}, so that every "
-            f"optimizer step averages step_every micro-batches: change one of them"
-        )
-    names = list(p.mitigations or ["stale"])
-    field = f"pipeline.mitigations={','.join(names)}"
-    try:
-        chosen = parse_mitigations(names, k)
-    except ValueError as exc:
-        raise ValueError(f"{field}: {exc}") from None
-    gap_aware = bool(chosen & {"ga", "ga_jfl"})
-    predicts = bool(chosen & {"msnag", "aggmsnag"})
-    if p.ga_stages is not None and not gap_aware:
-        raise ValueError(f"pipeline.ga_stages={p.ga_stages!r} is read only with mitigation ga or ga_jfl; {field}")
-    if p.nag_with_predictor is not None and not predicts:
-        raise ValueError(
-            f"pipeline.nag_with_predictor={p.nag_with_predictor} is read only with a weight predictor "
-            f"(wp, msnag, aggmsnag); {field}"
-        )
-    ga_stages = p.ga_stages or "all_except_last"
-    if gap_aware and not gap_aware_stages(ga_stages, p.stages):
-        raise ValueError(
-            f"pipeline.ga_stages={ga_stages!r} applies Gap Aware to no stage of a {p.stages}-stage pipeline; "
-            f"choose another of {', '.join(GA_STAGE_POLICIES)} or drop ga from the mitigations"
-        )
-    # The factory decides which combinations make sense (with this optimizer, recompute and
-    # step_every): build every stage's policy on a one-element stand-in parameter.
-    param = torch.nn.Parameter(torch.zeros(1))
-    opt = build_optimizer([param], optimizer, optimizer.lr)
-    for stage in range(p.stages):
-        try:
-            make_policy(
-                names, [param], opt, stage=stage, num_stages=p.stages, step_every=k,
-                recompute=p.recompute, nag_with_predictor=bool(p.nag_with_predictor), ga_stages=ga_stages,
-            )
-        except ValueError as exc:
-            raise ValueError(
-                f"{field} with pipeline.recompute={str(p.recompute).lower()}, pipeline.step_every={k} and "
-                f"optimizer.name={optimizer.name}: {exc}"
-            ) from None
-    p.__dict__.update(step_every=k, mitigations=names)
-    if gap_aware:
-        p.__dict__["ga_stages"] = ga_stages
-    if predicts:
-        p.__dict__["nag_with_predictor"] = bool(p.nag_with_predictor)
 
 
 # --------------------------------------------------------------------------------- loading
