@@ -9,13 +9,22 @@ truncation when an integer buffer is scaled.
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 
 import ringpipe as hvd
-from ringpipe.launch import spawn
+from ringpipe.launch import mpirun_command, spawn
+
+HERE = Path(__file__).parent
+HAVE_MPI = shutil.which("mpirun") is not None and __import__("importlib").util.find_spec("mpi4py") is not None
 
 
 def _with_world(comm, fn, process_sets=None):  # noqa: ANN001
@@ -334,3 +343,25 @@ def test_adasum_through_the_api_and_the_optimizer():
         # Horovod's delta optimizer: each rank's SGD update -lr * g_r, combined by Adasum, added to the start
         step = _adasum_pair(-0.5 * g[0], -0.5 * g[1])
         assert torch.allclose(torch.tensor(o["optimizer"]).double(), 1.0 + step, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- every dtype
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("nprocs", [2, 3])
+def test_every_dtype_through_the_collectives_on_sets_over_gloo(nprocs):
+    from scripts.hvd_dtypes import check
+
+    assert spawn(check, nprocs) == [[]] * nprocs
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(not HAVE_MPI, reason="needs mpirun and mpi4py")
+def test_every_dtype_through_the_collectives_on_sets_over_mpi(tmp_path):
+    cmd = mpirun_command(3, [sys.executable, str(HERE / "scripts" / "hvd_dtypes.py")])
+    env = dict(os.environ, RINGPIPE_BACKEND="mpi", PYTHONPATH=str(HERE), OMP_NUM_THREADS="1", CASES_DIR=str(tmp_path))
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=170)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)] == [[]] * 3
