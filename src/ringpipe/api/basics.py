@@ -56,6 +56,8 @@ __all__ = [
     "rocm_built",
     "shutdown",
     "size",
+    "start_timeline",
+    "stop_timeline",
     "synchronize",
 ]
 
@@ -95,10 +97,21 @@ def init(
             "init(comm=...) takes a ringpipe Communicator; Horovod's list of ranks or mpi4py communicator for a "
             "subset of the job is not supported: start only those ranks, or use process sets"
         )
+    from ringpipe.launch import horovod_env
+
+    settings = horovod_env.apply()
     owns = comm is None
+    created = False
     if comm is None:
         from ringpipe.comm.world import init_world
+        from ringpipe.env import detect
 
+        if settings.timeline and detect().rank == 0:
+            # Rank 0 creates the file before the rendezvous, so no rank appends to an old one.
+            from ringpipe.observe.live import create_file
+
+            create_file(settings.timeline)
+            created = True
         comm = init_world(backend or os.environ.get("RINGPIPE_BACKEND") or None)
     world = World(comm, owns_comm=owns)
     _w.install(world)
@@ -108,42 +121,88 @@ def init(
         _w.release()
         world.close()
         raise
+    _apply_settings(comm, settings, created)
     log.debug("ringpipe initialised: %r", comm)
+
+
+def _apply_settings(comm: Communicator, settings: Any, created: bool) -> None:
+    """The ``HOROVOD_*`` settings that need the communicator: the timeline and the stall shutdown."""
+    from ringpipe.observe import live
+
+    if settings.timeline:
+        live.start(settings.timeline, comm.rank, settings.mark_cycles, create=(comm.rank == 0 and not created))
+    if settings.stall_shutdown_s > 0:
+        from ringpipe.comm.world import stall_inspector
+
+        inspector = stall_inspector()
+        if inspector is None:
+            log.warning("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS has no effect: the stall inspector is off")
+        else:
+            inspector.shutdown_seconds = settings.stall_shutdown_s
+            inspector.on_shutdown.append(live.stop)
+
+
+def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+    """Start writing the timeline to ``file_path`` now (Horovod's ``hvd.start_timeline``); every rank calls it.
+
+    Rank 0 creates the file (replacing one there) and every rank appends its events as the job
+    runs; a ``start_timeline`` instant marks where recording began and :func:`stop_timeline` a
+    ``stop_timeline`` instant where it ended. ``mark_cycles``: a ``CYCLE_START`` instant where
+    each queued operation starts. A timeline being written to another file is closed first.
+    """
+    from ringpipe.observe import live
+
+    if not _w.is_initialized():
+        raise ValueError("Horovod has not been initialized; use hvd.init().")
+    live.start(file_path, rank(), bool(mark_cycles))
+
+
+def stop_timeline() -> None:
+    """Stop writing the timeline and close its file (Horovod's ``hvd.stop_timeline``)."""
+    from ringpipe.observe import live
+
+    if not _w.is_initialized():
+        raise ValueError("Horovod has not been initialized; use hvd.init().")
+    live.stop()
 
 
 def shutdown() -> None:
     """Stop the engines and release the communicator created by :func:`init` (or by ``init_world``).
 
-    With ``RINGPIPE_TIMELINE=FILE`` in the environment (as ``HOROVOD_TIMELINE`` in Horovod), rank 0
-    first writes a Chrome timeline of every rank's communication to ``FILE`` and the events beside it
-    (``FILE`` with ``.events.json``, for ``ringpipe doctor`` and ``ringpipe trace``).
+    The timeline being written (``HOROVOD_TIMELINE`` / ``RINGPIPE_TIMELINE``, ``start_timeline``)
+    is completed and closed; with one from the environment, rank 0 also saves every rank's events
+    beside it (``FILE`` with ``.events.json``, for ``ringpipe doctor`` and ``ringpipe trace``).
     """
+    from ringpipe.launch.horovod_env import timeline_path
+    from ringpipe.observe import live
+
+    live.stop()
     state = _w.release()
     if state is None:  # a world from init_world() (the lower-level entry point) is released too
         from ringpipe.comm.world import shutdown_world
 
         shutdown_world()
         return
-    path = os.environ.get("RINGPIPE_TIMELINE")
+    path = timeline_path(os.environ)
     try:
-        if path:
-            state.engine.run(lambda: _write_timeline(state.comm, path), name="timeline")
+        if path and path != "DYNAMIC":
+            state.engine.run(lambda: _save_events(state.comm, path), name="timeline")
     finally:
         state.close()
         global_process_set.ranks = []
         global_process_set.comm = None
 
 
-def _write_timeline(comm: Communicator, path: str) -> None:
+def _save_events(comm: Communicator, path: str) -> None:
     from pathlib import Path
 
-    from ringpipe.observe import collect_events, save_events, write_timeline
+    from ringpipe.observe import collect_events, save_events
 
     job = collect_events(comm)
     if job is not None:
-        out = write_timeline(path, job)
+        out = Path(path)
         save_events(out.with_name(out.stem + ".events.json"), job)
-        log.info("timeline written to %s (open in chrome://tracing or ui.perfetto.dev)", Path(path))
+        log.info("timeline written to %s (open in chrome://tracing or ui.perfetto.dev)", out)
 
 
 def is_initialized() -> bool:

@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ringpipe.comm.base import Communicator, ReduceOp
+from ringpipe.comm.events import name_next
 from ringpipe.dp.engine import Engine, Handle
 from ringpipe.dp.process_sets import ProcessSet, resolve
 from ringpipe.dp.world import current
@@ -41,6 +42,8 @@ class Call:
         self.detail = set_detail(process_set)
         self.name = name
         self.problem: BaseException | None = None
+        # The operation this call queues next on the engine carries the name (a timeline row).
+        name_next(self.tensor_name)
         if name is not None:
             names = current().names
             earlier = names.get(name)
@@ -55,7 +58,13 @@ class Call:
     def engine(self) -> Engine:
         return Engine.of(self.comm)
 
+    @property
+    def tensor_name(self) -> str | None:
+        """The name its events carry (a timeline row), as Horovod names tensors: ``allreduce.avg_loss``."""
+        return f"{self.what}.{self.name}" if self.name is not None else None
+
     def submit(self, task: Callable[[], Any], then: Callable[[Any], Any] | None = None) -> Handle:
+        name_next(self.tensor_name)
         handle = self.engine.submit(task, then, name=self.name or self.what)
         if self.name is not None and self.problem is None:
             current().names[self.name] = handle

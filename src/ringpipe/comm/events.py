@@ -8,17 +8,46 @@ doctor read these events; nothing patches the code paths it observes.
 from __future__ import annotations
 
 import collections
+import contextlib
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Event", "EventLog", "default_log", "comm_stats", "add_blocked", "blocked_ns", "human_bytes"]
+__all__ = ["Event", "EventLog", "default_log", "comm_stats", "add_blocked", "blocked_ns", "human_bytes", "named",
+           "name_next", "take_next_name"]
 
 # Field positions inside the raw event list (kept as a list so that ``end`` can be filled in
 # when an asynchronous operation completes without allocating a second object).
 OP, NBYTES, PEER, START, END, TAG, COMM, DETAIL = range(8)
+
+# The name of the tensor the calling thread is communicating (``name=`` of an API call), if any.
+_NAMING = threading.local()
+
+
+@contextlib.contextmanager
+def named(name: str | None) -> Iterator[None]:
+    """Events this thread records inside the block carry ``name`` (their ``detail["name"]``)."""
+    before = getattr(_NAMING, "name", None)
+    _NAMING.name = name
+    try:
+        yield
+    finally:
+        _NAMING.name = before
+
+
+def name_next(name: str | None) -> None:
+    """Name the next operation this thread queues (an API call sets it; the engine takes it)."""
+    _NAMING.next = name
+
+
+def take_next_name() -> str | None:
+    """The name set by :func:`name_next` on this thread, once (None when there is none)."""
+    name = getattr(_NAMING, "next", None)
+    if name is not None:
+        _NAMING.next = None
+    return name
 
 
 @dataclass(frozen=True)
@@ -49,7 +78,8 @@ class EventLog:
 
     def begin(self, op: str, nbytes: int, peer: int, tag: int, comm: str) -> list[Any]:
         """Start an event; the caller fills in ``end`` with :meth:`end`."""
-        ev = [op, nbytes, peer, time.perf_counter_ns(), 0, tag, comm, None]
+        name = getattr(_NAMING, "name", None)
+        ev = [op, nbytes, peer, time.perf_counter_ns(), 0, tag, comm, {"name": name} if name else None]
         self._events.append(ev)  # deque.append is atomic under the GIL
         return ev
 
@@ -70,6 +100,9 @@ class EventLog:
         **detail: Any,
     ) -> None:
         """Record an event whose times are already known (e.g. one step of a collective)."""
+        name = getattr(_NAMING, "name", None)
+        if name and "name" not in detail:
+            detail["name"] = name
         self._events.append([op, nbytes, peer, start_ns, end_ns, tag, comm, detail or None])
 
     def events(self) -> list[Event]:

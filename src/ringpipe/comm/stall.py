@@ -87,6 +87,10 @@ class StallInspector:
         self._store, self.prefix = store, prefix
         self.interval = interval or min(5.0, max(0.1, seconds / 4))
         self.reports: list[str] = []
+        #: End this process once an operation has waited this long (0: never), after calling
+        #: each of ``on_shutdown`` (Horovod's ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS``).
+        self.shutdown_seconds = 0.0
+        self.on_shutdown: list[Any] = []
         self._published: Any = False  # what this rank last published: False, True (waiting), ("idle", since)
         self._started = time.perf_counter_ns()
         self._reported: dict[int, float] = {}  # id of the waiting event -> when last reported
@@ -120,6 +124,8 @@ class StallInspector:
         now = time.perf_counter_ns()
         ev = self._oldest_in_flight(now)
         waited = (now - ev[START]) / 1e9 if ev is not None else 0.0
+        if ev is not None and self.shutdown_seconds and waited >= self.shutdown_seconds:
+            self._shut_down(ev, waited)
         if ev is None:
             # Out of communication since the last operation ended: say since when, once it matters.
             since = self._last_end()
@@ -148,6 +154,19 @@ class StallInspector:
         log.warning("stall: %s", message)
         self.reports.append(message)
         return message
+
+    def _shut_down(self, ev: list[Any], waited: float) -> None:
+        import os
+
+        what = _what({"op": ev[OP], "bytes": ev[NBYTES], "peer": ev[PEER], "comm": ev[COMM]})
+        log.error("stall: rank %d has waited %.0f s in %s, past the stall shutdown time of %g s: ending this "
+                  "rank", self.rank, waited, what, self.shutdown_seconds)
+        for fn in self.on_shutdown:
+            try:
+                fn()
+            except Exception:  # ending anyway
+                log.debug("stall shutdown hook failed", exc_info=True)
+        os._exit(1)
 
     def _last_end(self) -> int:
         """When this rank's last operation ended (when the inspector started, before any)."""

@@ -16,6 +16,7 @@ the next task, so MPI is entered from one thread only.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import queue
 import threading
@@ -25,7 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ringpipe.comm.base import Communicator, Work
-from ringpipe.comm.events import add_blocked
+from ringpipe.comm.events import add_blocked, named, take_next_name
 from ringpipe.comm.header import InvalidCallError, MismatchError
 
 __all__ = ["Engine", "Handle", "EngineError", "EngineInvalidCallError", "EngineMismatchError", "HorovodInternalError"]
@@ -50,6 +51,11 @@ class EngineInvalidCallError(InvalidCallError, EngineError):
 
 
 _UNSET = object()
+
+
+def _run_named(tensor: str, task: Callable[[], Any]) -> Any:
+    with named(tensor):
+        return task()
 
 
 class Handle:
@@ -164,6 +170,9 @@ class Engine:
         """
         if self._closed:
             raise EngineError(f"the engine of {self.comm.name} was shut down; call ringpipe.init() again")
+        tensor = take_next_name()  # the name= of the API call that queues it: its events carry it
+        if tensor is not None:
+            task = functools.partial(_run_named, tensor, task)
         handle = Handle(then, name)
         if self.on_engine_thread:
             self._execute(task, handle)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import os
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
@@ -150,8 +151,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         backward_passes_per_step: int = 1,
         op: ReduceOp | str = ReduceOp.AVERAGE,
         gradient_predivide_factor: float = 1.0,
-        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-        algorithm: str = "native",
+        bucket_bytes: int | None = None,
+        algorithm: str | None = None,
         comm: Communicator | None = None,
         first_bucket_bytes: int = DEFAULT_FIRST_BUCKET_BYTES,
         join_support: bool = True,
@@ -164,6 +165,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise TypeError("the optimizer is already a DistributedOptimizer; wrap the plain torch optimizer once")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        # Defaults from Horovod's environment: HOROVOD_FUSION_THRESHOLD (bytes; 0 turns fusion off:
+        # one bucket per gradient) and HOROVOD_HIERARCHICAL_ALLREDUCE=1.
+        if bucket_bytes is None:
+            raw = os.environ.get("HOROVOD_FUSION_THRESHOLD", "").strip()
+            if raw and not raw.isdigit():
+                raise ValueError(f"HOROVOD_FUSION_THRESHOLD={raw!r} is not a number of bytes; set bytes (0: no fusion)")
+            bucket_bytes = max(1, int(raw)) if raw else DEFAULT_BUCKET_BYTES
+        if algorithm is None:
+            hier = os.environ.get("HOROVOD_HIERARCHICAL_ALLREDUCE", "").strip().lower() not in ("", "0", "false")
+            algorithm = "hierarchical" if hier else "native"
         if num_groups:
             warnings.warn("Parameter `num_groups` has been replaced by `groups` and will be removed in v0.23.0.",
                           DeprecationWarning, stacklevel=2)

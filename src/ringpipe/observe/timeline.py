@@ -1,8 +1,9 @@
 """A timeline of every rank's communication in Chrome's trace format (chrome://tracing, Perfetto).
 
-One process row per rank (named ``rank R @ host``), one thread row per communicator, and a
-separate row per collective algorithm's steps, so that a ring's steps line up under the call
-that made them. Times are microseconds from the first event of the job, on rank 0's clock.
+One process row per rank (named ``rank R @ host``), one thread row per tensor name (the ``name=``
+of an API call, ``allreduce.avg_loss``, as Horovod's timeline has a row per tensor) or per
+communicator for unnamed operations, and a separate row per collective algorithm's steps, so
+that a ring's steps line up under the call that made them. Times are microseconds from the first event of the job, on rank 0's clock.
 """
 
 from __future__ import annotations
@@ -13,14 +14,15 @@ from typing import Any
 
 from ringpipe.observe.collect import JobEvents
 
-__all__ = ["chrome_trace", "write_timeline"]
+__all__ = ["chrome_trace", "row_of", "write_timeline"]
 
 
-def _row(op: str, comm: str) -> str:
+def row_of(op: str, comm: str, name: str | None = None) -> str:
+    """The timeline row of an event: its tensor's name, else its communicator; steps on a row of their own."""
     # "allreduce.step" / "allreduce.header" go under the call that made them, on their own row.
     if "." in op:
-        return f"{comm}: {op.split('.', 1)[0]} steps"
-    return comm or "world"
+        return f"{name or comm}: {op.split('.', 1)[0]} steps"
+    return name or comm or "world"
 
 
 def chrome_trace(job: JobEvents) -> dict[str, Any]:
@@ -35,7 +37,7 @@ def chrome_trace(job: JobEvents) -> dict[str, Any]:
                     "args": {"sort_index": r.rank}})
         tids: dict[str, int] = {}
         for e in r.events:
-            row = _row(e.op, e.comm)
+            row = row_of(e.op, e.comm, e.detail.get("name"))
             if row not in tids:
                 tids[row] = len(tids) + 1
                 out.append({"ph": "M", "name": "thread_name", "pid": r.rank, "tid": tids[row],
