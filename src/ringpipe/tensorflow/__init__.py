@@ -1,0 +1,77 @@
+"""Horovod's ``horovod.tensorflow`` API for TensorFlow 2 on ringpipe's engine: ``import ringpipe.tensorflow as hvd``.
+
+The process state (``init``, ranks, process sets) is the one of the torch face and of
+``ringpipe.dp``: a program may use both faces on one world. Tensors cross to torch at the boundary
+(:mod:`ringpipe.tensorflow.bridge`); every call is announced across ranks as in the torch face,
+so ranks that disagree (dtype, shape, op, root rank, set) all raise the same
+:class:`HorovodInternalError` instead of hanging. Every op runs eagerly and inside ``tf.function``.
+"""
+
+try:
+    import tensorflow as _tf  # noqa: F401 - fails early with the fix
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "ringpipe.tensorflow needs TensorFlow: pip install 'ringpipe[tensorflow]' (or pip install "
+        "tensorflow-cpu==2.21.0, which pulls no CUDA packages)"
+    ) from exc
+
+from ringpipe.api.basics import (
+    Adasum,
+    Average,
+    HorovodInternalError,
+    Max,
+    Min,
+    NotInitializedError,
+    Product,
+    ProcessSet,
+    Sum,
+    add_process_set,
+    ccl_built,
+    cross_rank,
+    cross_size,
+    cuda_built,
+    ddl_built,
+    gloo_built,
+    gloo_enabled,
+    global_process_set,
+    init,
+    is_initialized,
+    local_rank,
+    local_size,
+    mpi_built,
+    mpi_enabled,
+    mpi_threads_supported,
+    nccl_built,
+    rank,
+    remove_process_set,
+    rocm_built,
+    shutdown,
+    size,
+)
+from ringpipe.dp.compression import Compression
+
+from .functions import allgather_object, broadcast_, broadcast_object, broadcast_variables
+from .gradient_tape import DistributedGradientTape, PartialDistributedGradientTape
+from .mpi_ops import (
+    allgather,
+    allreduce,
+    alltoall,
+    barrier,
+    broadcast,
+    grouped_allgather,
+    grouped_allreduce,
+    grouped_reducescatter,
+    join,
+    reducescatter,
+)
+
+__all__ = [
+    "Adasum", "Average", "Compression", "DistributedGradientTape", "HorovodInternalError", "Max", "Min",
+    "NotInitializedError", "PartialDistributedGradientTape", "ProcessSet", "Product", "Sum", "add_process_set",
+    "allgather", "allgather_object", "allreduce", "alltoall", "barrier", "broadcast", "broadcast_",
+    "broadcast_object", "broadcast_variables", "ccl_built", "cross_rank", "cross_size", "cuda_built", "ddl_built",
+    "gloo_built", "gloo_enabled", "global_process_set", "grouped_allgather", "grouped_allreduce",
+    "grouped_reducescatter", "init", "is_initialized", "join", "local_rank", "local_size", "mpi_built",
+    "mpi_enabled", "mpi_threads_supported", "nccl_built", "rank", "reducescatter", "remove_process_set",
+    "rocm_built", "shutdown", "size",
+]

@@ -1,0 +1,98 @@
+"""Where TensorFlow meets the shared engine: tensors cross to torch and back, eagerly or from a graph.
+
+Tensors cross by DLPack: a TF tensor becomes a torch view of the same buffer and a torch result
+becomes a TF tensor without a copy (numpy is the fallback for what DLPack refuses). TensorFlow
+treats its buffers as immutable, so a view of a TF tensor is only ever *read*: the collectives of
+the torch face that the TF face calls copy their input before reducing into it.
+
+Inside a graph (``tf.function``, Keras ``fit``) a collective becomes one ``tf.py_function`` node
+that calls the engine when the graph runs. What that costs: the node takes the Python interpreter
+(the GIL) while it runs, the graph cannot be compiled by XLA (``jit_compile=True``) nor exported
+without Python (SavedModel), and each collective node of a graph waits for the previous one
+(control dependencies in program order). The waiting keeps every rank's engine seeing the same
+order of collectives, which the engine needs; the lists of gradients go through one node each
+(one fused message per dtype), so a training step pays this once.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import tensorflow as tf
+import torch
+
+__all__ = ["to_torch", "to_tf", "run", "tf_dtype"]
+
+_TORCH_OF_TF = {
+    tf.float16: torch.float16, tf.bfloat16: torch.bfloat16, tf.float32: torch.float32, tf.float64: torch.float64,
+    tf.int8: torch.int8, tf.int16: torch.int16, tf.int32: torch.int32, tf.int64: torch.int64, tf.uint8: torch.uint8,
+    tf.bool: torch.bool, tf.complex64: torch.complex64, tf.complex128: torch.complex128,
+}
+_TF_OF_TORCH = {v: k for k, v in _TORCH_OF_TF.items()}
+
+
+def tf_dtype(dtype: torch.dtype) -> tf.DType:
+    return _TF_OF_TORCH[dtype]
+
+
+def to_torch(x: Any) -> torch.Tensor:
+    """A torch CPU tensor over ``x``'s buffer (read it, never write it); a copy only if DLPack refuses."""
+    t = tf.convert_to_tensor(x)
+    if t.dtype not in _TORCH_OF_TF:
+        raise TypeError(
+            f"ringpipe.tensorflow: dtype {t.dtype.name} cannot take part in a collective; supported: "
+            + ", ".join(sorted(d.name for d in _TORCH_OF_TF))
+        )
+    try:
+        return torch.from_dlpack(tf.experimental.dlpack.to_dlpack(t))
+    except Exception:  # noqa: BLE001 - e.g. a tensor DLPack cannot describe; numpy copies it
+        if t.dtype == tf.bfloat16:
+            return torch.from_numpy(t.numpy().view("uint16").copy()).view(torch.bfloat16)
+        return torch.from_numpy(t.numpy().copy())
+
+
+def to_tf(t: torch.Tensor) -> tf.Tensor:
+    """A TF tensor over a torch result's buffer (the torch tensor must not be written afterwards)."""
+    t = t.detach().contiguous()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    try:
+        return tf.experimental.dlpack.from_dlpack(torch.utils.dlpack.to_dlpack(t))
+    except Exception:  # noqa: BLE001 - e.g. an empty tensor; numpy copies it
+        if t.dtype == torch.bfloat16:
+            return tf.bitcast(tf.constant(t.view(torch.uint16).numpy()), tf.bfloat16)
+        return tf.constant(t.numpy())
+
+
+# The last collective node of each graph: the next one waits for it (see the module docstring).
+_last: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+
+
+def run(
+    fn: Callable[..., Any],
+    inputs: Sequence[Any],
+    tout: Sequence[tf.DType],
+    shapes: Sequence[Any],
+    name: str = "ringpipe",
+) -> list[tf.Tensor]:
+    """``fn(*inputs)`` (eager TF tensors in, a list of TF tensors out) now, or as a graph node.
+
+    ``tout`` and ``shapes`` describe the outputs for the graph (a shape may have ``None``
+    dimensions, or be ``None`` when unknown).
+    """
+    if tf.executing_eagerly():
+        return list(fn(*inputs))
+    graph = tf.compat.v1.get_default_graph()
+    previous = _last.get(graph)
+    deps = [previous] if previous is not None else []
+    with tf.control_dependencies(deps):
+        outs = tf.py_function(lambda *xs: list(fn(*xs)), list(inputs), list(tout), name=name)
+    outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
+    for out, shape in zip(outs, shapes, strict=True):
+        if shape is not None:
+            out.set_shape(shape)
+    if outs:
+        _last[graph] = outs[0].op
+    return outs

@@ -1,0 +1,314 @@
+"""Horovod's TensorFlow collectives on ringpipe's engine, eager and in graphs, with Horovod's gradients.
+
+Each op converts its TF tensor at the boundary (:mod:`.bridge`) and calls the torch face's
+collective, which announces the call across ranks (ranks that disagree all raise) and runs it on
+the process set's engine. The gradients are Horovod's (``horovod/tensorflow/mpi_ops.py``): of an
+allreduce, the same allreduce (op and scale factors) of the output gradient; of an allgather, the
+averaging allreduce of the gradient, this rank's rows; of a broadcast, the averaging allreduce on
+the root rank and zero elsewhere; of a reduce-scatter, the allgather of the gradient times the
+set's size for Sum and times the scale factors; of an alltoall, the alltoall back with the
+received splits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import tensorflow as tf
+import torch
+
+from ringpipe import api as _api
+from ringpipe.api.calls import parse_op
+from ringpipe.comm.base import ReduceOp
+from ringpipe.dp.compression import Compression
+from ringpipe.dp.process_sets import ProcessSet, global_process_set
+
+from .bridge import run, to_tf, to_torch
+
+__all__ = [
+    "allgather",
+    "allreduce",
+    "alltoall",
+    "barrier",
+    "broadcast",
+    "grouped_allgather",
+    "grouped_allreduce",
+    "grouped_reducescatter",
+    "join",
+    "reducescatter",
+]
+
+
+def _set_size(process_set: ProcessSet) -> int:
+    ranks = process_set.ranks
+    if not ranks:
+        raise ValueError("ringpipe.tensorflow: call init() first (the process set has no ranks yet)")
+    return len(ranks)
+
+
+def _set_rank(process_set: ProcessSet) -> int:
+    rank = process_set.rank()
+    assert rank is not None
+    return rank
+
+
+# ----------------------------------------------------------------------------- allreduce
+
+
+def _dense_allreduce(x: tf.Tensor, op: ReduceOp, pre: float, post: float, compression: Any, name: str | None,
+                     process_set: ProcessSet) -> tf.Tensor:
+    @tf.custom_gradient
+    def reduce(t: tf.Tensor) -> Any:
+        def fn(v: tf.Tensor) -> list[tf.Tensor]:
+            out = _api.allreduce(to_torch(v), name=name, compression=compression, op=op, prescale_factor=pre,
+                                 postscale_factor=post, process_set=process_set)
+            return [to_tf(out)]
+
+        (y,) = run(fn, [t], [t.dtype], [t.shape], name="RingpipeAllreduce")
+
+        def grad(dy: tf.Tensor) -> tf.Tensor:
+            return _dense_allreduce(dy, op, pre, post, compression, None, process_set)
+
+        return y, grad
+
+    return reduce(x)
+
+
+def allreduce(
+    tensor: Any,
+    average: bool | None = None,
+    device_dense: str = "",
+    device_sparse: str = "",
+    compression: Any = Compression.none,
+    op: ReduceOp | str | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+    ignore_name_scope: bool = False,
+) -> Any:
+    """Reduce a ``tf.Tensor``, ``tf.Variable`` or ``tf.IndexedSlices`` over ranks (Average by default).
+
+    An ``IndexedSlices`` is reduced as Horovod does: the values and indices of every rank are
+    gathered (divided by the set's size for Average), duplicates not summed.
+    """
+    rop = parse_op(op, average)
+    if isinstance(tensor, tf.IndexedSlices):
+        if rop is ReduceOp.ADASUM:
+            raise NotImplementedError("The Adasum reduction does not currently support sparse tensors. As a "
+                                      "workaround please pass sparse_as_dense=True to DistributedOptimizer")
+        if rop not in (ReduceOp.SUM, ReduceOp.AVERAGE):
+            raise NotImplementedError("Only Sum and Average ops are supported with tf.IndexedSlices")
+        if prescale_factor != 1.0 or postscale_factor != 1.0:
+            raise NotImplementedError("Pre/postscale_factor are not supported with tf.IndexedSlices")
+        values = allgather(tensor.values, process_set=process_set)
+        indices = allgather(tensor.indices, process_set=process_set)
+        if rop is ReduceOp.AVERAGE:
+            values = values / tf.cast(_set_size(process_set), values.dtype)
+        return tf.IndexedSlices(values, indices, dense_shape=tensor.dense_shape)
+    return _dense_allreduce(tf.convert_to_tensor(tensor), rop, prescale_factor, postscale_factor,
+                            Compression.parse(compression), name, process_set)
+
+
+def fused_allreduce(tensors: Sequence[tf.Tensor], op: ReduceOp, pre: float, post: float, compression: Any,
+                    process_set: ProcessSet) -> list[tf.Tensor]:
+    """Reduce dense tensors as one message per dtype (one graph node); differentiable."""
+    comp = Compression.parse(compression)
+    xs = [tf.convert_to_tensor(t) for t in tensors]
+    if not xs:
+        return []
+
+    @tf.custom_gradient
+    def reduce(*ts: tf.Tensor) -> Any:
+        def fn(*vs: tf.Tensor) -> list[tf.Tensor]:
+            wire = [comp.compress(to_torch(v)) for v in vs]
+            groups: dict[torch.dtype, list[int]] = {}
+            for i, (w, _) in enumerate(wire):
+                groups.setdefault(w.dtype, []).append(i)
+            handles = [(idx, _api.grouped_allreduce_async([wire[i][0] for i in idx], op=op, prescale_factor=pre,
+                                                          postscale_factor=post, process_set=process_set))
+                       for idx in groups.values()]
+            out: list[Any] = [None] * len(vs)
+            for idx, handle in handles:
+                for i, r in zip(idx, _api.synchronize(handle), strict=True):
+                    out[i] = to_tf(comp.decompress(r, wire[i][1]))
+            return out
+
+        ys = run(fn, list(ts), [t.dtype for t in ts], [t.shape for t in ts], name="RingpipeGroupedAllreduce")
+
+        def grad(*dys: tf.Tensor) -> list[tf.Tensor]:
+            return fused_allreduce(list(dys), op, pre, post, comp, process_set)
+
+        return ys, grad
+
+    return list(reduce(*xs))
+
+
+def grouped_allreduce(
+    tensors: Sequence[Any],
+    average: bool | None = None,
+    device_dense: str = "",
+    device_sparse: str = "",
+    compression: Any = Compression.none,
+    op: ReduceOp | str | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+    name: str | None = None,
+    ignore_name_scope: bool = False,
+) -> list[Any]:
+    """Reduce several tensors together (one fused message per dtype); ``IndexedSlices`` one by one."""
+    rop = parse_op(op, average)
+    items = list(tensors)
+    dense = [i for i, t in enumerate(items) if not isinstance(t, tf.IndexedSlices)]
+    out: list[Any] = list(items)
+    reduced = fused_allreduce([items[i] for i in dense], rop, prescale_factor, postscale_factor, compression,
+                              process_set)
+    for i, r in zip(dense, reduced, strict=True):
+        out[i] = r
+    for i, t in enumerate(items):
+        if isinstance(t, tf.IndexedSlices):
+            out[i] = allreduce(t, op=rop, process_set=process_set)
+    return out
+
+
+# ----------------------------------------------------------------------------- data movement
+
+
+def allgather(tensor: Any, name: str | None = None, ignore_name_scope: bool = False,
+              process_set: ProcessSet = global_process_set) -> tf.Tensor:
+    """Every rank's tensor concatenated along dim 0 (first dimensions may differ); differentiable."""
+    x = tf.convert_to_tensor(tensor)
+
+    @tf.custom_gradient
+    def gather(t: tf.Tensor) -> Any:
+        def fn(v: tf.Tensor) -> list[tf.Tensor]:
+            return [to_tf(_api.allgather(to_torch(v), name=name, process_set=process_set))]
+
+        shape = None if t.shape.rank is None else ([None, *t.shape[1:]] if t.shape.rank else [None])
+        (y,) = run(fn, [t], [t.dtype], [shape], name="RingpipeAllgather")
+
+        def grad(dy: tf.Tensor) -> tf.Tensor:
+            total = _dense_allreduce(dy, ReduceOp.AVERAGE, 1.0, 1.0, Compression.none, None, process_set)
+            rows = tf.reshape(tf.shape(t, out_type=tf.int64)[0] if t.shape.rank else tf.constant(1, tf.int64), [1])
+            sizes = allgather(rows, process_set=process_set)
+            me = _set_rank(process_set)
+            start = tf.reduce_sum(sizes[:me])
+            mine = total[start : start + sizes[me]]
+            return tf.reshape(mine, tf.shape(t))
+
+        return y, grad
+
+    return gather(x)
+
+
+def grouped_allgather(tensors: Sequence[Any], name: str | None = None, ignore_name_scope: bool = False,
+                      process_set: ProcessSet = global_process_set) -> list[tf.Tensor]:
+    return [allgather(t, process_set=process_set) for t in tensors]
+
+
+def broadcast(tensor: Any, root_rank: int, name: str | None = None, ignore_name_scope: bool = False,
+              process_set: ProcessSet = global_process_set) -> tf.Tensor:
+    """``root_rank``'s tensor (a world rank, also on a process set); differentiable."""
+    x = tf.convert_to_tensor(tensor)
+
+    @tf.custom_gradient
+    def bcast(t: tf.Tensor) -> Any:
+        def fn(v: tf.Tensor) -> list[tf.Tensor]:
+            return [to_tf(_api.broadcast(to_torch(v), root_rank, name=name, process_set=process_set))]
+
+        (y,) = run(fn, [t], [t.dtype], [t.shape], name="RingpipeBroadcast")
+
+        def grad(dy: tf.Tensor) -> tf.Tensor:
+            total = _dense_allreduce(dy, ReduceOp.AVERAGE, 1.0, 1.0, Compression.none, None, process_set)
+            return total if _api.rank() == root_rank else total * 0
+
+        return y, grad
+
+    return bcast(x)
+
+
+def alltoall(tensor: Any, splits: Any = None, name: str | None = None, ignore_name_scope: bool = False,
+             process_set: ProcessSet = global_process_set) -> Any:
+    """Rows ``splits[j]`` of dim 0 go to rank ``j`` of the set (even split without ``splits``); differentiable.
+
+    As in Horovod, with ``splits`` it returns ``(received, received_splits)``.
+    """
+    x = tf.convert_to_tensor(tensor)
+    given = splits is not None
+    spl = tf.cast(tf.convert_to_tensor(splits if given else tf.zeros([0], tf.int32)), tf.int32)
+
+    @tf.custom_gradient
+    def exchange(t: tf.Tensor, s: tf.Tensor) -> Any:
+        def fn(v: tf.Tensor, w: tf.Tensor) -> list[tf.Tensor]:
+            out = _api.alltoall(to_torch(v), [int(i) for i in w.numpy()] if given else None, name=name,
+                                process_set=process_set)
+            if given:
+                received, rsplits = out
+            else:  # the received splits of an even split
+                received = out
+                rsplits = torch.full((_set_size(process_set),), received.shape[0] // _set_size(process_set),
+                                     dtype=torch.int32)
+            return [to_tf(received), to_tf(rsplits.to(torch.int32))]
+
+        shape = None if t.shape.rank is None else [None, *t.shape[1:]]
+        y, rsplits = run(fn, [t, s], [t.dtype, tf.int32], [shape, [None]], name="RingpipeAlltoall")
+
+        def grad(dy: tf.Tensor, _drs: Any = None) -> Any:
+            back, _ = alltoall(dy, splits=rsplits, process_set=process_set)
+            return back, None
+
+        return (y, rsplits), grad
+
+    y, rsplits = exchange(x, spl)
+    return (y, rsplits) if given else y
+
+
+def reducescatter(tensor: Any, device_dense: str = "", compression: Any = Compression.none,
+                  op: ReduceOp | str | None = ReduceOp.AVERAGE, name: str | None = None,
+                  process_set: ProcessSet = global_process_set, ignore_name_scope: bool = False,
+                  prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> tf.Tensor:
+    """Reduce over ranks and keep this rank's block of dim 0 (Average by default); differentiable."""
+    rop = parse_op(op, None)
+    comp = Compression.parse(compression)
+    x = tf.convert_to_tensor(tensor)
+
+    @tf.custom_gradient
+    def scatter(t: tf.Tensor) -> Any:
+        def fn(v: tf.Tensor) -> list[tf.Tensor]:
+            out = _api.reducescatter(to_torch(v), name=name, compression=comp, op=rop, process_set=process_set,
+                                     prescale_factor=prescale_factor, postscale_factor=postscale_factor)
+            return [to_tf(out)]
+
+        shape = None if t.shape.rank is None else [None, *t.shape[1:]]
+        (y,) = run(fn, [t], [t.dtype], [shape], name="RingpipeReducescatter")
+
+        def grad(dy: tf.Tensor) -> tf.Tensor:
+            factor = (_set_size(process_set) if rop is ReduceOp.SUM else 1) * prescale_factor * postscale_factor
+            g = dy * tf.cast(factor, dy.dtype) if factor != 1 else dy
+            return allgather(g, process_set=process_set)
+
+        return y, grad
+
+    return scatter(x)
+
+
+def grouped_reducescatter(tensors: Sequence[Any], device_dense: str = "", compression: Any = Compression.none,
+                          op: ReduceOp | str | None = ReduceOp.AVERAGE, name: str | None = None,
+                          process_set: ProcessSet = global_process_set, ignore_name_scope: bool = False,
+                          prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> list[tf.Tensor]:
+    return [reducescatter(t, compression=compression, op=op, process_set=process_set,
+                          prescale_factor=prescale_factor, postscale_factor=postscale_factor) for t in tensors]
+
+
+def barrier(process_set: ProcessSet = global_process_set) -> None:
+    """Wait until every rank of the set reaches this call."""
+    run(lambda: [tf.constant(0) if _api.barrier(process_set=process_set) is None else tf.constant(0)], [],
+        [tf.int32], [[]], name="RingpipeBarrier")
+
+
+def join() -> tf.Tensor:
+    """Wait for every rank to run out of data (serving their allreduces meanwhile); the last rank to join."""
+    (last,) = run(lambda: [tf.constant(_api.join(), tf.int32)], [], [tf.int32], [[]], name="RingpipeJoin")
+    return last
