@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ringpipe.comm.events import END, START, EventLog, add_blocked, default_log
+from ringpipe.comm.events import COMM, END, NBYTES, OP, START, EventLog, add_blocked, default_log
 from ringpipe.env import Topology
 
 __all__ = ["ReduceOp", "Work", "Communicator", "CommError", "nbytes_of"]
@@ -94,7 +94,12 @@ class Work:
         if not self._done:
             assert self._wait is not None
             t0 = time.perf_counter_ns()
-            self._wait()
+            try:
+                self._wait()
+            except RuntimeError as exc:
+                if self._event is not None:
+                    _raise_departure(exc, self._event)
+                raise
             add_blocked(time.perf_counter_ns() - t0)
             self._finish()
         return self._result
@@ -217,6 +222,9 @@ class Communicator(ABC):
         ev = self.log.begin(op, nbytes, peer, tag, self.name)
         try:
             return fn()
+        except RuntimeError as exc:
+            _raise_departure(exc, ev)
+            raise
         finally:
             EventLog.end(ev)
             add_blocked(ev[END] - ev[START])  # a synchronous operation blocks its caller throughout
@@ -473,6 +481,15 @@ class Communicator(ABC):
 
     def _object_device(self) -> torch.device:
         return torch.device("cpu")
+
+
+def _raise_departure(exc: RuntimeError, ev: list[Any]) -> None:
+    """Raise a backend's lost-peer error as a PeerDeparted naming the rank that left (if it is one)."""
+    from ringpipe.comm.departures import translate
+
+    named = translate(exc, ev[OP], ev[NBYTES], ev[COMM])  # an inner call's PeerDeparted: named after this one
+    if named is not None:
+        raise named from exc
 
 
 def _nbytes(tensor: Any) -> int:

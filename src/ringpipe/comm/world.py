@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ringpipe.comm import departures
 from ringpipe.comm.base import CommError, Communicator
 from ringpipe.comm.stall import StallInspector
 from ringpipe.env import EnvironmentError_, Topology, detect
@@ -212,6 +213,17 @@ def _shutdown_at_exit() -> None:
     """
     atexit.unregister(shutdown_world)
     atexit.register(shutdown_world)
+    _leave_at_exit()
+
+
+def _leave_at_exit() -> None:
+    """Write this rank's departure at exit, before the world is torn down (atexit runs last-in first)."""
+    atexit.unregister(_exited)
+    atexit.register(_exited)
+
+
+def _exited() -> None:
+    departures.leave("exited")
 
 
 _INSPECTOR: StallInspector | None = None
@@ -291,9 +303,9 @@ def _start_stall_inspector(comm: Communicator) -> None:
         seconds = float(raw)
     except ValueError:
         raise EnvironmentError_(f"RINGPIPE_STALL_CHECK_SECONDS={raw!r} is not a number of seconds (0 turns it off)") from None
-    if comm.size == 1 or seconds <= 0:
-        return
     store: Any = None
+    if comm.size == 1:
+        return
     if comm.backend == "mpi":
         store = _mpi_stall_store(comm.topology)
     else:
@@ -301,8 +313,18 @@ def _start_stall_inspector(comm: Communicator) -> None:
             store = dist.distributed_c10d._get_default_store()
         except Exception:  # noqa: BLE001 - without a store the warning names this rank's wait only
             log.debug("no c10d store for the stall inspector", exc_info=True)
+    abort = None
+    if comm.backend == "mpi":
+        from mpi4py import MPI
+
+        abort = lambda: MPI.COMM_WORLD.Abort(1)  # noqa: E731 - a rank blocked in MPI cannot be interrupted
+        _leave_at_exit()
+    departures.start(comm.rank, comm.size, comm.log, store, comm.backend, abort)
     if _INSPECTOR is not None:
         _INSPECTOR.stop()
+        _INSPECTOR = None
+    if seconds <= 0:
+        return
     _INSPECTOR = StallInspector(comm.rank, comm.size, comm.log, seconds, store).start()
 
 
@@ -314,6 +336,7 @@ def stall_inspector() -> StallInspector | None:
 def shutdown_world() -> None:
     """Destroy the torch default process group if one exists (MPI finalises at exit)."""
     global _INSPECTOR
+    departures.leave("shutdown")
     if _INSPECTOR is not None:
         _INSPECTOR.stop()
         _INSPECTOR = None

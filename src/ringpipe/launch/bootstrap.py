@@ -168,6 +168,14 @@ def _flush() -> None:
             stream.flush()
 
 
+def _departed(how: str) -> None:
+    """Tell the other ranks how this one left (they name it in their errors): see ringpipe.comm.departures."""
+    with contextlib.suppress(Exception):
+        from ringpipe.comm import departures
+
+        departures.leave(how)
+
+
 def run_program(program: Sequence[str]) -> int:
     """Run ``[script, *args]`` or ``["-m", module, *args]`` as ``__main__``; return its exit status.
 
@@ -199,6 +207,7 @@ def run_program(program: Sequence[str]) -> int:
             code = 1
         if code:
             _write_record(launch_dir, code, f"exited with status {code}")
+            _departed(f"exited with status {code}")
     except KeyboardInterrupt:
         code = 128 + int(signal.SIGINT)
         _write_record(launch_dir, code, "interrupted")
@@ -206,6 +215,7 @@ def run_program(program: Sequence[str]) -> int:
         sys.stderr.write(_user_traceback(exc))
         last = "".join(traceback.format_exception_only(type(exc), exc)).strip().splitlines()
         _write_record(launch_dir, 1, last[-1] if last else type(exc).__name__)
+        _departed("exception: " + (last[-1] if last else type(exc).__name__))
         code = 1
     if code:
         _flush()
