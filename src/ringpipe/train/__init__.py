@@ -9,13 +9,14 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["ConfigError", "Engine", "MODES", "ModeUnavailable", "TrainConfig", "load_config", "train"]
+__all__ = ["ConfigError", "Engine", "MODES", "ModeUnavailable", "TrainConfig", "fit", "load_config", "train"]
 
 _HOME = {
     "ConfigError": "ringpipe.train.config",
     "TrainConfig": "ringpipe.train.config",
     "load_config": "ringpipe.train.config",
     "train": "ringpipe.train.loop",
+    "fit": "ringpipe.train.fit",
     "Engine": "ringpipe.train.modes",
     "MODES": "ringpipe.train.modes",
     "ModeUnavailable": "ringpipe.train.modes",

@@ -43,8 +43,11 @@ from ringpipe.train.config_parallel import (
 from ringpipe.train.config_parallel import nest_short_keys as _nest_short_keys
 from ringpipe.train.config_parallel import resolve_async as _resolve_async
 from ringpipe.train.config_sections import (
+    BUILTIN_DATA,
+    BUILTIN_MODELS,
     MODE_NAMES,
     PIPELINE_MODES,
+    SECTION_TAGS,
     AdamConfig,
     CheckpointConfig,
     CIFARConfig,
@@ -119,6 +122,21 @@ class TrainConfig(_Section):
     batch_size: int = Field(default=32, ge=1)
     max_steps: int | None = Field(default=None, ge=1)
     log_every: int = Field(default=10, ge=1)
+    precision: Literal["fp32", "bf16", "fp16"] = Field(
+        default="fp32",
+        description="forward passes under torch.autocast in this dtype (bf16 runs on CPU too); fp16 scales "
+        "the loss (dynamic loss scale, steps with inf/nan gradients skipped on every rank)",
+    )
+    accumulate: int = Field(
+        default=1, ge=1,
+        description="backward passes (equal chunks of each batch) per optimizer step in modes single, ddp "
+        "and dp (dp: dp.backward_passes_per_step); pipeline modes accumulate over pipeline.microbatches",
+    )
+    logger: Literal["csv", "tensorboard"] = Field(
+        default="csv",
+        description="metrics.jsonl and metrics.csv are always written; tensorboard adds event files in "
+        "<run-dir>/tensorboard (needs the tensorboard package: pip install ringpipe[tensorboard])",
+    )
     model: ModelConfig = Field(default_factory=lambda: MLPConfig())
     data: DataConfig = Field(default_factory=lambda: DigitsConfig())
     optimizer: OptimizerConfig = Field(default_factory=lambda: AdamConfig())
@@ -177,21 +195,62 @@ class TrainConfig(_Section):
             raise ValueError(f"mode 'single' runs one process but nprocs={self.nprocs}: set nprocs=1 or pick ddp/dp")
         if self.mode == "single":
             self.__dict__["nprocs"] = 1
-        if self.model.name == "transformer" and self.data.name != "synthetic_lm":
+        self._check_steps()
+        builtin = self.model.name in BUILTIN_MODELS and self.data.name in BUILTIN_DATA
+        if builtin and self.model.name == "transformer" and self.data.name != "synthetic_lm":
             raise ValueError(
                 f"model 'transformer' is a language model and needs token data (data.name=synthetic_lm), "
                 f"got data.name={self.data.name!r}"
             )
-        if self.data.name == "synthetic_lm" and self.model.name != "transformer":
+        if builtin and self.data.name == "synthetic_lm" and self.model.name != "transformer":
             raise ValueError(
                 f"data 'synthetic_lm' holds token sequences for model 'transformer', got model.name={self.model.name!r}"
             )
-        if self.model.name in ("cnn", "resnet") and self.data.name == "synthetic" and len(self.data.shape) != 3:
+        if (self.model.name in ("cnn", "resnet") and isinstance(self.data, SyntheticConfig)
+                and len(self.data.shape) != 3):
             raise ValueError(
                 f"model {self.model.name!r} needs images: data.shape must be [channels, height, width], "
                 f"got {self.data.shape}"
             )
         return self
+
+    def _check_steps(self) -> None:
+        """Accumulation, clipping and loss scaling against the mode that runs them."""
+        clip = self.optimizer.clip_grad_norm
+        if self.mode == "async" and (clip is not None or self.precision == "fp16"):
+            what = f"optimizer.clip_grad_norm={clip}" if clip is not None else "precision=fp16"
+            raise ValueError(
+                f"{what} is not available in mode 'async': its stages step at different times on the gradients "
+                f"of different micro-batches, so there is no whole-model gradient to clip or to check for "
+                f"overflow; use a synchronous pipeline mode (seq, gpipe, 1f1b), or precision=bf16 (no loss scale)"
+            )
+        if clip is not None and self.dp is not None and self.dp.algorithm == "adasum":
+            raise ValueError(
+                f"optimizer.clip_grad_norm={clip} with dp.algorithm=adasum: Adasum combines each replica's own "
+                f"update, so no averaged gradient exists to clip; use another dp.algorithm or drop the clipping"
+            )
+        if self.accumulate == 1:
+            return
+        if self.mode in PIPELINE_MODES:
+            assert self.pipeline is not None
+            raise ValueError(
+                f"accumulate={self.accumulate} is read by modes single, ddp and dp; mode {self.mode!r} already "
+                f"accumulates the gradients of pipeline.microbatches={self.pipeline.microbatches} micro-batches "
+                f"per step: raise pipeline.microbatches (and batch_size) instead"
+            )
+        if self.dp is not None:
+            given = "backward_passes_per_step" in self.dp.model_fields_set
+            if given and self.dp.backward_passes_per_step != self.accumulate:
+                raise ValueError(
+                    f"accumulate={self.accumulate} and dp.backward_passes_per_step="
+                    f"{self.dp.backward_passes_per_step} disagree: give one of them"
+                )
+            self.dp.__dict__["backward_passes_per_step"] = self.accumulate
+        if self.batch_size % self.accumulate:
+            raise ValueError(
+                f"batch_size={self.batch_size} must be divisible by accumulate={self.accumulate} "
+                f"(each backward pass takes an equal share of the batch)"
+            )
 
     def total_steps(self, records: int, replicas: int) -> int:
         """Optimizer steps for ``epochs`` passes, epochs counted as ``step * global_batch / records``."""
@@ -206,7 +265,7 @@ def _format_error(err: ValidationError, raw: Mapping[str, Any]) -> str:
     for e in err.errors():
         loc = [str(p) for p in e["loc"]]
         # Discriminated unions put the variant tag in the location (model.mlp.hidden): drop it.
-        clean = [p for i, p in enumerate(loc) if not (i > 0 and _is_tag(raw, loc[:i], p))]
+        clean = [p for i, p in enumerate(loc) if not (i > 0 and (p in SECTION_TAGS or _is_tag(raw, loc[:i], p)))]
         field = ".".join(clean) or "<root>"
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":

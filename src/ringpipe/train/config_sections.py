@@ -10,10 +10,22 @@ The root :class:`~ringpipe.train.config.TrainConfig` and the loading rules are i
 
 from __future__ import annotations
 
+import difflib
+import re
+import sys
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
 __all__ = [
     "ConfigError",
@@ -25,6 +37,8 @@ __all__ = [
     "SGDConfig", "AdamConfig", "OptimizerConfig",
     "ConstantSchedule", "StepSchedule", "MultiStepSchedule", "CosineSchedule", "ScheduleConfig",
     "CheckpointConfig", "ObserveConfig",
+    "UserModelConfig", "UserDataConfig", "FROM_PYTHON", "BUILTIN_MODELS", "BUILTIN_DATA", "SECTION_TAGS",
+    "registered_names", "user_name",
 ]
 
 #: Every mode the schema knows (whether it can run in this build is decided by ``modes``).
@@ -43,6 +57,54 @@ class _Section(BaseModel):
 
 
 Section = _Section
+
+# --------------------------------------------------------------------------------- user factories
+
+#: The name of a model or data section that describes objects handed to :func:`ringpipe.train.fit`.
+FROM_PYTHON = "python"
+BUILTIN_MODELS = {"mlp": "MLPConfig", "cnn": "CNNConfig", "resnet": "ResNetConfig", "transformer": "TransformerConfig"}
+BUILTIN_DATA = {"digits": "DigitsConfig", "mnist": "IDXConfig", "fashion_mnist": "IDXConfig",
+                "cifar10": "CIFARConfig", "synthetic": "SyntheticConfig", "synthetic_lm": "SyntheticLMConfig"}
+#: The variant tags of the model and data unions (dropped from the locations of errors).
+SECTION_TAGS = frozenset({*BUILTIN_MODELS.values(), *BUILTIN_DATA.values(), "UserModelConfig", "UserDataConfig"})
+_IMPORT_PATH = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*$")
+
+
+def _tag(value: Any, builtin: dict[str, str], user: str) -> str | None:
+    name = value.get("name") if isinstance(value, dict) else getattr(value, "name", None)
+    if name is None:
+        return None
+    return builtin.get(name, user) if isinstance(name, str) else user
+
+
+def registered_names(kind: str) -> list[str]:
+    """Names registered in the model or data registry beyond the built-in ones (registries are read
+    only where already imported: a name registered by the user's code is there, and torch is not imported)."""
+    module = sys.modules.get("ringpipe.train.models" if kind == "model" else "ringpipe.train.datasets")
+    registry = getattr(module, "MODELS" if kind == "model" else "DATASETS", None)
+    builtin = BUILTIN_MODELS if kind == "model" else BUILTIN_DATA
+    return [n for n in (registry.names() if registry is not None else []) if n not in builtin]
+
+
+def user_name(name: str, kind: str, builtin: dict[str, str]) -> str:
+    """``name`` if it names a user factory (registered, or ``package.module:function``), else a clear error."""
+    if name == FROM_PYTHON or name in registered_names(kind) or _IMPORT_PATH.match(name):
+        return name
+    if ":" in name:
+        raise PydanticCustomError(
+            "factory_path",
+            "not an import path: write package.module:function (dotted module, a colon, the function's name)",
+        )
+    valid = [*builtin, *registered_names(kind)]
+    close = difflib.get_close_matches(name, valid, n=1, cutoff=0.6)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    register = "MODELS.register" if kind == "model" else "DATASETS.register"
+    raise PydanticCustomError(
+        "unknown_name",
+        f"unknown name{hint}; valid names: {', '.join(repr(v) for v in valid)}; or your own factory as "
+        f"'package.module:function', or a name registered with ringpipe.train.{'models' if kind == 'model' else 'datasets'}.{register}",
+    )
+
 
 # --------------------------------------------------------------------------------- models
 
@@ -91,8 +153,26 @@ class TransformerConfig(_Section):
         return self
 
 
+class UserModelConfig(BaseModel):
+    """The user's own model: a name registered with ``MODELS.register`` (called as ``factory(section, data)``),
+    or an import path ``package.module:function`` (called with this section's other keys as keyword
+    arguments, and ``data=`` the loaded dataset when it has a parameter of that name). ``python``
+    names a model handed to :func:`ringpipe.train.fit` (the run's record of it, not a factory)."""
+
+    model_config = ConfigDict(extra="allow", validate_assignment=True)
+    name: str
+
+    @field_validator("name")
+    @classmethod
+    def _known(cls, v: str) -> str:
+        return user_name(v, "model", BUILTIN_MODELS)
+
+
 ModelConfig = Annotated[
-    MLPConfig | CNNConfig | ResNetConfig | TransformerConfig, Field(discriminator="name")
+    Annotated[MLPConfig, Tag("MLPConfig")] | Annotated[CNNConfig, Tag("CNNConfig")]
+    | Annotated[ResNetConfig, Tag("ResNetConfig")] | Annotated[TransformerConfig, Tag("TransformerConfig")]
+    | Annotated[UserModelConfig, Tag("UserModelConfig")],
+    Discriminator(lambda v: _tag(v, BUILTIN_MODELS, "UserModelConfig")),
 ]
 
 # --------------------------------------------------------------------------------- data
@@ -141,9 +221,26 @@ class SyntheticLMConfig(_Section):
     test_fraction: float = Field(default=0.2, gt=0.0, lt=1.0)
 
 
+class UserDataConfig(BaseModel):
+    """The user's own data: a name registered with ``DATASETS.register`` (called as ``factory(section)``), or an
+    import path ``package.module:function`` called with this section's other keys as keyword arguments;
+    it returns ``(train, test)`` torch Datasets (``test`` may be None), a dict with those keys, or a
+    :class:`ringpipe.train.datasets.Dataset`. ``python`` names data handed to :func:`ringpipe.train.fit`."""
+
+    model_config = ConfigDict(extra="allow", validate_assignment=True)
+    name: str
+
+    @field_validator("name")
+    @classmethod
+    def _known(cls, v: str) -> str:
+        return user_name(v, "data", BUILTIN_DATA)
+
+
 DataConfig = Annotated[
-    DigitsConfig | IDXConfig | CIFARConfig | SyntheticConfig | SyntheticLMConfig,
-    Field(discriminator="name"),
+    Annotated[DigitsConfig, Tag("DigitsConfig")] | Annotated[IDXConfig, Tag("IDXConfig")]
+    | Annotated[CIFARConfig, Tag("CIFARConfig")] | Annotated[SyntheticConfig, Tag("SyntheticConfig")]
+    | Annotated[SyntheticLMConfig, Tag("SyntheticLMConfig")] | Annotated[UserDataConfig, Tag("UserDataConfig")],
+    Discriminator(lambda v: _tag(v, BUILTIN_DATA, "UserDataConfig")),
 ]
 
 # --------------------------------------------------------------------------------- optimizers
@@ -153,6 +250,11 @@ class _OptimizerBase(_Section):
     lr: float = Field(gt=0.0)
     weight_decay: float = Field(default=0.0, ge=0.0)
     scale_lr: bool = True
+    clip_grad_norm: float | None = Field(
+        default=None, gt=0.0,
+        description="clip the gradient of the whole model (every replica's average, every pipeline stage) "
+        "to this L2 norm before each optimizer step, as torch.nn.utils.clip_grad_norm_ on one process",
+    )
 
 
 class SGDConfig(_OptimizerBase):

@@ -39,14 +39,23 @@ class Split:
     def __len__(self) -> int:
         return int(self.x.shape[0])
 
+    def batch(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The inputs and targets of the samples at ``idx``."""
+        return self.x[idx], self.y[idx]
+
 
 @dataclass
 class Dataset:
-    """A loaded dataset: splits, classes (or vocabulary) and the shape of one input."""
+    """A loaded dataset: splits, classes (or vocabulary) and the shape of one input.
+
+    A split is anything with ``len()`` and ``batch(idx) -> (inputs, targets)``: a :class:`Split`
+    of tensors, or the user's torch Dataset behind :class:`ringpipe.train.userdata.TorchSplit`.
+    ``num_classes`` is 0 where it is not known (the user's data; only built-in models read it).
+    """
 
     name: str
-    train: Split
-    test: Split
+    train: Any
+    test: Any
     num_classes: int
     input_shape: tuple[int, ...]
     kind: str = "classification"  # or "lm": x and y are token sequences, y shifted by one
@@ -56,8 +65,25 @@ DATASETS: Registry[Callable[[Any], Dataset]] = Registry("dataset")
 
 
 def load_dataset(cfg: Any) -> Dataset:
-    """Load the dataset described by a data config section."""
-    return DATASETS.get(cfg.name)(cfg)
+    """Load the dataset described by a data config section (a registered name, or the user's
+    ``package.module:function``, see :mod:`ringpipe.train.factories`)."""
+    if cfg.name not in DATASETS and ":" in cfg.name:
+        from ringpipe.train.factories import call_factory, import_factory, section_kwargs
+        from ringpipe.train.userdata import as_dataset
+
+        result = call_factory(import_factory(cfg.name, "data"), section_kwargs(cfg), cfg.name, "data")
+        return as_dataset(result, cfg.name, f"data.name={cfg.name!r}")
+    if cfg.name == "python":
+        raise DatasetError(
+            "data.name='python' stands for data handed to ringpipe.train.fit; from a config, name a factory "
+            "'package.module:function' or a registered dataset"
+        )
+    result = DATASETS.get(cfg.name)(cfg)
+    if isinstance(result, Dataset):
+        return result
+    from ringpipe.train.userdata import as_dataset
+
+    return as_dataset(result, cfg.name, f"dataset {cfg.name!r} (registered)")
 
 
 def _split(n: int, test_fraction: float) -> tuple[np.ndarray, np.ndarray]:

@@ -14,16 +14,13 @@ the first, stops at once (``KeyboardInterrupt``), keeping the newest checkpoint.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
-import signal
-import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 import numpy as np
@@ -37,58 +34,18 @@ from ringpipe.train.datasets import Dataset, load_dataset
 from ringpipe.train.metrics import MetricsWriter, plot_curves, write_json_atomic
 from ringpipe.train.models import build_model
 from ringpipe.train.modes import Engine, ModeContext, build_engine
+from ringpipe.train.precision import on_comm_device
 from ringpipe.train.rundir import clear_run_dir
 from ringpipe.train.runstate import Checkpointing, NothingToResume, nothing_to_resume
 from ringpipe.train.sampling import ShardStream, eval_indices
 from ringpipe.train.schedules import build_schedule
+from ringpipe.train.stop import REPEAT_S, StopRequest
 
-__all__ = ["train", "seed_everything", "node_first", "write_observations", "NothingToResume", "StopRequest",
+__all__ = ["train", "Given", "REPEAT_S", "seed_everything", "node_first", "write_observations", "NothingToResume", "StopRequest",
            "nothing_to_resume"]
 
 log = logging.getLogger(__name__)
 
-
-
-#: A second SIGINT within this many seconds of the first is the same Ctrl-C delivered twice (to the
-#: process group by the terminal, and forwarded by the parent of spawned ranks); a later one stops at once.
-REPEAT_S = 1.0
-
-
-class StopRequest:
-    """SIGINT handler: the first signal asks the loop to stop; a repeat after ``REPEAT_S`` seconds interrupts."""
-
-    def __init__(self) -> None:
-        self.at: float | None = None
-
-    @property
-    def requested(self) -> bool:
-        return self.at is not None
-
-    def __call__(self, signum: int, frame: FrameType | None) -> None:
-        now = time.monotonic()
-        if self.at is None:
-            self.at = now
-        elif now - self.at > REPEAT_S:
-            raise KeyboardInterrupt
-
-    @contextlib.contextmanager
-    def installed(self) -> Iterator[StopRequest]:
-        """Handle SIGINT with this request inside the block (main thread only, unless SIGINT is ignored).
-
-        A request already made to the handler it replaces is kept: a rank forked by a parent that
-        was asked to stop (or asked while it started) stops too.
-        """
-        current = signal.getsignal(signal.SIGINT)
-        if isinstance(current, StopRequest) and self.at is None:
-            self.at = current.at
-        if threading.current_thread() is not threading.main_thread() or current in (signal.SIG_IGN, None):
-            yield self
-            return
-        previous = signal.signal(signal.SIGINT, self)
-        try:
-            yield self
-        finally:
-            signal.signal(signal.SIGINT, previous)
 
 
 def seed_everything(seed: int) -> None:
@@ -122,7 +79,9 @@ class _Tally:
         """``reduce`` that also tells, in the same allreduce, whether any rank raised ``flag``."""
         total = torch.cat((self.value, torch.tensor([1.0 if flag else 0.0], dtype=torch.float64)))
         if comm.size > 1:
+            total = on_comm_device(comm, total)  # NCCL reduces CUDA tensors only
             comm.allreduce(total)
+            total = total.cpu()
         loss_sum, correct, count, flags = (float(v) for v in total)
         self.value.zero_()
         if count == 0:
@@ -130,23 +89,39 @@ class _Tally:
         return loss_sum / count, correct / count, int(count), flags > 0
 
 
+@dataclass
+class Given:
+    """What :func:`ringpipe.train.fit` hands the loop instead of the config's names (None: from the config)."""
+
+    model: Callable[[], torch.nn.Module] | None = None
+    data: Dataset | None = None
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    optimizer: Callable[[Any], torch.optim.Optimizer] | None = None
+    device: torch.device | None = None
+
+
 class _Run(Checkpointing):
     """The state of one run on one rank."""
 
     def __init__(self, comm: Communicator, cfg: TrainConfig, run_dir: Path, progress: bool,
-                 stop: StopRequest | None = None) -> None:
+                 stop: StopRequest | None = None, given: Given | None = None) -> None:
         self.comm, self.cfg, self.run_dir, self.progress = comm, cfg, run_dir, progress
         self.stop = stop or StopRequest()
         self.is_root = comm.rank == 0
+        given = given or Given()
         seed_everything(cfg.seed)
-        with node_first(comm):
-            self.data: Dataset = load_dataset(cfg.data)
+        if given.data is not None:
+            self.data: Dataset = given.data
+        else:
+            with node_first(comm):
+                self.data = load_dataset(cfg.data)
 
-        def make_model() -> torch.nn.Sequential:
+        def make_model() -> torch.nn.Module:
             torch.manual_seed(cfg.seed)  # identical initial weights on every rank
-            return build_model(cfg.model, self.data)
+            return given.model() if given.model is not None else build_model(cfg.model, self.data)
 
-        self.engine: Engine = build_engine(ModeContext(cfg, comm, self.data, make_model))
+        ctx = ModeContext(cfg, comm, self.data, make_model, given.loss, given.optimizer, given.device)
+        self.engine: Engine = build_engine(ctx)
         # Per-rank seed for everything random after initialisation (dropout, ...).
         seed_everything(cfg.seed + 1 + comm.rank)
         e = self.engine
@@ -192,7 +167,7 @@ class _Run(Checkpointing):
         t = _Tally()
         test = self.data.test
         for idx in eval_indices(len(test), self.engine.replicas, self.engine.replica_rank, self.cfg.batch_size):
-            t.add(self.engine.eval_step(test.x[idx], test.y[idx]))
+            t.add(self.engine.eval_step(*test.batch(idx)))
         loss, acc, _ = t.reduce(self.comm)
         return loss, acc
 
@@ -216,14 +191,14 @@ class _Run(Checkpointing):
         window_start_time = time.perf_counter()
         window_steps = 0
         epoch_window_start = len(self.step_windows)
-        train_x, train_y = self.data.train.x, self.data.train.y
+        train = self.data.train
         if e.streams:
             self.note_drained()  # a fresh stream: the state is whole here
         try:
             while self.step < self.stop_step:
                 t0, b0 = time.perf_counter_ns(), blocked_ns()
                 idx = self.stream.next_batch()
-                self.window.add(e.train_step(train_x[idx], train_y[idx]))
+                self.window.add(e.train_step(*train.batch(idx)))
                 self.schedule.step()
                 t1 = time.perf_counter_ns()
                 self.step_windows.append((t0, t1, blocked_ns() - b0))
@@ -341,8 +316,8 @@ class _Run(Checkpointing):
             "mode": cfg.mode,
             "world_size": self.comm.size,
             "replicas": e.replicas,
-            "model": cfg.model.name,
-            "dataset": cfg.data.name,
+            "model": _label(cfg.model),
+            "dataset": _label(cfg.data),
             "epochs": round(self.epoch_at(self.step), 6),
             "epochs_configured": cfg.epochs,
             "steps": self.step,
@@ -366,11 +341,19 @@ class _Run(Checkpointing):
         }
 
 
+def _label(section: Any) -> str:
+    """A section's name; for objects handed to fit, their class (``python:Net``)."""
+    extra = getattr(section, "model_extra", None) or {}
+    return f"{section.name}:{extra['class']}" if section.name == "python" and "class" in extra else str(section.name)
+
+
 def _micro_batches(cfg: TrainConfig) -> tuple[int, int]:
     """(micro-batches per batch, optimizer steps per batch): gradient accumulation and pipelines
     split each step's batch; only mode async steps more than once per batch (every step_every)."""
     if cfg.dp is not None:
         return cfg.dp.backward_passes_per_step, 1
+    if cfg.accumulate > 1:
+        return cfg.accumulate, 1
     if cfg.pipeline is not None:
         micro = cfg.pipeline.microbatches
         return micro, micro // (cfg.pipeline.step_every or micro) if cfg.mode == "async" else 1
@@ -393,26 +376,29 @@ def train(
     resume: bool = False,
     progress: bool = True,
     overwrite: bool = False,
+    given: Given | None = None,
 ) -> dict[str, Any]:
     """Train ``cfg`` on this rank of ``comm``; rank 0 writes the run directory. Returns the summary.
+
+    ``given``: the model, data, loss or optimizer factory handed to :func:`ringpipe.train.fit`.
 
     In the main thread, Ctrl-C (SIGINT) stops the run gracefully (see the module's description);
     ``--resume`` of a run with no step left raises :class:`NothingToResume` before writing anything;
     ``overwrite`` removes an earlier run's outputs from ``run_dir`` first.
     """
     with StopRequest().installed() as stop:
-        return _train(comm, cfg, Path(run_dir), resume, progress, stop, overwrite)
+        return _train(comm, cfg, Path(run_dir), resume, progress, stop, overwrite, given)
 
 
 def _train(comm: Communicator, cfg: TrainConfig, run: Path, resume: bool, progress: bool,
-           stop: StopRequest, overwrite: bool) -> dict[str, Any]:
+           stop: StopRequest, overwrite: bool, given: Given | None = None) -> dict[str, Any]:
     if comm.rank == 0 and not resume:
         if overwrite:
             clear_run_dir(run)
         run.mkdir(parents=True, exist_ok=True)
     if comm.size > 1:
         comm.barrier()
-    state = _Run(comm, cfg, run, progress, stop)
+    state = _Run(comm, cfg, run, progress, stop, given)
     try:
         if resume:
             state.resume()  # refuses a mismatched checkpoint before anything is written

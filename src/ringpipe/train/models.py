@@ -21,8 +21,36 @@ __all__ = ["MODELS", "build_model", "BasicBlock", "Embedding", "TransformerBlock
 MODELS: Registry[Callable[[Any, Dataset], nn.Sequential]] = Registry("model")
 
 
-def build_model(cfg: Any, data: Dataset) -> nn.Sequential:
-    """Build the model of a model config section for ``data``'s input shape and classes."""
+def build_model(cfg: Any, data: Dataset) -> nn.Module:
+    """Build the model of a model config section for ``data``'s input shape and classes (a registered
+    name, or the user's ``package.module:function``, see :mod:`ringpipe.train.factories`)."""
+    if cfg.name not in MODELS and ":" in cfg.name:
+        from ringpipe.train.factories import (
+            FactoryError,
+            call_factory,
+            import_factory,
+            section_kwargs,
+        )
+
+        model = call_factory(import_factory(cfg.name, "model"), section_kwargs(cfg), cfg.name, "model", data)
+        if isinstance(model, list | tuple) and model and all(isinstance(m, nn.Module) for m in model):
+            return nn.Sequential(*model)
+        if not isinstance(model, nn.Module):
+            raise FactoryError(
+                f"model.name={cfg.name!r} returned a {type(model).__name__}; a model factory returns a "
+                f"torch.nn.Module (an nn.Sequential, or a list of stages, for the pipeline modes)"
+            )
+        return model
+    if cfg.name == "python":
+        raise ValueError(
+            "model.name='python' stands for a model handed to ringpipe.train.fit; from a config, name a factory "
+            "'package.module:function' or a registered model"
+        )
+    if data.num_classes < 1:
+        raise ValueError(
+            f"model {cfg.name!r} sizes its output by the dataset's classes, which {data.name!r} does not give: "
+            f"use a model of your own, or give the data as tensors (a TensorDataset of integer labels)"
+        )
     return MODELS.get(cfg.name)(cfg, data)
 
 

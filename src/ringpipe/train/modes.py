@@ -10,6 +10,7 @@ A mode whose machinery is missing from the build says so when it is chosen.
 from __future__ import annotations
 
 import importlib
+import math
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -25,6 +26,7 @@ from ringpipe.comm.events import START, EventLog, add_blocked
 from ringpipe.train.config import TrainConfig
 from ringpipe.train.datasets import Dataset
 from ringpipe.train.optimizers import build_optimizer, scaled_lr
+from ringpipe.train.precision import GradStep, LossScale, autocast
 from ringpipe.train.registry import Registry
 
 __all__ = [
@@ -35,6 +37,8 @@ __all__ = [
     "ModeUnavailable",
     "DataParallelEngine",
     "tally",
+    "correct",
+    "default_device",
     "loss_fn",
     "build_engine",
 ]
@@ -53,11 +57,15 @@ def loss_fn(kind: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
 
 def tally(out: torch.Tensor, y: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
     """``[loss_sum, correct, count]`` of one batch (tokens count for language models), float64."""
-    pred = out.detach().argmax(dim=-1)
     count = y.numel()
-    return torch.tensor(
-        [float(loss.detach()) * count, float((pred == y).sum()), float(count)], dtype=torch.float64
-    )
+    return torch.tensor([float(loss.detach()) * count, correct(out, y), float(count)], dtype=torch.float64)
+
+
+def correct(out: torch.Tensor, y: torch.Tensor) -> float:
+    """Samples (tokens) whose arg-max output is the target; NaN where the targets are not class labels."""
+    if y.dtype.is_floating_point or y.dtype == torch.bool or out.shape[:-1] != y.shape:
+        return math.nan
+    return float((out.detach().argmax(dim=-1) == y).sum())
 
 
 @dataclass
@@ -67,16 +75,50 @@ class ModeContext:
     cfg: TrainConfig
     comm: Communicator
     data: Dataset
-    build_model: Callable[[], nn.Sequential]
+    build_model: Callable[[], nn.Module]
+    #: the user's loss ``(output, target) -> mean loss`` (default: cross-entropy for the data's kind)
+    user_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    #: the user's optimizer factory ``params -> Optimizer`` (default: the config's optimizer, rate scaled)
+    user_optimizer: Callable[[Any], torch.optim.Optimizer] | None = None
+    #: where this rank computes (default: the GPU of its local rank under nccl, else the CPU)
+    device: torch.device | None = None
+
+    def __post_init__(self) -> None:
+        if self.device is None:
+            self.device = default_device(self.comm)
 
     @property
     def loss(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-        return loss_fn(self.data.kind)
+        return self.user_loss if self.user_loss is not None else loss_fn(self.data.kind)
 
     def optimizer(self, params: Any, replicas: int) -> tuple[torch.optim.Optimizer, float]:
-        """The configured optimizer with the rate scaled for ``replicas``; returns (optimizer, scale)."""
+        """The optimizer with the rate scaled for ``replicas``; returns (optimizer, scale).
+
+        The user's factory is called as given: its rate is not scaled (the scale is 1).
+        """
+        if self.user_optimizer is not None:
+            opt = self.user_optimizer(params)
+            if not isinstance(opt, torch.optim.Optimizer):
+                raise TypeError(
+                    f"the optimizer factory returned a {type(opt).__name__}; it must return a torch.optim.Optimizer "
+                    f"over the parameters it is given, e.g. lambda params: torch.optim.SGD(params, lr=0.1)"
+                )
+            return opt, 1.0
         lr, scale = scaled_lr(self.cfg.optimizer, replicas)
         return build_optimizer(params, self.cfg.optimizer, lr), scale
+
+    def scaler(self) -> LossScale | None:
+        """The loss scale of ``precision: fp16`` (None otherwise)."""
+        return LossScale() if self.cfg.precision == "fp16" else None
+
+
+def default_device(comm: Communicator) -> torch.device:
+    """The GPU of this rank's local rank when the communicator carries CUDA tensors (nccl), else the CPU."""
+    if comm.backend == "nccl":
+        from ringpipe.comm import pin_device
+
+        return pin_device(comm.topology)
+    return torch.device("cpu")
 
 
 class Engine(ABC):
@@ -160,7 +202,7 @@ class DataParallelEngine(Engine):
     """Every rank holds the whole model and reads its own shard: ``single``, ``ddp`` and ``dp``."""
 
     def __init__(self, ctx: ModeContext, model: nn.Module, train_model: nn.Module, optimizer: torch.optim.Optimizer,
-                 scale: float, accumulate: int = 1) -> None:
+                 scale: float, accumulate: int = 1, base: torch.optim.Optimizer | None = None) -> None:
         self.model = model  # the plain module (evaluation, checkpoints)
         self.train_model = train_model  # what the forward of a training step goes through
         self.optimizer = optimizer
@@ -169,15 +211,27 @@ class DataParallelEngine(Engine):
         self.replicas = ctx.comm.size
         self.replica_rank = ctx.comm.rank
         self.accumulate = accumulate  # backward passes (equal chunks of the batch) per optimizer step
+        assert ctx.device is not None
+        self.device = ctx.device
+        self.precision = ctx.cfg.precision
+        self.scaler = ctx.scaler()
+        # After the replicas' average (the base optimizer steps once the gradients are reduced): the
+        # average is the same on every replica, so its norm is the global one without a message.
+        clip = ctx.cfg.optimizer.clip_grad_norm
+        self.grad_step = (GradStep(list(model.parameters()), clip, self.scaler).install(base or optimizer)
+                          if clip is not None or self.scaler is not None else None)
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         self.train_model.train()
         self.optimizer.zero_grad(set_to_none=True)
         total = torch.zeros(3, dtype=torch.float64)
+        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
         for xc, yc in zip(x.chunk(self.accumulate), y.chunk(self.accumulate), strict=True):
-            out = self.train_model(xc)
-            loss = self.loss(out, yc)
-            self._backward(loss / self.accumulate)
+            with autocast(self.precision, self.device):
+                out = self.train_model(xc)
+                loss = self.loss(out, yc)
+            scaled = loss * self.scaler.scale if self.scaler is not None else loss
+            self._backward(scaled / self.accumulate)
             total += tally(out, yc, loss)
         self.optimizer.step()
         return total
@@ -188,15 +242,23 @@ class DataParallelEngine(Engine):
     @torch.no_grad()
     def eval_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         self.model.eval()
-        out = self.model(x)
-        return tally(out, y, self.loss(out, y))
+        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        with autocast(self.precision, self.device):
+            out = self.model(x)
+            loss = self.loss(out, y)
+        return tally(out, y, loss)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+        state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+        if self.scaler is not None:
+            state["loss_scale"] = self.scaler.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
+        if self.scaler is not None and "loss_scale" in state:
+            self.scaler.load_state_dict(state["loss_scale"])
 
 
 @register_mode("single", "one process, no communication: the reference")
@@ -206,9 +268,9 @@ def _single(ctx: ModeContext) -> Engine:
             f"mode 'single' runs on one process but the world has {ctx.comm.size} ranks: "
             "use mode ddp or dp, or start one process"
         )
-    model = ctx.build_model()
+    model = ctx.build_model().to(ctx.device)
     opt, scale = ctx.optimizer(model.parameters(), 1)
-    return DataParallelEngine(ctx, model, model, opt, scale)
+    return DataParallelEngine(ctx, model, model, opt, scale, accumulate=ctx.cfg.accumulate)
 
 
 def _timed_allreduce_hook(log: EventLog, launches: list[int]) -> Callable[[Any, Any], torch.futures.Future[torch.Tensor]]:
@@ -245,9 +307,10 @@ def _ddp(ctx: ModeContext) -> Engine:
         )
     from torch.nn.parallel import DistributedDataParallel
 
-    model = ctx.build_model()
-    ddp = DistributedDataParallel(model)
-    engine = _DDPEngine(ctx, model, ddp, *ctx.optimizer(model.parameters(), ctx.comm.size))
+    model = ctx.build_model().to(ctx.device)
+    ddp = DistributedDataParallel(model, device_ids=[ctx.device] if ctx.device is not None and ctx.device.type == "cuda" else None)
+    engine = _DDPEngine(ctx, model, ddp, *ctx.optimizer(model.parameters(), ctx.comm.size),
+                        accumulate=ctx.cfg.accumulate)
     ddp.register_comm_hook(None, _timed_allreduce_hook(default_log(), engine.launches))
     return engine
 
@@ -295,7 +358,7 @@ def _dp(ctx: ModeContext) -> Engine:
     distributed_optimizer, broadcast_parameters, broadcast_optimizer_state = _import_dp()
     dpc = ctx.cfg.dp
     assert dpc is not None
-    model = ctx.build_model()
+    model = ctx.build_model().to(ctx.device)
     base, scale = ctx.optimizer(model.parameters(), ctx.comm.size)
     broadcast_parameters(model.state_dict(), root_rank=0, comm=ctx.comm)
     broadcast_optimizer_state(base, root_rank=0, comm=ctx.comm)
@@ -309,4 +372,4 @@ def _dp(ctx: ModeContext) -> Engine:
         comm=ctx.comm,
         join_support=False,  # every replica runs the same number of steps (ShardStream)
     )
-    return _DPEngine(ctx, model, model, opt, scale, accumulate=dpc.backward_passes_per_step)
+    return _DPEngine(ctx, model, model, opt, scale, accumulate=dpc.backward_passes_per_step, base=base)

@@ -29,9 +29,11 @@ import math
 from typing import Any
 
 import torch
+from torch import nn
 
 from ringpipe.train.config import ConfigError, PipelineConfig
-from ringpipe.train.modes import Engine, ModeContext, ModeUnavailable, register_mode
+from ringpipe.train.modes import Engine, ModeContext, ModeUnavailable, correct, register_mode
+from ringpipe.train.precision import GradStep, autocast_layers
 from ringpipe.train.schedules import build_schedule
 
 __all__ = ["PipelineEngine", "SCHEDULE_OF_MODE", "rate_stand_in", "async_options"]
@@ -41,7 +43,19 @@ SCHEDULE_OF_MODE = {"seq": "seq", "gpipe": "gpipe", "1f1b": "1f1b", "async": "as
 
 
 def _accuracy(out: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
-    return {"accuracy": float((out.detach().argmax(dim=-1) == y).float().mean())}
+    return {"accuracy": correct(out, y) / max(1, y.numel())}
+
+
+class _ScaledLoss:
+    """The loss times the fp16 loss scale while training (1 while evaluating): the backward of every
+    stage then carries the scaled gradient, which each stage's :class:`GradStep` unscales."""
+
+    def __init__(self, loss: Any) -> None:
+        self.loss, self.scale = loss, 1.0
+
+    def __call__(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        value = self.loss(out, y)
+        return value * self.scale if self.scale != 1.0 else value
 
 
 def rate_stand_in(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -94,7 +108,14 @@ class PipelineEngine(Engine):
                 f"pipeline.balance={pc.balance} has {len(pc.balance)} stages but pipeline.stages={pc.stages}"
             )
         replicas = size // pc.stages
-        layers = ctx.build_model()
+        from ringpipe.pipeline.partition import as_layers
+
+        layers = nn.Sequential(*as_layers(ctx.build_model()))  # type: ignore[arg-type]  # as_layers refuses others
+        assert ctx.device is not None
+        self.hooks = autocast_layers(list(layers), ctx.cfg.precision, ctx.device.type)
+        self.scaler = ctx.scaler()
+        clip = ctx.cfg.optimizer.clip_grad_norm
+        self.loss = _ScaledLoss(ctx.loss)
         balance: Any
         if pc.balance is not None:
             balance = list(pc.balance)
@@ -114,6 +135,8 @@ class PipelineEngine(Engine):
                 )
             opt, scale = ctx.optimizer(params, replicas)
             scales.append(scale)
+            if clip is not None or self.scaler is not None:  # the whole model's gradient: every stage's
+                GradStep(params, clip, self.scaler, ctx.comm, copies=replicas).install(opt)
             return opt
 
         extra: dict[str, Any] = {}
@@ -135,12 +158,13 @@ class PipelineEngine(Engine):
             schedule=SCHEDULE_OF_MODE[mode],
             microbatches=pc.microbatches,
             optimizer_factory=factory,
-            loss_fn=ctx.loss,
+            loss_fn=self.loss,
             recompute=pc.recompute,
             replicas=replicas,
             metrics_fn=_accuracy,
             seed=ctx.cfg.seed,
-            sample=ctx.data.train.x[: ctx.cfg.batch_size] if balance == "time" else None,
+            sample=_sample(ctx) if balance == "time" else None,
+            device=ctx.device,
             **extra,
         )
         # Under async the stage's own scheduler sets its rates; the loop's schedule gets a stand-in.
@@ -161,9 +185,10 @@ class PipelineEngine(Engine):
 
         return step >= self.total_batches or epoch(step) > epoch(step - 1)
 
-    def _tally(self, loss: float | None, y: torch.Tensor) -> torch.Tensor:
+    def _tally(self, loss: float | None, y: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
         if not self.trainer.is_last or loss is None:
             return torch.zeros(3, dtype=torch.float64)
+        loss /= scale  # the loss the last stage saw was scaled for fp16
         n = y.numel()
         acc = self.trainer.last_metrics.get("accuracy", 0.0)
         return torch.tensor([loss * n, acc * n, float(n)], dtype=torch.float64)
@@ -171,10 +196,14 @@ class PipelineEngine(Engine):
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         t = self.trainer
         self.batches += 1
-        if not self.streams:
-            loss = t.train_step(x if t.is_first else None, y if t.is_last else None)
-            return self._tally(loss, y)
-        loss = t.stream_step(x if t.is_first else None, y if t.is_last else None)
+        scale = self.loss.scale = self.scaler.scale if self.scaler is not None else 1.0
+        try:
+            if not self.streams:
+                loss = t.train_step(x if t.is_first else None, y if t.is_last else None)
+                return self._tally(loss, y, scale)
+            loss = t.stream_step(x if t.is_first else None, y if t.is_last else None)
+        finally:
+            self.loss.scale = 1.0
         tally = self._tally(loss, y)  # the batch's losses are known on the last stage: its forwards ran
         if self._epoch_ends(self.batches):
             t.drain()
@@ -194,9 +223,15 @@ class PipelineEngine(Engine):
         t.last_metrics = metrics
         return self._tally(loss, y)
 
+    def close(self) -> None:
+        for handle in self.hooks:  # the user's layers are left as they were given
+            handle.remove()
+
     def state_dict(self) -> dict[str, Any]:
         self.trainer.drain()  # a checkpoint holds no micro-batch in flight
         state = {**self.trainer.state_dict(), "batches": self.batches}
+        if self.scaler is not None:
+            state["loss_scale"] = self.scaler.state_dict()
         gap_aware = _gap_aware(self.trainer)
         if gap_aware is not None:  # Gap Aware's running statistics shape every later step
             state["gap_aware"] = _gap_aware_state(gap_aware)
@@ -205,6 +240,8 @@ class PipelineEngine(Engine):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.trainer.load_state_dict(state)
         self.batches = int(state.get("batches", 0))
+        if self.scaler is not None and "loss_scale" in state:
+            self.scaler.load_state_dict(state["loss_scale"])
         gap_aware = _gap_aware(self.trainer)
         if gap_aware is not None and "gap_aware" in state:
             _load_gap_aware_state(gap_aware, state["gap_aware"])
@@ -275,6 +312,12 @@ def _check_stages(layers: list[torch.nn.Module], balance: Any, pc: PipelineConfi
                 f"pipeline stage {stage} of {len(counts)} got {count} layer{'s' if count != 1 else ''} ({names}) "
                 f"and no parameters: {how} split the model's {len(layers)} layers as {counts}; {_stage_fix(model)}"
             )
+
+
+def _sample(ctx: ModeContext) -> torch.Tensor:
+    """A batch of inputs to time the layers with (pipeline.partition=time)."""
+    n = min(ctx.cfg.batch_size, len(ctx.data.train))
+    return ctx.data.train.batch(torch.arange(n))[0]
 
 
 def _register(mode: str, description: str) -> None:
