@@ -22,7 +22,7 @@ from ringpipe.dp.optimizer import DistributedOptimizer as DistributedOptimizer
 from ringpipe.dp.sampler import DistributedSampler as DistributedSampler
 from ringpipe.dp.sync_batchnorm import SyncBatchNorm as SyncBatchNorm
 
-from . import basics, movement, reductions
+from . import basics, elastic, movement, reductions  # noqa: F401 - elastic: hvd.elastic.run, TorchState
 from .basics import *  # noqa: F403 - re-exported as the API
 from .basics import _world  # noqa: F401 - kept for code that reached the world through the API
 from .movement import *  # noqa: F403
@@ -41,6 +41,7 @@ __all__ = sorted({
     "SyncBatchNorm",
     "broadcast_optimizer_state",
     "broadcast_parameters",
+    "elastic",
     "load_checkpoint",
     "save_checkpoint",
     "scale_lr",
