@@ -1,0 +1,186 @@
+"""Horovod's Keras callbacks for Keras 3: broadcast at the start, metric averages, learning-rate warmup and schedule.
+
+The schedule callbacks follow Horovod's formulas per batch: the learning rate is
+``initial_lr * multiplier(epoch)`` with ``epoch`` fractional (``epoch + batch / steps_per_epoch``)
+unless ``staircase``; the warmup multiplier is ``1/size * (e * (size - 1) / warmup_epochs + 1)``
+with ``e = epoch + 1/steps_per_epoch``. Momentum correction (Goyal et al.) keeps the momentum
+buffer in the units of the new rate for the batch where the rate changes: Horovod multiplies the
+momentum coefficient by ``new_lr / old_lr`` for that batch; Keras 3 reads the coefficient as a
+constant of the compiled step, so the buffers are multiplied instead (the same update for plain
+momentum, which is ``m = momentum * m - lr * g``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from ringpipe.api.basics import size
+from ringpipe.dp.process_sets import global_process_set
+
+from ..functions import broadcast_variables
+from ..mpi_ops import allreduce
+
+__all__ = [
+    "BroadcastGlobalVariablesCallback",
+    "LearningRateScheduleCallback",
+    "LearningRateWarmupCallback",
+    "MetricAverageCallback",
+]
+
+
+class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
+    """Give every rank ``root_rank``'s model and optimizer variables before the first step (Horovod step 5).
+
+    Keras 3 builds the model before training starts; the callback builds the optimizer on the
+    model's trainable variables (as its first step would) and broadcasts both in
+    ``on_train_begin``, so the first step already starts equal everywhere (Horovod, on Keras 2,
+    broadcast after the first batch). A model still unbuilt then is broadcast after the first batch.
+    """
+
+    def __init__(self, root_rank: int = 0, device: str = "", process_set: Any = global_process_set) -> None:
+        super().__init__()
+        self.root_rank = root_rank
+        self.process_set = process_set
+        self.broadcast_done = False
+        self._local_vars: set[int] = set()
+
+    def register_local_var(self, var: Any) -> None:
+        """A variable not to broadcast (model-parallel variables)."""
+        self._local_vars.add(id(var))
+
+    def _broadcast(self) -> None:
+        model_vars = [v for v in self.model.variables if id(v) not in self._local_vars]
+        broadcast_variables(model_vars, self.root_rank, process_set=self.process_set)
+        optimizer = getattr(self.model, "optimizer", None)
+        if optimizer is not None:
+            broadcast_variables(list(optimizer.variables), self.root_rank, process_set=self.process_set)
+        self.broadcast_done = True
+
+    def on_train_begin(self, logs: Any = None) -> None:
+        optimizer = getattr(self.model, "optimizer", None)
+        if not self.model.built:
+            return
+        if optimizer is not None and not optimizer.built:
+            optimizer.build(self.model.trainable_variables)
+        self._broadcast()
+
+    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+        if not self.broadcast_done:
+            self._broadcast()
+
+
+class MetricAverageCallback(keras.callbacks.Callback):
+    """Average the epoch's metrics (``logs``) over ranks at the end of each epoch, in sorted name order.
+
+    Place it before callbacks that read the metrics (checkpoints, early stopping, schedules).
+    """
+
+    def __init__(self, device: str = "") -> None:
+        super().__init__()
+
+    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+        if not logs:
+            return
+        for metric in sorted(logs):
+            value = np.asarray(logs[metric], dtype=np.float64)
+            logs[metric] = float(allreduce(tf.constant(value)).numpy())
+
+
+def _lr(optimizer: Any) -> float:
+    return float(keras.ops.convert_to_numpy(optimizer.learning_rate))
+
+
+class LearningRateScheduleCallback(keras.callbacks.Callback):
+    """Horovod's learning-rate schedule: ``initial_lr * multiplier(epoch)`` from ``start_epoch`` to ``end_epoch``.
+
+    ``multiplier``: a number (``multiplier ** (epoch - start_epoch)``) or a function of the
+    epoch; with ``staircase=False`` the epoch is fractional and the rate changes every batch.
+    """
+
+    def __init__(self, initial_lr: float, multiplier: float | Callable[[float], float], start_epoch: int = 0,
+                 end_epoch: int | None = None, staircase: bool = True, momentum_correction: bool = True,
+                 steps_per_epoch: int | None = None, *args: Any) -> None:
+        super().__init__()
+        if initial_lr is None:
+            raise ValueError("Parameter `initial_lr` is required")
+        self.initial_lr = initial_lr
+        self.start_epoch = start_epoch
+        self.end_epoch = end_epoch
+        self.staircase = staircase
+        self.momentum_correction = momentum_correction
+        self.steps_per_epoch = steps_per_epoch
+        self.current_epoch: int | None = None
+        if callable(multiplier):
+            self.multiplier = multiplier
+        else:
+            self.multiplier = lambda epoch: multiplier ** (epoch - start_epoch)
+
+    def _autodetect_steps_per_epoch(self) -> int:
+        if self.params.get("steps"):
+            return int(self.params["steps"])
+        if self.params.get("samples") and self.params.get("batch_size"):
+            return int(self.params["samples"] // self.params["batch_size"])
+        raise ValueError(f"Could not autodetect the number of steps per epoch. Please specify the steps_per_epoch "
+                         f"parameter to the {type(self).__name__}().")
+
+    def _adjust_learning_rate(self, epoch: float) -> None:
+        optimizer = self.model.optimizer
+        old_lr = _lr(optimizer)
+        new_lr = self.initial_lr * self.multiplier(epoch)
+        optimizer.learning_rate = new_lr
+        momentum = getattr(optimizer, "momentum", 0.0)
+        buffers = getattr(optimizer, "momentums", None)
+        if self.momentum_correction and momentum and buffers and old_lr and new_lr != old_lr:
+            ratio = new_lr / old_lr
+            for m in buffers:
+                m.assign(m * ratio)
+
+    def on_train_begin(self, logs: Any = None) -> None:
+        if not self.staircase and not self.steps_per_epoch:
+            self.steps_per_epoch = self._autodetect_steps_per_epoch()
+
+    def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
+        self.current_epoch = epoch
+
+    def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
+        epoch = self.current_epoch
+        assert epoch is not None
+        if epoch < self.start_epoch or (self.end_epoch is not None and epoch >= self.end_epoch):
+            return
+        if self.staircase and batch == 0:
+            self._adjust_learning_rate(epoch)
+        elif not self.staircase:
+            assert self.steps_per_epoch
+            self._adjust_learning_rate(epoch + float(batch) / self.steps_per_epoch)
+
+    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+        if logs is not None:
+            logs["lr"] = _lr(self.model.optimizer)
+
+
+class LearningRateWarmupCallback(LearningRateScheduleCallback):
+    """Horovod's gradual warmup from ``initial_lr / size`` to ``initial_lr`` over ``warmup_epochs`` (Goyal et al.)."""
+
+    def __init__(self, initial_lr: float, warmup_epochs: int = 5, momentum_correction: bool = True,
+                 steps_per_epoch: int | None = None, verbose: int = 0, *args: Any) -> None:
+        def multiplier(epoch: float) -> float:
+            assert self.steps_per_epoch
+            epoch += 1.0 / self.steps_per_epoch
+            return 1.0 / size() * (epoch * (size() - 1) / warmup_epochs + 1)
+
+        super().__init__(initial_lr, multiplier, start_epoch=0, end_epoch=warmup_epochs, staircase=False,
+                         momentum_correction=momentum_correction, steps_per_epoch=steps_per_epoch)
+        self.verbose = verbose
+
+    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+        super().on_epoch_end(epoch, logs)
+        if self.end_epoch is not None and epoch == self.end_epoch - 1 and self.verbose > 0:
+            from ringpipe.api.basics import rank
+
+            if rank() == 0:
+                print(f"\nEpoch {epoch + 1}: finished gradual learning rate warmup to {_lr(self.model.optimizer):g}.")

@@ -1,0 +1,148 @@
+"""``DistributedOptimizer`` for Keras 3: any Keras optimizer whose ``apply`` first averages the gradients over ranks.
+
+Why a subclass of the wrapped optimizer's class, made per class: Keras saves an optimizer by its
+class's module and name, so a model saved during distributed training must name the wrapped class
+(``keras.optimizers.Adam``) to load again without ringpipe; and Keras looks its methods up on
+the class (``fit`` calls ``apply_gradients``, which calls ``apply``). The subclass keeps the
+wrapped class's name and module and adds :class:`DistributedMixin`'s ``apply``.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from ringpipe.api.calls import parse_op
+from ringpipe.comm.base import ReduceOp
+from ringpipe.dp.compression import Compression
+from ringpipe.dp.process_sets import ProcessSet, global_process_set
+
+from ..gradient_tape import _key, reduce_gradients
+
+__all__ = ["DistributedMixin", "DistributedOptimizer", "distributed_class"]
+
+
+class DistributedMixin:
+    """The distributed ``apply``: reduce the gradients, every ``backward_passes_per_step`` calls."""
+
+    _rp: dict[str, Any]
+
+    def _rp_setup(self, compression: Any = Compression.none, sparse_as_dense: bool = False,
+                  gradient_predivide_factor: float = 1.0, op: ReduceOp | str = ReduceOp.AVERAGE,
+                  backward_passes_per_step: int = 1, average_aggregated_gradients: bool = False,
+                  process_set: ProcessSet = global_process_set, scale_local_gradients: bool = True) -> None:
+        if backward_passes_per_step <= 0:
+            raise ValueError(f"backward_passes_per_step must be > 0, got {backward_passes_per_step}")
+        rop = parse_op(op, None)
+        if gradient_predivide_factor != 1.0 and rop is not ReduceOp.AVERAGE:
+            raise ValueError("gradient_predivide_factor not supported with op != Average")
+        # object.__setattr__: not tracked by Keras as optimizer state (saved and broadcast).
+        object.__setattr__(self, "_rp", {
+            "compression": Compression.parse(compression), "sparse_as_dense": sparse_as_dense,
+            "predivide": gradient_predivide_factor, "op": rop, "passes": backward_passes_per_step,
+            "average_aggregated": average_aggregated_gradients, "process_set": process_set,
+            "scale_local": scale_local_gradients, "local": set(), "sums": None, "counter": None,
+        })
+
+    def register_local_var(self, var: Any) -> None:
+        """Keep ``var``'s gradient local (model-parallel variables)."""
+        self._rp["local"].add(_key(var))
+
+    def _rp_reduce(self, grads: list[Any], variables: list[Any]) -> list[Any]:
+        cfg = self._rp
+        shared = [i for i, v in enumerate(variables) if _key(v) not in cfg["local"]]
+        reduced = reduce_gradients([grads[i] for i in shared], cfg["op"], cfg["compression"],
+                                   cfg["sparse_as_dense"], cfg["predivide"], cfg["process_set"])
+        out = list(grads)
+        for i, r in zip(shared, reduced, strict=True):
+            out[i] = r
+        if cfg["scale_local"] and cfg["local"]:
+            size = float(len(cfg["process_set"].ranks or []))
+            out = [g / size if g is not None and _key(v) in cfg["local"] else g
+                   for g, v in zip(out, variables, strict=True)]
+        return out
+
+    def apply(self, grads: Any, trainable_variables: Any = None) -> Any:
+        base = super(DistributedMixin, self)
+        if not hasattr(self, "_rp"):
+            self._rp_setup()
+        grads = list(grads)
+        variables = list(trainable_variables) if trainable_variables is not None else list(
+            self._trainable_variables)  # type: ignore[attr-defined]
+        if self._rp["passes"] == 1:
+            return base.apply(self._rp_reduce(grads, variables), trainable_variables)  # type: ignore[misc]
+        return self._rp_accumulate(base, grads, variables, trainable_variables)
+
+    def _rp_accumulate(self, base: Any, grads: list[Any], variables: list[Any], given: Any) -> Any:
+        """Horovod's local aggregation: sum ``passes`` gradients, then reduce and apply once."""
+        cfg = self._rp
+        if any(isinstance(g, tf.IndexedSlices) for g in grads):
+            if not cfg["sparse_as_dense"]:
+                raise ValueError("IndexedSlices are not supported when `backward_passes_per_step` > 1 and "
+                                 "`sparse_as_dense` is False.")
+            grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
+        if not self.built:  # type: ignore[attr-defined]
+            self.build(variables)  # type: ignore[attr-defined]
+        if cfg["sums"] is None:
+            with tf.init_scope():
+                cfg["sums"] = [None if g is None else tf.Variable(tf.zeros(g.shape, g.dtype), trainable=False)
+                               for g in grads]
+                cfg["counter"] = tf.Variable(0, dtype=tf.int64, trainable=False)
+        sums, counter, passes = cfg["sums"], cfg["counter"], cfg["passes"]
+        for s, g in zip(sums, grads, strict=True):
+            if s is not None and g is not None:
+                s.assign_add(g)
+        counter.assign_add(1)
+
+        def reduce_and_apply() -> tf.Tensor:
+            total = [None if s is None else s.read_value() for s in sums]
+            reduced = self._rp_reduce(total, variables)
+            if cfg["average_aggregated"]:
+                reduced = [None if g is None else g / passes for g in reduced]
+            base.apply(reduced, given)
+            for s in sums:
+                if s is not None:
+                    s.assign(tf.zeros_like(s))
+            counter.assign(0)
+            return tf.constant(True)
+
+        def count_only() -> tf.Tensor:
+            self.iterations.assign_add(1)  # type: ignore[attr-defined] - as Horovod: every call is an iteration
+            return tf.constant(False)
+
+        return tf.cond(tf.equal(counter, passes), reduce_and_apply, count_only)
+
+
+@functools.cache
+def distributed_class(cls: type) -> type:
+    """The distributed subclass of a Keras optimizer class, with its name and module (see the module docstring)."""
+    if issubclass(cls, DistributedMixin):
+        return cls
+    return type(cls.__name__, (DistributedMixin, cls), {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
+
+
+def DistributedOptimizer(  # noqa: N802 - Horovod's name for a call that returns an optimizer
+    optimizer: Any, name: str | None = None, device_dense: str = "", device_sparse: str = "",
+    compression: Any = Compression.none, sparse_as_dense: bool = False, gradient_predivide_factor: float = 1.0,
+    op: ReduceOp | str = ReduceOp.AVERAGE, backward_passes_per_step: int = 1,
+    average_aggregated_gradients: bool = False, num_groups: int = 0, groups: Any = None,
+    process_set: ProcessSet = global_process_set, scale_local_gradients: bool = True,
+) -> Any:
+    """A new optimizer like ``optimizer`` (its config) whose ``apply`` averages the gradients over ranks.
+
+    Wrap before ``compile``, as in Horovod. ``backward_passes_per_step`` ``k``: gradients are
+    summed locally over ``k`` calls and reduced and applied on the ``k``-th (divided by ``k`` with
+    ``average_aggregated_gradients``); every call counts as an optimizer iteration, as in Horovod.
+    """
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise TypeError(f"DistributedOptimizer wraps a keras.optimizers.Optimizer, got {type(optimizer).__name__}")
+    config = optimizer.get_config()
+    if name is not None:
+        config["name"] = name
+    opt = distributed_class(type(optimizer)).from_config(config)
+    opt._rp_setup(compression, sparse_as_dense, gradient_predivide_factor, op, backward_passes_per_step,
+                  average_aggregated_gradients, process_set, scale_local_gradients)
+    return opt

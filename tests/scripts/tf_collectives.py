@@ -1,0 +1,118 @@
+"""Every ringpipe.tensorflow collective on this rank, eager and inside tf.function, with gradients and errors.
+
+Run under ``ringpipe launch -n 2``; writes ``rank<R>.json`` into the folder given as argument.
+The values are written so that the test can compute every expected result plainly.
+"""
+
+import json
+import os
+import sys
+
+import numpy as np
+import tensorflow as tf
+
+import ringpipe.tensorflow as hvd
+
+
+def raised(fn):
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        return [type(exc).__name__, isinstance(exc, hvd.HorovodInternalError), str(exc)]
+    return None
+
+
+def main(out_dir):
+    hvd.init(process_sets="dynamic")
+    r, n = hvd.rank(), hvd.size()
+    out = {"rank": r, "size": n, "local": [hvd.local_rank(), hvd.local_size(), hvd.cross_rank(), hvd.cross_size()],
+           "initialized": hvd.is_initialized(), "gloo_built": hvd.gloo_built()}
+    base = np.arange(6, dtype=np.float64).reshape(2, 3) + 10 * r
+    for mode in ("eager", "function"):
+        wrap = (lambda f: f) if mode == "eager" else tf.function
+        res = {}
+        for dtype in ("float32", "float64", "float16", "bfloat16", "int32", "int64", "uint8", "int8"):
+            x = tf.cast(tf.constant(base), dtype)
+            res[f"sum_{dtype}"] = wrap(lambda x: hvd.allreduce(x, op=hvd.Sum))(x)
+            res[f"max_{dtype}"] = wrap(lambda x: hvd.allreduce(x, op=hvd.Max))(x)
+            res[f"gather_{dtype}"] = wrap(lambda x: hvd.allgather(x))(x)
+            res[f"bcast_{dtype}"] = wrap(lambda x: hvd.broadcast(x, root_rank=1))(x)
+        x = tf.constant(base)
+        res["avg"] = wrap(lambda x: hvd.allreduce(x))(x)
+        res["average_false"] = wrap(lambda x: hvd.allreduce(x, average=False))(x)
+        res["min"] = wrap(lambda x: hvd.allreduce(x, op=hvd.Min))(x)
+        res["prod"] = wrap(lambda x: hvd.allreduce(x, op=hvd.Product))(x)
+        res["scaled"] = wrap(lambda x: hvd.allreduce(x, op=hvd.Sum, prescale_factor=0.5, postscale_factor=3.0))(x)
+        res["fp16"] = wrap(lambda x: hvd.allreduce(x, op=hvd.Sum, compression=hvd.Compression.fp16))(x)
+        res["grouped"] = wrap(lambda a, b: hvd.grouped_allreduce([a, b], op=hvd.Sum))(x, tf.cast(x[0], tf.float32))
+        res["gather_uneven"] = wrap(lambda t: hvd.allgather(t))(tf.fill([r + 1, 2], float(r)))
+        res["grouped_gather"] = wrap(lambda a, b: hvd.grouped_allgather([a, b]))(x, x[:1])
+        splits = tf.constant([1, 2] if r == 0 else [2, 1])
+        res["alltoall"] = wrap(lambda t, s: hvd.alltoall(t, splits=s))(tf.constant([[1.0], [2.0], [3.0]]) + 10 * r,
+                                                                       splits)
+        res["alltoall_even"] = wrap(lambda t: hvd.alltoall(t))(tf.constant([1.0, 2.0]) + 10 * r)
+        res["rs_sum"] = wrap(lambda t: hvd.reducescatter(t, op=hvd.Sum))(tf.constant([[1.0], [2.0], [3.0]]) * (r + 1))
+        res["rs_avg"] = wrap(lambda t: hvd.reducescatter(t))(tf.constant([[1.0], [2.0]]) * (r + 1))
+        res["grouped_rs"] = wrap(lambda t: hvd.grouped_reducescatter([t, 2 * t], op=hvd.Sum))(tf.constant([1.0, 2.0]))
+        out[mode] = tf.nest.map_structure(lambda t: np.asarray(t, dtype=np.float64).tolist(), res)
+
+    # IndexedSlices: Horovod allgathers values and indices (Average divides by the size)
+    sl = tf.IndexedSlices(tf.constant([[1.0, 2.0]]) * (r + 1), tf.constant([r]), tf.constant([2, 2]))
+    got = hvd.allreduce(sl)
+    out["slices"] = [got.values.numpy().tolist(), got.indices.numpy().tolist()]
+
+    # gradients, eager and in tf.function
+    def grads(v):
+        with tf.GradientTape(persistent=True) as tape:
+            tape.watch(v)
+            w = tf.constant([1.0, 2.0, 3.0]) * (r + 1)
+            ys = {
+                "allreduce_sum": tf.reduce_sum(w * hvd.allreduce(v, op=hvd.Sum)),
+                "allreduce_avg": tf.reduce_sum(w * hvd.allreduce(v)),
+                "allgather": tf.reduce_sum(tf.tile(w, [2]) * hvd.allgather(v)),
+                "broadcast": tf.reduce_sum(w * hvd.broadcast(v, root_rank=0)),
+                "reducescatter_sum": tf.reduce_sum(w[:2] * hvd.reducescatter(tf.reshape(v[:2] * 0 + v[:2], [2]),
+                                                                             op=hvd.Sum)[:1]),
+                "alltoall": tf.reduce_sum(w[:2] * hvd.alltoall(v[:2])),
+            }
+        return {k: tape.gradient(y, v) for k, y in ys.items()}
+
+    v = tf.constant([1.0, 2.0, 3.0]) * (r + 1)
+    out["grads_eager"] = {k: g.numpy().tolist() for k, g in grads(v).items()}
+    out["grads_function"] = {k: g.numpy().tolist() for k, g in tf.function(grads)(v).items()}
+
+    # broadcast_variables, broadcast_ (in place), objects, barrier, join
+    var = tf.Variable([1.0, 2.0] if r == 0 else [5.0, 6.0])
+    ivar = tf.Variable([r, r], dtype=tf.int64)
+    hvd.broadcast_variables([var, ivar], root_rank=0)
+    out["bvars"] = [var.numpy().tolist(), ivar.numpy().tolist()]
+    var2 = tf.Variable([float(r)])
+    hvd.broadcast_([var2], root_rank=1)
+    out["binplace"] = var2.numpy().tolist()
+    out["bobj"] = hvd.broadcast_object({"from": r}, root_rank=1)
+    out["gobj"] = hvd.allgather_object(("r", r))
+    hvd.barrier()
+
+    # process sets: the same ProcessSet objects as the torch face
+    solo = hvd.add_process_set([1])
+    if r == 1:
+        out["set_sum"] = hvd.allreduce(tf.constant([7.0]), op=hvd.Sum, process_set=solo).numpy().tolist()
+    else:
+        out["set_foreign"] = raised(lambda: hvd.allreduce(tf.constant([7.0]), process_set=solo))
+    hvd.barrier()
+
+    # mismatched calls: every rank raises, nothing hangs
+    out["err_shape"] = raised(lambda: hvd.allreduce(tf.zeros([2 + r])))
+    out["err_dtype"] = raised(lambda: hvd.allgather(tf.zeros([2], tf.float32 if r == 0 else tf.float64)))
+    out["err_root"] = raised(lambda: hvd.broadcast(tf.zeros([2]), root_rank=r))
+    out["err_op"] = raised(lambda: hvd.allreduce(tf.zeros([2]), op=hvd.Sum if r == 0 else hvd.Max))
+    out["err_in_function"] = raised(lambda: tf.function(lambda t: hvd.allreduce(t))(tf.zeros([2 + r])))
+    out["after_errors"] = hvd.allreduce(tf.constant([1.0]), op=hvd.Sum).numpy().tolist()
+    out["join"] = int(hvd.join())
+    hvd.shutdown()
+    with open(os.path.join(out_dir, f"rank{r}.json"), "w") as f:
+        json.dump(out, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,223 @@
+"""``ringpipe.tensorflow`` and ``ringpipe.tensorflow.keras`` hold Horovod's TensorFlow / Keras semantics on real processes.
+
+Two ranks run a script under ``ringpipe launch``; the expected values are written here: the
+collectives from the inputs each rank used, the gradients from Horovod's gradient definitions
+(``horovod/tensorflow/mpi_ops.py``), training from one process on the global batch (plain
+TensorFlow gradients and the SGD update written out), the warmup rate from Horovod's formula.
+Skipped without TensorFlow (``pip install 'ringpipe[tensorflow]'``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+tf = pytest.importorskip("tensorflow")
+keras = pytest.importorskip("keras")
+
+SCRIPTS = Path(__file__).parent / "scripts"
+RINGPIPE = [sys.executable, "-m", "ringpipe.cli"]
+ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", OMP_NUM_THREADS="1", TF_NUM_INTRAOP_THREADS="1",
+           TF_NUM_INTEROP_THREADS="2", PYTHONPATH=str(SCRIPTS.parent))
+
+
+def _launch(script: str, out: Path, timeout: int = 400) -> list[dict]:
+    proc = subprocess.run([*RINGPIPE, "launch", "-n", "2", str(SCRIPTS / script), str(out)], env=ENV,
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.fixture(scope="module")
+def collectives(tmp_path_factory):
+    return _launch("tf_collectives.py", tmp_path_factory.mktemp("tf_collectives"))
+
+
+@pytest.fixture(scope="module")
+def training(tmp_path_factory):
+    return _launch("tf_train.py", tmp_path_factory.mktemp("tf_train"))
+
+
+def test_ranks_and_import_do_not_need_tensorflow_in_ringpipe(collectives):
+    assert [c["rank"] for c in collectives] == [0, 1] and {c["size"] for c in collectives} == {2}
+    assert [c["local"] for c in collectives] == [[0, 2, 0, 1], [1, 2, 0, 1]]
+    out = subprocess.run([sys.executable, "-c", "import ringpipe, sys; print('tensorflow' in sys.modules)"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_every_collective_eager_and_in_tf_function(collectives, mode):
+    base = [np.arange(6, dtype=np.float64).reshape(2, 3) + 10 * r for r in range(2)]
+    for r, c in enumerate(collectives):
+        got = {k: np.array(v, dtype=object) if k in ("alltoall", "grouped", "grouped_gather", "grouped_rs") else
+               np.array(v) for k, v in c[mode].items()}
+        for dtype in ("float32", "float64", "float16", "bfloat16", "int32", "int64", "uint8", "int8"):
+            np.testing.assert_array_equal(got[f"sum_{dtype}"], base[0] + base[1], err_msg=dtype)
+            np.testing.assert_array_equal(got[f"max_{dtype}"], np.maximum(base[0], base[1]), err_msg=dtype)
+            np.testing.assert_array_equal(got[f"gather_{dtype}"], np.concatenate(base), err_msg=dtype)
+            np.testing.assert_array_equal(got[f"bcast_{dtype}"], base[1], err_msg=dtype)
+        np.testing.assert_allclose(got["avg"], (base[0] + base[1]) / 2)
+        np.testing.assert_allclose(got["average_false"], base[0] + base[1])
+        np.testing.assert_allclose(got["min"], np.minimum(base[0], base[1]))
+        np.testing.assert_allclose(got["prod"], base[0] * base[1])
+        np.testing.assert_allclose(got["scaled"], 3.0 * (0.5 * base[0] + 0.5 * base[1]))
+        np.testing.assert_allclose(got["fp16"], base[0] + base[1])
+        np.testing.assert_allclose(np.array(c[mode]["grouped"][0]), base[0] + base[1])
+        np.testing.assert_allclose(np.array(c[mode]["grouped"][1]), base[0][0] + base[1][0])
+        np.testing.assert_allclose(got["gather_uneven"], [[0.0, 0.0], [1.0, 1.0], [1.0, 1.0]])
+        np.testing.assert_allclose(np.array(c[mode]["grouped_gather"][1]), [base[0][0], base[1][0]])
+        # alltoall: rank 0 sends 1 row to rank 0 and 2 to rank 1; rank 1 sends 2 rows to rank 0 and 1 to rank 1
+        rows = [[1.0, 2.0, 3.0], [11.0, 12.0, 13.0]]
+        mine = [rows[0][:1], rows[1][:2]] if r == 0 else [rows[0][1:], rows[1][2:]]
+        received, splits = c[mode]["alltoall"]
+        assert [v[0] for v in received] == mine[0] + mine[1] and splits == [len(mine[0]), len(mine[1])]
+        assert c[mode]["alltoall_even"] == [1.0 + r, 11.0 + r]
+        # reduce-scatter: Horovod's split (the first n % size ranks get one more row), Average by default
+        assert c[mode]["rs_sum"] == ([[3.0], [6.0]] if r == 0 else [[9.0]])
+        assert c[mode]["rs_avg"] == [[1.5 * (r + 1)]]
+        assert c[mode]["grouped_rs"] == [[2.0 * (r + 1)], [4.0 * (r + 1)]]
+
+
+def test_indexed_slices_are_allgathered_and_averaged_by_size(collectives):
+    for c in collectives:
+        assert c["slices"] == [[[0.5, 1.0], [1.0, 2.0]], [0, 1]]
+
+
+@pytest.mark.parametrize("mode", ["grads_eager", "grads_function"])
+def test_gradients_of_the_collectives_are_horovods(collectives, mode):
+    w = [np.array([1.0, 2.0, 3.0]) * (r + 1) for r in range(2)]  # each rank's output weights
+    for r, c in enumerate(collectives):
+        g = {k: np.array(v) for k, v in c[mode].items()}
+        np.testing.assert_allclose(g["allreduce_sum"], w[0] + w[1])  # the same allreduce of the gradient
+        np.testing.assert_allclose(g["allreduce_avg"], (w[0] + w[1]) / 2)
+        np.testing.assert_allclose(g["allgather"], (w[0] + w[1]) / 2)  # averaged, this rank's rows
+        np.testing.assert_allclose(g["broadcast"], (w[0] + w[1]) / 2 if r == 0 else 0 * w[0])  # root only
+        # reduce-scatter with Sum: allgather of (gradient * size); each rank's gradient is sum(w[:2]) * out
+        np.testing.assert_allclose(g["reducescatter_sum"], [2 * w[0][:2].sum(), 2 * w[1][:2].sum(), 0.0])
+        # alltoall: the gradient comes back by the reverse alltoall
+        np.testing.assert_allclose(g["alltoall"], [w[0][r], w[1][r], 0.0])
+
+
+def test_variables_objects_process_sets_and_join(collectives):
+    for r, c in enumerate(collectives):
+        assert c["bvars"] == [[1.0, 2.0], [0, 0]]
+        assert c["binplace"] == [1.0]
+        assert c["bobj"] == {"from": 1} and c["gobj"] == [["r", 0], ["r", 1]]
+        assert c["join"] == 1
+    assert collectives[1]["set_sum"] == [7.0]
+    name, internal, text = collectives[0]["set_foreign"]
+    assert internal and "Rank 0 is not a member of the provided process set" in text
+
+
+def test_mismatched_calls_raise_the_same_error_on_every_rank(collectives):
+    for key, words in [("err_shape", "shape"), ("err_dtype", "dtype"), ("err_root", "root_rank"), ("err_op", "op")]:
+        errors = [c[key] for c in collectives]
+        assert errors[0] == errors[1], key
+        assert errors[0][1] is True and "Mismatched" in errors[0][2] and words in errors[0][2], errors[0]
+    for c in collectives:  # inside tf.function, TensorFlow wraps it; the message names the mismatch
+        assert "Mismatched tensor shapes in allreduce" in c["err_in_function"][2]
+        assert c["after_errors"] == [2.0]  # the ranks go on
+
+
+# ----------------------------------------------------------------------------- training
+
+GLOBAL_BATCH, STEPS, LR, MOMENTUM = 8, 4, 0.05, 0.9
+
+
+def _data():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(GLOBAL_BATCH * STEPS, 4)).astype("float32")
+    y = (x @ np.array([1.0, -2.0, 0.5, 3.0], dtype="float32") + 0.1)[:, None]
+    return x, y
+
+
+def _initial(seed):
+    keras.utils.set_random_seed(seed)
+    net = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, activation="tanh"), keras.layers.Dense(1)])
+    return [w.astype("float64") for w in net.get_weights()]
+
+
+def _grad(weights, x, y):
+    """The mean squared error's gradient on one global batch, plain TensorFlow (no ringpipe)."""
+    ws = [tf.Variable(w) for w in weights]
+    with tf.GradientTape() as tape:
+        h = tf.tanh(x.astype("float64") @ ws[0] + ws[1])
+        loss = tf.reduce_mean(tf.square(h @ ws[2] + ws[3] - y.astype("float64")))
+    return [g.numpy() for g in tape.gradient(loss, ws)]
+
+
+def _sgd(weights, moments, grads, lr, momentum):
+    """Keras's SGD with momentum: m = momentum * m - lr * g; w = w + m."""
+    moments = [momentum * m - lr * g for m, g in zip(moments, grads)]
+    return [w + m for w, m in zip(weights, moments)], moments
+
+
+def _close(got, want):
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(np.array(g), w, rtol=2e-4, atol=2e-5)
+
+
+def test_distributed_gradient_tape_equals_one_process_on_the_global_batch(training):
+    x, y = _data()
+    weights, moments = _initial(100), [0.0] * 4  # rank 0's weights, broadcast
+    for k in range(STEPS):
+        batch = slice(k * GLOBAL_BATCH, (k + 1) * GLOBAL_BATCH)
+        weights, moments = _sgd(weights, moments, _grad(weights, x[batch], y[batch]), LR, MOMENTUM)
+    for t in training:
+        _close(t["tape"], weights)
+
+
+def _warmup_lr(initial_lr, epoch, batch, steps, warmup_epochs, size):
+    """Horovod's LearningRateWarmupCallback, per batch."""
+    e = epoch + batch / steps + 1.0 / steps
+    return initial_lr / size * (e * (size - 1) / warmup_epochs + 1)
+
+
+def _fit_reference():
+    x, y = _data()
+    size, peak = 2, LR * 2
+    weights, moments, lr, rates = _initial(200), [0.0] * 4, peak, []
+    for epoch in range(2):
+        for k in range(STEPS):
+            new = _warmup_lr(peak, epoch, k, STEPS, 1, size) if epoch < 1 else lr
+            momentum = MOMENTUM * new / lr  # Horovod's momentum correction for the batch the rate changes
+            lr = new
+            rates.append(lr)
+            batch = slice(k * GLOBAL_BATCH, (k + 1) * GLOBAL_BATCH)
+            weights, moments = _sgd(weights, moments, _grad(weights, x[batch], y[batch]), lr, momentum)
+    return weights, moments, rates, lr
+
+
+def test_keras_fit_with_distributed_optimizer_and_callbacks_equals_one_process(training):
+    weights, moments, rates, lr = _fit_reference()
+    x, y = _data()
+    after, _ = _sgd(weights, moments, _grad(weights, x[:GLOBAL_BATCH], y[:GLOBAL_BATCH]), lr, MOMENTUM)
+    for t in training:
+        _close(t["fit"], weights)
+        np.testing.assert_allclose(t["fit_seen"]["lr"], rates, rtol=1e-6)
+        assert t["optimizer_class"][0] == "SGD"
+        # load_model: a distributed SGD again, with the momentum buffers and iteration count it was saved with
+        assert t["loaded"] == {"distributed": True, "class": "SGD", "iterations": 8, "same_weights": True}
+        _close(t["loaded_after_step"], after)
+    raw = [t["fit_seen"]["raw"] for t in training]
+    for t in training:  # MetricAverageCallback: the mean of the ranks' epoch losses
+        np.testing.assert_allclose(t["fit_seen"]["averaged"], np.mean(raw, axis=0), rtol=1e-6)
+
+
+def test_backward_passes_per_step_sums_locally_then_averages(training):
+    x, y = _data()
+    weights = _initial(300)
+    for k in (0, 2):  # applied on the 2nd and 4th call, with the mean of two global batches' gradients
+        grads = [_grad(weights, x[j * GLOBAL_BATCH : (j + 1) * GLOBAL_BATCH], y[j * GLOBAL_BATCH : (j + 1) * GLOBAL_BATCH])
+                 for j in (k, k + 1)]
+        weights = [w - LR * (a + b) / 2 for w, a, b in zip(weights, *grads)]
+    for t in training:
+        _close(t["accumulated"], weights)
+        assert t["accumulated_iterations"] == 4  # every call counts, as in Horovod
