@@ -116,7 +116,10 @@ def launch_help() -> str:
     for names, _, _, metavar, text in _OPTIONS:
         p.add_argument(*names, metavar=metavar, help=text)
     p.add_argument("-m", metavar="MODULE", help="run a module (like python -m) instead of a script")
-    return p.format_help()
+    from ringpipe.launch.horovod_env import settings_help
+
+    return (p.format_help() + "\nHorovod's settings honoured by every rank (set them in the environment):\n"
+            + settings_help() + "\n")
 
 
 def _unknown(token: str) -> LaunchUsageError:
