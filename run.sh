@@ -54,6 +54,8 @@ setup_tests() {
     echo "run.sh: installing mpi4py (first run only; it compiles against Open MPI)" >&2
     "$vpy" -m pip install --progress-bar on -e ".[mpi]"
   fi
+  # TensorFlow's CPU build, pinned (plain `tensorflow` pulls CUDA), so the TensorFlow tests run.
+  "$vpy" -c "import tensorflow" 2>/dev/null || { echo "run.sh: installing tensorflow-cpu==2.21.0 (first run only)" >&2; "$vpy" -m pip install --progress-bar on "tensorflow-cpu==2.21.0"; }
 }
 
 cmd="${1:-train}"
