@@ -150,3 +150,72 @@ def test_run_retries_after_an_internal_error_restoring_and_calling_reset_callbac
     assert calls == [0, 2]  # the retry starts from the commit at epoch 2, not from epoch 3
     assert resets == [1]
     assert hvd.is_initialized()
+
+
+# ``ringpipe train`` under the launcher, with a test-only fault: in the first attempt rank 1 kills
+# itself (SIGKILL) as soon as the run's first checkpoint exists, i.e. in the middle of the run.
+TRAIN_WRAPPER = """
+import os, signal, sys, threading, time
+from pathlib import Path
+
+run_dir = Path(sys.argv[sys.argv.index("--run-dir") + 1])
+if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" and os.environ.get("RANK") == "1":
+    def kill_after_first_checkpoint():
+        while not list((run_dir / "checkpoints").glob("step-*.pt")):
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGKILL)
+    threading.Thread(target=kill_after_first_checkpoint, daemon=True).start()
+from ringpipe.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+TRAIN_CFG = ["epochs=3", "batch_size=32", "log_every=2", "optimizer.scale_lr=false", "optimizer.lr=0.01",
+             "schedule.name=constant", "model.hidden=[32]", "mode=dp", "optimizer.name=sgd"]
+
+
+@pytest.mark.timeout(600)
+def test_train_restarted_by_the_agent_resumes_and_ends_bit_exact(tmp_path):
+    """A worker killed mid-run under --max-restarts 2: the run resumes by itself and ends as an undisturbed one."""
+    wrapper = tmp_path / "faulty_train.py"
+    wrapper.write_text(TRAIN_WRAPPER)
+    env = {k: v for k, v in os.environ.items() if k != "RINGPIPE_BACKEND"}
+    env.update(OMP_NUM_THREADS="1")
+    sets = [a for item in TRAIN_CFG for a in ("--set", item)]
+    runs = {}
+    for name, program in (("undisturbed", ["-m", "ringpipe.cli"]), ("killed", [str(wrapper)])):
+        run_dir = tmp_path / name
+        cmd = [*RINGPIPE, "launch", "-n", "2", "--max-restarts", "2", *program,
+               "train", "--run-dir", str(run_dir), "--no-progress", *sets]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=500, env=env)
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 0, out
+        runs[name] = (run_dir, out)
+    out = runs["killed"][1]
+    assert "restarting every rank (restart 1 of 2)" in out, out
+    assert "resuming from the newest good checkpoint" in out, out
+    final = {}
+    for name, (run_dir, _) in runs.items():
+        newest = sorted((run_dir / "checkpoints").glob("step-*.pt"))[-1]
+        from ringpipe.train.checkpoint import load_checkpoint
+
+        final[name] = load_checkpoint(newest)
+    a, b = final["undisturbed"], final["killed"]
+    assert a["step"] == b["step"]
+    flat_a, flat_b = _tensors(a["engine"]), _tensors(b["engine"])
+    assert flat_a.keys() == flat_b.keys() and flat_a
+    for key in flat_a:
+        assert torch.equal(flat_a[key], flat_b[key]), key
+
+
+def _tensors(obj, prefix=""):
+    """Every tensor of a nested state, by path."""
+    out = {}
+    if isinstance(obj, torch.Tensor):
+        out[prefix] = obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            out.update(_tensors(v, f"{prefix}/{k}"))
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            out.update(_tensors(v, f"{prefix}/{i}"))
+    return out

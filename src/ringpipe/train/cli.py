@@ -380,6 +380,9 @@ def _run_train(args: argparse.Namespace) -> int:
     from ringpipe.train.checkpoint import CheckpointError, find_resumable
 
     header: dict[str, Any] | None = None
+    from ringpipe.train.runstate import after_restart
+
+    args.resume, args.overwrite = after_restart(args.run_dir, args.resume, args.overwrite)
     try:
         pre_dir = resolve_run_dir(args.run_dir, "x", args.resume) if (args.run_dir or args.resume) else None
         if args.resume and pre_dir is not None and not args.print_config:

@@ -47,6 +47,23 @@ log = logging.getLogger("ringpipe.train.loop")
 CHECKPOINT_VERSION = 1
 
 
+def after_restart(run_dir: str | None, resume: bool, overwrite: bool) -> tuple[bool, bool]:
+    """``(resume, overwrite)`` for workers an elastic agent restarted (``TORCHELASTIC_RESTART_COUNT`` > 0).
+
+    A restarted run continues itself: from the newest good checkpoint of its ``--run-dir`` (of the
+    newest run under ``runs/`` without one), or from the start in the same directory when the
+    first attempt died before its first checkpoint. A first attempt is left as asked.
+    """
+    import os
+
+    if resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) == 0:
+        return resume, overwrite
+    if run_dir is None or any((Path(run_dir) / "checkpoints").glob("step-*.pt")):
+        log.warning("restarted by the elastic agent: resuming from the newest good checkpoint")
+        return True, overwrite
+    return False, True
+
+
 class NothingToResume(CheckpointError):
     """``--resume`` of a run whose checkpoint is already at its last step (or at ``max_steps``)."""
 
