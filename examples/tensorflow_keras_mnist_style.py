@@ -15,7 +15,6 @@ import os
 import time
 
 import keras
-import numpy as np
 import tensorflow as tf
 from sklearn.datasets import load_digits
 

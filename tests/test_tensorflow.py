@@ -106,7 +106,7 @@ def test_gradients_of_the_collectives_are_horovods(collectives, mode):
 
 
 def test_variables_objects_process_sets_and_join(collectives):
-    for r, c in enumerate(collectives):
+    for _r, c in enumerate(collectives):
         assert c["bvars"] == [[1.0, 2.0], [0, 0]]
         assert c["binplace"] == [1.0]
         assert c["bobj"] == {"from": 1} and c["gobj"] == [["r", 0], ["r", 1]]
@@ -155,8 +155,8 @@ def _grad(weights, x, y):
 
 def _sgd(weights, moments, grads, lr, momentum):
     """Keras's SGD with momentum: m = momentum * m - lr * g; w = w + m."""
-    moments = [momentum * m - lr * g for m, g in zip(moments, grads)]
-    return [w + m for w, m in zip(weights, moments)], moments
+    moments = [momentum * m - lr * g for m, g in zip(moments, grads, strict=False)]
+    return [w + m for w, m in zip(weights, moments, strict=False)], moments
 
 
 def _close(got, want):
@@ -217,7 +217,7 @@ def test_backward_passes_per_step_sums_locally_then_averages(training):
     for k in (0, 2):  # applied on the 2nd and 4th call, with the mean of two global batches' gradients
         grads = [_grad(weights, x[j * GLOBAL_BATCH : (j + 1) * GLOBAL_BATCH], y[j * GLOBAL_BATCH : (j + 1) * GLOBAL_BATCH])
                  for j in (k, k + 1)]
-        weights = [w - LR * (a + b) / 2 for w, a, b in zip(weights, *grads)]
+        weights = [w - LR * (a + b) / 2 for w, a, b in zip(weights, *grads, strict=False)]
     for t in training:
         _close(t["accumulated"], weights)
         assert t["accumulated_iterations"] == 4  # every call counts, as in Horovod

@@ -56,7 +56,7 @@ def main(out_dir):
             loss = tf.reduce_mean(tf.square(net(bx) - by))
         tape = hvd.DistributedGradientTape(tape)
         grads = tape.gradient(loss, net.trainable_variables)
-        opt.apply_gradients(zip(grads, net.trainable_variables))
+        opt.apply_gradients(zip(grads, net.trainable_variables, strict=False))
         return loss
 
     for k in range(STEPS):
@@ -105,7 +105,7 @@ def main(out_dir):
         "distributed": hasattr(loaded.optimizer, "_rp_setup"),
         "class": type(loaded.optimizer).__name__,
         "iterations": int(loaded.optimizer.iterations.numpy()),
-        "same_weights": all(np.array_equal(a, b) for a, b in zip(loaded.get_weights(), net.get_weights())),
+        "same_weights": all(np.array_equal(a, b) for a, b in zip(loaded.get_weights(), net.get_weights(), strict=False)),
     }
     loaded.fit(xs[:per], ys[:per], batch_size=per, epochs=1, shuffle=False, verbose=0)
     out["loaded_after_step"] = [w.tolist() for w in loaded.get_weights()]

@@ -66,7 +66,7 @@ class DistributedMixin:
         return out
 
     def apply(self, grads: Any, trainable_variables: Any = None) -> Any:
-        base = super(DistributedMixin, self)
+        base = super()
         if not hasattr(self, "_rp"):
             self._rp_setup()
         grads = list(grads)
