@@ -129,7 +129,7 @@ def fit(
             given.model, label = _model_source(model, comm)
             update["model"] = UserModelConfig(name=FROM_PYTHON, **{"class": label})
         if train_data is not None:
-            given.data = as_dataset(train_data, FROM_PYTHON, "train_data", test=test_data)
+            given.data = as_dataset(train_data, FROM_PYTHON, "fit()", test=test_data)
             update["data"] = UserDataConfig(name=FROM_PYTHON, **{"class": type(train_data).__name__})
         elif test_data is not None:
             raise ValueError("fit(test_data=...) without train_data: give both, or neither (the config's data)")
