@@ -196,6 +196,11 @@ class TrainConfig(_Section):
         if self.mode == "single":
             self.__dict__["nprocs"] = 1
         self._check_steps()
+        if self.logger == "tensorboard":
+            from ringpipe.train.loggers import tensorboard_problem
+
+            if tensorboard_problem():
+                raise ValueError(tensorboard_problem())
         builtin = self.model.name in BUILTIN_MODELS and self.data.name in BUILTIN_DATA
         if builtin and self.model.name == "transformer" and self.data.name != "synthetic_lm":
             raise ValueError(

@@ -135,7 +135,7 @@ class _Run(Checkpointing):
         self.step = 0
         self.window = _Tally()
         self.epoch_tally = _Tally()
-        self.metrics = MetricsWriter(run_dir, self.is_root)
+        self.metrics = MetricsWriter(run_dir, self.is_root, cfg.logger)
         self.train_time = 0.0
         self.wall_before = 0.0  # wall time of the run's earlier parts (resumed runs)
         self.wall_start: float | None = None  # when this part's loop started
@@ -406,11 +406,14 @@ def _train(comm: Communicator, cfg: TrainConfig, run: Path, resume: bool, progre
             (run / "config.yaml").write_text(yaml.safe_dump(dump_config(cfg), sort_keys=False))
             if not resume:
                 (run / "metrics.jsonl").write_text("")
+                for logger in state.metrics.loggers:
+                    logger.rewrite([])
         summary = state.run()
         if comm.size > 1 and (cfg.observe.profile or cfg.observe.timeline):
             write_observations(comm, run, cfg.observe.timeline, state.step_windows)
     finally:
         state.engine.close()
+        state.metrics.close()
     if comm.rank == 0:
         write_json_atomic(run / "summary.json", summary)
         plot_curves(run, state.metrics.records, title=f"{run.name}: mode {cfg.mode}, {comm.size} "

@@ -69,12 +69,23 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
 
 
 class MetricsWriter:
-    """Appends one JSON record per line to ``<run-dir>/metrics.jsonl`` (rank 0 only; others no-op)."""
+    """Appends one JSON record per line to ``<run-dir>/metrics.jsonl`` (rank 0 only; others no-op),
+    and each record to the loggers of :mod:`ringpipe.train.loggers` (``metrics.csv``, TensorBoard)."""
 
-    def __init__(self, run_dir: str | Path, enabled: bool) -> None:
+    def __init__(self, run_dir: str | Path, enabled: bool, logger: str = "csv") -> None:
+        from ringpipe.train.loggers import CsvLogger, TensorBoardLogger
+
         self.path = Path(run_dir) / "metrics.jsonl"
         self.enabled = enabled
         self.records: list[dict[str, Any]] = []
+        self.loggers: list[Any] = [CsvLogger(Path(run_dir))] if enabled else []
+        if enabled and logger == "tensorboard":
+            self.loggers.append(TensorBoardLogger(Path(run_dir)))
+
+    def close(self) -> None:
+        for logger in self.loggers:
+            if hasattr(logger, "close"):
+                logger.close()
 
     def truncate_after(self, step: int) -> None:
         """Keep only records up to ``step`` (resuming from a checkpoint taken at that step).
@@ -95,6 +106,8 @@ class MetricsWriter:
         tmp = self.path.with_name(".metrics.jsonl.tmp")
         tmp.write_text("".join(_dumps(r) + "\n" for r in self.records))
         os.replace(tmp, self.path)
+        for logger in self.loggers:
+            logger.rewrite(self.records)
 
     def write(self, record: dict[str, Any]) -> None:
         if not self.enabled:
@@ -102,6 +115,8 @@ class MetricsWriter:
         self.records.append(record)
         with self.path.open("a") as f:
             f.write(_dumps(record) + "\n")
+        for logger in self.loggers:
+            logger.write(record)
 
 
 def write_json_atomic(path: str | Path, obj: Any) -> None:

@@ -19,8 +19,8 @@ from pathlib import Path
 __all__ = ["RUN_FILES", "new_run_dir", "newest_run", "run_dir_problem", "clear_run_dir"]
 
 #: What ringpipe writes into a run directory (a directory holding one of them holds a run).
-RUN_FILES = ("config.yaml", "metrics.jsonl", "summary.json", "checkpoints", "curves.png", "comm_profile.txt",
-             "doctor.txt", "events.json", "timeline.json")
+RUN_FILES = ("config.yaml", "metrics.jsonl", "metrics.csv", "summary.json", "checkpoints", "curves.png",
+             "comm_profile.txt", "doctor.txt", "events.json", "timeline.json", "tensorboard")
 
 
 def new_run_dir(root: Path, mode: str) -> Path:
