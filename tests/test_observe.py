@@ -233,7 +233,7 @@ def test_doctor_names_the_rank_that_keeps_the_others_waiting(tmp_path):
     late = [f for f in findings if "arrives late" in f[1]]
     # Rank 1 arrives last at the native allreduce; the ring allreduce right after it starts together.
     assert {rank for rank, _ in late} == {1}, findings
-    assert "rank 1 (host " in late[0][1] and late[0][1].endswith("arrives late at allreduce of 4.0 KiB on world")
+    assert "rank 1 (host " in late[0][1] and late[0][1].endswith("arrives late at allreduce (ring) of 4.0 KiB on world")
     assert {r.rank for r in job.ranks} == {0, 1, 2}
     steps = [e for e in job.ranks[0].events if e.op == "allreduce.step"]
     assert steps and all(e.detail["algorithm"] == "ring" for e in steps)

@@ -10,7 +10,6 @@ a name still in flight) all raise the same :class:`HorovodInternalError`.
 """
 
 from ringpipe.dp.announce import JoinError as JoinError
-from ringpipe.dp.broadcast import broadcast_optimizer_state as broadcast_optimizer_state
 from ringpipe.dp.broadcast import broadcast_parameters as broadcast_parameters
 from ringpipe.dp.checkpoint import load_checkpoint as load_checkpoint
 from ringpipe.dp.checkpoint import save_checkpoint as save_checkpoint
@@ -39,7 +38,6 @@ __all__ = sorted({
     "Handle",
     "JoinError",
     "SyncBatchNorm",
-    "broadcast_optimizer_state",
     "broadcast_parameters",
     "elastic",
     "load_checkpoint",

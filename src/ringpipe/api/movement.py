@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from ringpipe.dp import broadcast as _broadcast
 from ringpipe.dp import ops
 from ringpipe.dp.announce import announce, checks, run_announced
 from ringpipe.dp.engine import Handle
@@ -33,6 +34,7 @@ __all__ = [
     "broadcast_async",
     "broadcast_async_",
     "broadcast_object",
+    "broadcast_optimizer_state",
     "grouped_allgather",
     "grouped_allgather_async",
     "join",
@@ -169,3 +171,15 @@ def allgather_object(obj: Any, name: str | None = None, process_set: ProcessSet 
     comm = call.comm
     return run_announced(comm, "allgather_object", lambda: comm.allgather_object(obj), name, detail=call.detail,
                          validate=checks(comm, "allgather_object", problem=call.problem))
+
+
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, model: Any = None,
+                              process_set: ProcessSet = global_process_set) -> None:
+    """``root_rank``'s optimizer state on every rank of the set, Horovod's way.
+
+    As in Horovod, an optimizer without state yet first takes one local step on zero gradients
+    so that its state is complete (Adam's step count then starts at 1; weight decay moves the
+    weights).
+    """
+    _broadcast.broadcast_optimizer_state(optimizer, root_rank, process_set=process_set, model=model,
+                                         initialize_state=True)

@@ -117,7 +117,7 @@ def validate(
     """Check the settings that need no communicator; return the reduce op."""
     rop = ReduceOp.parse(op)
     if rop not in (ReduceOp.AVERAGE, ReduceOp.SUM, ReduceOp.ADASUM):
-        raise ValueError(f"DistributedOptimizer supports op Average, Sum or Adasum, got {rop.value}")
+        raise ValueError(f"DistributedOptimizer supports op Average or Sum for gradients (or Adasum), got {rop.value}")
     if gradient_predivide_factor != 1.0 and rop is not ReduceOp.AVERAGE:
         raise ValueError(
             f"gradient_predivide_factor={gradient_predivide_factor} only applies with op=Average "

@@ -136,19 +136,20 @@ def broadcast_optimizer_state(
     comm: Communicator | None = None,
     process_set: Any = None,
     model: Any = None,
+    initialize_state: bool = False,
 ) -> None:
     """Give every rank ``root_rank``'s optimizer state: buffers, step counts, learning rates, all groups.
 
     Works when only the root has state yet (e.g. after loading a checkpoint there): the other
     ranks replace theirs by the root's. The structure travels as one small object and the
-    tensors as fused broadcasts. As in Horovod, an optimizer without state yet is first given
-    its state by one local step on zero gradients (so that every rank's state is complete).
-    ``process_set``: only its ranks take part (``root_rank`` is a world rank); ``model`` is
-    accepted for Horovod compatibility.
+    tensors as fused broadcasts. ``initialize_state``: as Horovod does, first give an optimizer
+    without state its state by one local step on zero gradients (the Horovod-style API does;
+    note that the step counts, and weight decay moves the weights). ``process_set``: only its
+    ranks take part (``root_rank`` is a world rank); ``model`` is accepted for Horovod compatibility.
     """
     comm, root_rank, problem = _target(comm, process_set, root_rank, "broadcast_optimizer_state")
     inner = getattr(optimizer, "optimizer", optimizer)
-    if problem is None and not inner.state:
+    if initialize_state and problem is None and not inner.state:
         _initialise_state(inner)
     engine = Engine.of(comm)
     tensors: list[torch.Tensor] = []
