@@ -340,6 +340,10 @@ class CheckpointConfig(_Section):
 
     every_epochs: int = Field(default=1, ge=0)
     keep: int = Field(default=3, ge=1)
+    best: Literal["test_accuracy", "test_loss", "train_accuracy", "train_loss"] | None = Field(
+        default=None,
+        description="also keep the checkpoint of the best evaluation of this metric in checkpoints/best/",
+    )
 
 
 class ObserveConfig(_Section):

@@ -29,6 +29,7 @@ import yaml
 
 from ringpipe.comm import Communicator
 from ringpipe.comm.events import blocked_ns
+from ringpipe.train.best import BestCheckpoint
 from ringpipe.train.config import TrainConfig, dump_config
 from ringpipe.train.datasets import Dataset, load_dataset
 from ringpipe.train.metrics import MetricsWriter, plot_curves, write_json_atomic
@@ -145,6 +146,7 @@ class _Run(Checkpointing):
         self.step_windows: list[tuple[int, int, int]] = []  # (start ns, end ns, blocked ns)
         self.last_eval: dict[str, Any] = {}
         self.last_train: dict[str, Any] = {}
+        self.best = BestCheckpoint(cfg.checkpoint.best, run_dir, comm) if cfg.checkpoint.best else None
 
     # ------------------------------------------------------------------ epochs
 
@@ -223,6 +225,9 @@ class _Run(Checkpointing):
                     every = cfg.checkpoint.every_epochs
                     if self.step == self.total_steps or (every and epoch is not None and epoch % every == 0):
                         self.save(gathered)
+                    if self.best is not None:
+                        self.best.consider(self.step, float(self.last_eval[self.best.metric]), self.metrics.records,
+                                           gathered, self._payload)
                 if stop and self.step < self.stop_step:
                     self.stop_reason = "interrupt"
                     if self.is_root:
@@ -338,6 +343,7 @@ class _Run(Checkpointing):
             "wall_time_s": wall,
             "complete": not interrupted,
             "stop_reason": self.stop_reason,
+            **({"best": self.best.summary()} if self.best is not None else {}),
         }
 
 
