@@ -8,6 +8,7 @@ with the 10th-90th percentile spread are printed; the ratio is checked / uncheck
 
     python benchmarks/check_cost.py                       # 2 ranks over gloo, 4 KiB and 4 MiB
     python benchmarks/check_cost.py --ranks 3 --iters 200
+    PYTHONPATH=OLD/src python benchmarks/check_cost.py --variants hvd.allreduce   # an older tree
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ SIZES = [4 << 10, 4 << 20]
 VARIANTS = ("unchecked", "checked", "hvd.allreduce")
 
 
-def _work(comm, iters: int, warmup: int) -> dict:  # noqa: ANN001 - a communicator
+def _work(comm, iters: int, warmup: int, variants: tuple[str, ...]) -> dict:  # noqa: ANN001
     import torch
 
     import ringpipe as hvd
@@ -31,7 +32,7 @@ def _work(comm, iters: int, warmup: int) -> dict:  # noqa: ANN001 - a communicat
     for size in SIZES:
         x = torch.ones(size // 4)
         for i in range(warmup + iters):
-            for v in VARIANTS:
+            for v in variants:
                 comm.barrier()
                 t = time.perf_counter()
                 if v == "unchecked":
@@ -59,19 +60,24 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--iters", type=int, default=300)
     ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--variants", default=",".join(VARIANTS), help=f"a subset of {','.join(VARIANTS)}")
     args = ap.parse_args()
-    per_rank = spawn(_work, args.ranks, args=(args.iters, args.warmup))
+    variants = tuple(v for v in args.variants.split(",") if v)
+    if not set(variants) <= set(VARIANTS):
+        ap.error(f"--variants takes names from {', '.join(VARIANTS)}")
+    per_rank = spawn(_work, args.ranks, args=(args.iters, args.warmup, variants))
     print(f"ranks={args.ranks} backend=gloo iters={args.iters} warmup={args.warmup} threads=1 "
           "(the same tensor, op sum, every variant in turn within each iteration)")
     print(f"{'bytes':>9} {'variant':>14} {'median us':>10} {'p10-p90 us':>16} {'x unchecked':>12}")
     for size in SIZES:
         base = None
-        for v in VARIANTS:
+        for v in variants:
             slowest = [max(r[(size, v)][i] for r in per_rank) for i in range(args.iters)]
             med = statistics.median(slowest) * 1e6
             base = med if v == "unchecked" else base
             spread = f"{_pct(slowest, 0.1) * 1e6:.0f}-{_pct(slowest, 0.9) * 1e6:.0f}"
-            print(f"{size:>9} {v:>14} {med:>10.1f} {spread:>16} {med / base:>12.2f}")
+            ratio = f"{med / base:>12.2f}" if base else f"{'-':>12}"
+            print(f"{size:>9} {v:>14} {med:>10.1f} {spread:>16} {ratio}")
 
 
 if __name__ == "__main__":
