@@ -20,16 +20,16 @@ pipeline would refuse.
 
 from __future__ import annotations
 
-import difflib
 import json
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
+from ringpipe.train.config_errors import did_you_mean, format_error
 from ringpipe.train.config_parallel import (
     ASYNC_KEYS,
     GA_STAGE_POLICIES,
@@ -47,7 +47,6 @@ from ringpipe.train.config_sections import (
     BUILTIN_MODELS,
     MODE_NAMES,
     PIPELINE_MODES,
-    SECTION_TAGS,
     AdamConfig,
     CheckpointConfig,
     CIFARConfig,
@@ -265,89 +264,6 @@ class TrainConfig(_Section):
 # --------------------------------------------------------------------------------- loading
 
 
-def _format_error(err: ValidationError, raw: Mapping[str, Any]) -> str:
-    lines = []
-    for e in err.errors():
-        loc = [str(p) for p in e["loc"]]
-        # Discriminated unions put the variant tag in the location (model.mlp.hidden): drop it.
-        clean = [p for i, p in enumerate(loc) if not (i > 0 and (p in SECTION_TAGS or _is_tag(raw, loc[:i], p)))]
-        field = ".".join(clean) or "<root>"
-        msg = e["msg"].removeprefix("Value error, ")
-        if e["type"] == "extra_forbidden":
-            valid = _valid_keys(raw, clean[:-1])
-            hint = f"; valid keys here: {', '.join(valid)}" if valid else ""
-            lines.append(f"{field}: unknown key (value {e['input']!r}){did_you_mean(clean[-1], valid)}{hint}")
-        elif e["type"] == "union_tag_invalid":
-            ctx = e.get("ctx", {})
-            tag, expected = str(ctx.get("tag")), str(ctx.get("expected_tags", ""))
-            names = [n.strip(" '\"") for n in expected.split(",")]
-            lines.append(f"{field}.name={tag!r}: unknown name{did_you_mean(tag, names)}; valid names: {expected}")
-        elif e["type"] == "missing":
-            lines.append(f"{field}: required field is missing")
-        elif field == "<root>":
-            lines.append(msg)
-        elif e["type"] == "value_error":
-            lines.append(f"{field}: {msg}")
-        else:
-            lines.append(f"{field}={e['input']!r}: {msg}")
-    return "invalid configuration:\n  " + "\n  ".join(lines)
-
-
-def did_you_mean(word: str, choices: Iterable[str]) -> str:
-    """``" (did you mean 'epochs'?)"`` for the closest of ``choices``, or "" when none is close."""
-    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
-def _is_tag(raw: Mapping[str, Any], path: Sequence[str], part: str) -> bool:
-    node: Any = raw
-    for p in path:
-        if not isinstance(node, Mapping) or p not in node:
-            return False
-        node = node[p]
-    return isinstance(node, Mapping) and node.get("name") == part and part not in node
-
-
-def _valid_keys(raw: Mapping[str, Any], path: Sequence[str]) -> list[str]:
-    """The field names of the section at ``path`` (for the section variant chosen by ``name``)."""
-    model: Any = TrainConfig
-    node: Any = raw
-    for p in path:
-        if not (isinstance(model, type) and issubclass(model, BaseModel)) or p not in model.model_fields:
-            return []
-        node = node.get(p, {}) if isinstance(node, Mapping) else {}
-        model = _resolve(model.model_fields[p].annotation, node)
-    if isinstance(model, type) and issubclass(model, BaseModel):
-        return list(model.model_fields) + (list(PIPELINE_SHORT_KEYS) if not path else [])
-    return []
-
-
-def _resolve(annotation: Any, node: Any) -> Any:
-    """The concrete section class behind ``annotation`` for the raw value ``node``."""
-    candidates = [a for a in _flatten_union(annotation) if isinstance(a, type) and issubclass(a, BaseModel)]
-    if len(candidates) == 1:
-        return candidates[0]
-    name = node.get("name") if isinstance(node, Mapping) else None
-    for c in candidates:
-        field = c.model_fields.get("name")
-        if field is not None and name in getattr(field.annotation, "__args__", ()):
-            return c
-    return candidates[0] if candidates else None
-
-
-def _flatten_union(annotation: Any) -> list[Any]:
-    args = getattr(annotation, "__args__", None)
-    meta = getattr(annotation, "__metadata__", None)
-    if meta is not None:  # Annotated[X, ...]
-        return _flatten_union(annotation.__origin__)
-    if args:
-        out: list[Any] = []
-        for a in args:
-            out.extend(_flatten_union(a))
-        return out
-    return [annotation]
-
-
 def parse_override(item: str) -> tuple[list[str], Any]:
     """``a.b=value`` -> (["a", "b"], value); the value is read as YAML (numbers, bools, lists, null)."""
     key, sep, text = item.partition("=")
@@ -477,7 +393,7 @@ def validate(raw: Mapping[str, Any]) -> TrainConfig:
     try:
         return TrainConfig.model_validate(dict(raw))
     except ValidationError as err:
-        raise ConfigError(_format_error(err, raw)) from None
+        raise ConfigError(format_error(err, raw, TrainConfig)) from None
 
 
 def dump_config(cfg: TrainConfig) -> dict[str, Any]:
