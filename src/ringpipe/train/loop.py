@@ -35,12 +35,12 @@ from ringpipe.train.datasets import Dataset, load_dataset
 from ringpipe.train.metrics import MetricsWriter, plot_curves, write_json_atomic
 from ringpipe.train.models import build_model
 from ringpipe.train.modes import Engine, ModeContext, build_engine
-from ringpipe.train.precision import on_comm_device
 from ringpipe.train.rundir import clear_run_dir
 from ringpipe.train.runstate import Checkpointing, NothingToResume, nothing_to_resume
 from ringpipe.train.sampling import ShardStream, eval_indices
 from ringpipe.train.schedules import build_schedule
 from ringpipe.train.stop import REPEAT_S, StopRequest
+from ringpipe.train.tally import Tally
 
 __all__ = ["train", "Given", "REPEAT_S", "seed_everything", "node_first", "write_observations", "NothingToResume", "StopRequest",
            "nothing_to_resume"]
@@ -61,33 +61,6 @@ def node_first(comm: Communicator) -> AbstractContextManager[None]:
     from ringpipe.launch import local_rank_zero_first
 
     return local_rank_zero_first(comm)
-
-
-class _Tally:
-    """Running ``[loss_sum, correct, count]`` sums, reduced across ranks when read."""
-
-    def __init__(self) -> None:
-        self.value = torch.zeros(3, dtype=torch.float64)
-
-    def add(self, t: torch.Tensor) -> None:
-        self.value += t
-
-    def reduce(self, comm: Communicator) -> tuple[float, float, int]:
-        loss, acc, count, _ = self.reduce_flag(comm, False)
-        return loss, acc, count
-
-    def reduce_flag(self, comm: Communicator, flag: bool) -> tuple[float, float, int, bool]:
-        """``reduce`` that also tells, in the same allreduce, whether any rank raised ``flag``."""
-        total = torch.cat((self.value, torch.tensor([1.0 if flag else 0.0], dtype=torch.float64)))
-        if comm.size > 1:
-            total = on_comm_device(comm, total)  # NCCL reduces CUDA tensors only
-            comm.allreduce(total)
-            total = total.cpu()
-        loss_sum, correct, count, flags = (float(v) for v in total)
-        self.value.zero_()
-        if count == 0:
-            return math.nan, math.nan, 0, flags > 0
-        return loss_sum / count, correct / count, int(count), flags > 0
 
 
 @dataclass
@@ -134,8 +107,8 @@ class _Run(Checkpointing):
         self.schedule = build_schedule(e.optimizer, cfg.schedule, cfg.epochs, self.steps_per_epoch, e.lr_scale)
         self.stream = ShardStream(self.records, e.replicas, e.replica_rank, cfg.batch_size, cfg.seed)
         self.step = 0
-        self.window = _Tally()
-        self.epoch_tally = _Tally()
+        self.window = Tally()
+        self.epoch_tally = Tally()
         self.metrics = MetricsWriter(run_dir, self.is_root, cfg.logger)
         self.train_time = 0.0
         self.wall_before = 0.0  # wall time of the run's earlier parts (resumed runs)
@@ -166,7 +139,7 @@ class _Run(Checkpointing):
     # ------------------------------------------------------------------ evaluation
 
     def evaluate(self) -> tuple[float, float]:
-        t = _Tally()
+        t = Tally()
         test = self.data.test
         for idx in eval_indices(len(test), self.engine.replicas, self.engine.replica_rank, self.cfg.batch_size):
             t.add(self.engine.eval_step(*test.batch(idx)))
