@@ -55,7 +55,10 @@ setup_tests() {
     "$vpy" -m pip install --progress-bar on -e ".[mpi]"
   fi
   # TensorFlow's CPU build, pinned (plain `tensorflow` pulls CUDA), so the TensorFlow tests run.
-  "$vpy" -c "import tensorflow" 2>/dev/null || { echo "run.sh: installing tensorflow-cpu==2.21.0 (first run only)" >&2; "$vpy" -m pip install --progress-bar on "tensorflow-cpu==2.21.0"; }
+  if ! "$vpy" -c "import tensorflow" 2>/dev/null; then
+    echo "run.sh: installing tensorflow-cpu==2.21.0 (first run only)" >&2
+    "$vpy" -m pip install --progress-bar on "tensorflow-cpu==2.21.0"
+  fi
 }
 
 cmd="${1:-train}"

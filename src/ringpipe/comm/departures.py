@@ -136,7 +136,7 @@ class Departures:
         if self._left:
             return
         self._left = True
-        self._stop.set()
+        self.stop()
         try:
             self._write(how)
         except Exception:  # noqa: BLE001 - the store may be gone already (rank 0 left first)
@@ -148,7 +148,12 @@ class Departures:
         return self
 
     def stop(self) -> None:
+        """Stop the beat and wait for its thread: a daemon thread still inside a store call when the
+        interpreter finalizes aborts the process (it cannot take the GIL back)."""
         self._stop.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=5.0)
 
     def _loop(self) -> None:
         written, last, watched = 0.0, None, 0.0

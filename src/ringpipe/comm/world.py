@@ -64,7 +64,13 @@ def abort_mpi_job_on_exception(world: Any) -> None:
 
     def hook(kind: Any, value: Any, tb: Any) -> None:
         try:
-            previous(kind, value, tb)
+            if previous is sys.__excepthook__:
+                # one write: mpirun's --tag-output tags each fragment of a piecewise traceback
+                import traceback
+
+                sys.stderr.write("".join(traceback.format_exception(kind, value, tb)))
+            else:
+                previous(kind, value, tb)
             sys.stdout.flush()
             sys.stderr.flush()
         finally:
