@@ -75,7 +75,7 @@ def test_a_single_rank_host_is_the_placement_problem_and_even_spreads_are_not():
     assert f.severity == "problem" and f.what.startswith("placement 4-3-1: host c runs a single rank")
     assert f.hosts == ("c",) and "2.0x as long as with 3-3-2" in f.evidence and "3-3-2" in f.fix
     for shape in ([4, 2, 2], [3, 3, 2], [4, 4]):
-        hosts = [h for h, n in zip("abc", shape) for _ in range(n)]
+        hosts = [h for h, n in zip("abc", shape, strict=False) for _ in range(n)]
         assert [f.severity for f in placement(_job([[] for _ in hosts], hosts=hosts))] == ["info"], shape
 
 

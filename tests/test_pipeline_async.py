@@ -14,15 +14,14 @@ import itertools
 import pytest
 import torch
 from torch import nn
-from test_pipeline_reference import Config, Opt, reference_async
 
 from ringpipe.launch import spawn
 from ringpipe.pipeline import PipelineTrainer
 from ringpipe.pipeline.executor import staleness_of
-from ringpipe.pipeline.partition import split_layers
 from ringpipe.pipeline.schedules import async_1f1b, async_1f1b_window, async_staleness
 from ringpipe.pipeline.stage import StageRuntime
 from ringpipe.pipeline.staleness import SutskeverSGD
+from test_pipeline_reference import Config, Opt, reference_async
 
 DT = torch.float64
 ATOL = 1e-10

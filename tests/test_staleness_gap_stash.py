@@ -336,7 +336,7 @@ def test_stashing_with_step_every_2_follows_each_forwards_own_weights():
         assert p.item() == true[0]  # the true weights are back after every backward
 
     true = [1.0]
-    for ev in "F0 F1 B0 F2 B1 S F3 B2 F4 B3 S F5 B4 B5 S".split():
+    for ev in ["F0", "F1", "B0", "F2", "B1", "S", "F3", "B2", "F4", "B3", "S", "F5", "B4", "B5", "S"]:
         if ev == "S":
             _step(pol, opt, p, 0.5)
             true[0] = p.item()
