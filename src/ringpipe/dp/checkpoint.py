@@ -41,9 +41,9 @@ def save_checkpoint(path: str | os.PathLike[str], state: dict[str, Any], comm: C
     The state holds no rank or world-size information, so it loads on any number of ranks.
     """
     if comm is None:
-        from ringpipe.api import _world
+        from ringpipe.dp.world import current
 
-        comm = _world().comm
+        comm = current().comm
     if comm.rank == root_rank:
         target = Path(path)
         target.parent.mkdir(parents=True, exist_ok=True)
