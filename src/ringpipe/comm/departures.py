@@ -40,6 +40,7 @@ from typing import Any
 
 from ringpipe.comm.base import CommError
 from ringpipe.comm.events import COMM, END, NBYTES, OP, PEER, START, human_bytes
+from ringpipe.comm.kvstore import LazyStore
 
 __all__ = ["PeerDeparted", "Departures", "start", "leave", "translate", "current", "is_peer_loss"]
 
@@ -93,7 +94,8 @@ class Departures:
     def __init__(self, rank: int, size: int, events: Any, store: Any, backend: str,
                  abort: Any = None) -> None:
         self.rank, self.size, self.events, self.backend = rank, size, events, backend
-        self._store = store  # a store, or a function that opens one (MPI ranks other than 0)
+        # a store, or a function that opens one (MPI ranks other than 0)
+        self._store = LazyStore(store, lambda exc: log.debug("departures: the job's store is not reachable (%s)", exc))
         self._abort = abort  # under MPI: a function that aborts the job
         self._beat = 0
         self._left = False
@@ -106,13 +108,8 @@ class Departures:
 
     @property
     def store(self) -> Any:
-        if callable(self._store) and not hasattr(self._store, "set"):
-            opener, self._store = self._store, None
-            try:
-                self._store = opener()
-            except Exception:  # noqa: BLE001 - without the store the backend's errors stand
-                log.debug("departures: the job's store is not reachable", exc_info=True)
-        return self._store
+        """The job's store, opened on first use; None without one (the backend's errors then stand)."""
+        return self._store.get()
 
     def last_call(self) -> str:
         """What this rank last did: the newest event of its communication log."""

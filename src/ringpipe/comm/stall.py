@@ -30,10 +30,17 @@ import time
 from typing import Any
 
 from ringpipe.comm.events import COMM, END, NBYTES, OP, PEER, START, EventLog, human_bytes
+from ringpipe.comm.kvstore import LazyStore
 
 __all__ = ["StallInspector", "describe"]
 
 log = logging.getLogger(__name__)
+
+
+def _unreachable(exc: Exception) -> None:
+    log.warning("stall inspector: cannot reach the job's key-value store (%s); stall warnings "
+                "name this rank's wait only", exc)
+
 
 _TAIL = 4096  # in-flight operations are among the most recent events
 
@@ -84,7 +91,7 @@ class StallInspector:
         self.rank, self.size, self.events, self.seconds = rank, size, log_, seconds
         # ``store``: a key-value store (``set``/``get``/``check``), or a function that opens one
         # when a stall first needs it.
-        self._store, self.prefix = store, prefix
+        self._store, self.prefix = LazyStore(store, _unreachable), prefix
         self.interval = interval or min(5.0, max(0.1, seconds / 4))
         self.reports: list[str] = []
         #: End this process once an operation has waited this long (0: never), after calling
@@ -177,14 +184,7 @@ class StallInspector:
     @property
     def store(self) -> Any:
         """The key-value store, opened on first use; None without one (or when it cannot be reached)."""
-        if callable(self._store) and not hasattr(self._store, "set"):
-            opener, self._store = self._store, None
-            try:
-                self._store = opener()
-            except Exception as exc:  # noqa: BLE001 - the warning then names this rank's wait only
-                log.warning("stall inspector: cannot reach the job's key-value store (%s); stall warnings "
-                            "name this rank's wait only", exc)
-        return self._store
+        return self._store.get()
 
     def _key(self, rank: int) -> str:
         return f"{self.prefix}/{rank}"
