@@ -253,13 +253,6 @@ class HeaderState:
         """True while every call seen so far agrees and is valid."""
         return self.mismatch is None and self.invalid is None
 
-    def raise_if_mismatch(self) -> None:
-        """Raise :class:`InvalidCallError` or :class:`MismatchError` if either is known."""
-        if self.invalid is not None:
-            raise InvalidCallError(self.invalid[1])
-        if self.mismatch is not None:
-            raise MismatchError(mismatch_message(*self.mismatch))
-
 
 @dataclass
 class _CommState:
