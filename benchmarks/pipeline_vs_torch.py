@@ -1,38 +1,144 @@
-"""Pipeline throughput: ringpipe gpipe/1f1b/async_1f1b against torch.distributed.pipelining, 2 stages.
+"""Pipeline throughput and activation memory: ringpipe's schedules against torch.distributed.pipelining, 2 ranks.
 
-Same model (an MLP of ``--layers`` Linear+ReLU blocks), same split (half the blocks per
-stage), same batch and micro-batches, both over gloo in the same run (2 processes, one thread
-each). Also reports ringpipe's peak activation memory per stage with and without
-recomputation: the bytes autograd saves for backward plus the stage inputs kept for
-recomputation, summed over the micro-batches in flight (CPU has no allocator statistics).
+Both systems get their stages from ONE :class:`Split` of one list of layers (an MLP of
+``--blocks`` Linear+ReLU blocks and a Linear head, built with the same seed): the split says
+which layers form each model chunk and which rank holds each chunk. Two-stage schedules use
+one chunk per rank; interleaved and V-shaped ones cut the same per-rank layers into two chunks
+per rank. Before any ratio is printed, every variant reports, per rank, the parameter count and
+the list of layers its stages actually hold (found by identity in the shared list); a ratio
+between two variants whose ranks hold different work is refused.
 
-    python benchmarks/pipeline_vs_torch.py --steps 30 --microbatches 4
+Same data, batch, micro-batches, SGD optimizer, one thread per process, warm-up. The variants
+run in blocks (every variant once per block, the order rotated from block to block) so that
+drift of a shared machine falls on all of them; the median and the spread over blocks are
+reported, and the ratios are medians of the per-block ratios. Peak activation memory is
+measured the same way on both sides: live bytes of the tensors autograd saves for backward
+(a saved-tensors hook; tensors living in a parameter's storage are not activations) plus the
+stage inputs ringpipe keeps for recomputation, peak over the run, per rank. Next to the
+measured figures: the bubble fraction and the time per step the schedules imply, computed
+from their action lists (``schedule_timing.py``: F = 1, B = 2, I = W = 1 per stage).
+
+    python benchmarks/pipeline_vs_torch.py --width 1024 --batch 256 --microbatches 4 --steps 20 --repeats 5
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
+import statistics
+import sys
 import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+import ringpipe.pipeline.stage as stage_mod
 from ringpipe.launch import spawn
 from ringpipe.pipeline import PipelineTrainer
+from ringpipe.pipeline.schedules import SCHEDULES, async_1f1b, get_schedule
 
-__all__ = ["main"]
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from schedule_timing import Op, ringpipe_ops, simulate  # noqa: E402
+
+__all__ = ["Split", "main"]
+
+TORCH_SCHEDULES = {  # name -> (class name, chunk layout)
+    "gpipe": ("ScheduleGPipe", "flat"),
+    "1f1b": ("Schedule1F1B", "flat"),
+    "interleaved_1f1b": ("ScheduleInterleaved1F1B", "loop"),
+    "interleaved_zb": ("ScheduleInterleavedZeroBubble", "loop"),
+    "zbv": ("ScheduleZBVZeroBubble", "v"),
+}
+RINGPIPE_SYNC = ["seq", "gpipe", "1f1b"]
+RINGPIPE_NEW = ["interleaved_1f1b", "zb_h1", "zbh1"]  # run when the installed ringpipe registers them
 
 
-def make_layers(width: int, layers: int) -> list[nn.Module]:
+def make_layers(width: int, blocks: int) -> list[nn.Module]:
     torch.manual_seed(0)
     out: list[nn.Module] = []
-    for _ in range(layers):
+    for _ in range(blocks):
         out += [nn.Linear(width, width), nn.ReLU()]
     out.append(nn.Linear(width, 10))
     return out
+
+
+@dataclass(frozen=True)
+class Split:
+    """Which layers form each chunk and which rank holds it; one object for both systems."""
+
+    chunks: tuple[tuple[int, ...], ...]
+    ranks: tuple[int, ...]
+
+    @classmethod
+    def make(cls, num_layers: int, blocks: int, layout: str) -> Split:
+        """Half the blocks per rank (the head with the last): ``flat`` 1 chunk a rank, ``loop``/``v`` 2."""
+        if blocks % 4:
+            raise SystemExit(f"--blocks {blocks}: use a multiple of 4 so that every layout splits it evenly")
+        per = [list(range(2 * b, 2 * b + 2)) for b in range(blocks)]
+        per[-1].append(num_layers - 1)
+        q = blocks // 4
+        quarters = [sum(per[i * q:(i + 1) * q], []) for i in range(4)]
+        if layout == "flat":
+            return cls((tuple(quarters[0] + quarters[1]), tuple(quarters[2] + quarters[3])), (0, 1))
+        order = {"loop": (0, 1, 0, 1), "v": (0, 1, 1, 0)}[layout]
+        return cls(tuple(tuple(c) for c in quarters), order)
+
+    def chunks_of(self, rank: int) -> list[int]:
+        return [c for c, r in enumerate(self.ranks) if r == rank]
+
+    def balance(self) -> list[int]:
+        return [len(c) for c in self.chunks]
+
+
+def describe(stage_modules: Sequence[nn.Module], layers: list[nn.Module]) -> dict[str, Any]:
+    """Parameter count and the global indices of the layers a rank's stages really hold."""
+    index = {id(m): i for i, m in enumerate(layers)}
+    held = [index[id(m)] for s in stage_modules for m in s.modules() if id(m) in index]
+    params = sum(p.numel() for s in stage_modules for p in s.parameters())
+    kinds = sorted(f"{type(layers[i]).__name__}{tuple(p.shape for p in layers[i].parameters())}" for i in held)
+    return {"params": params, "layers": held, "kinds": kinds}
+
+
+class ActivationMeter:
+    """Peak live bytes of tensors autograd saves (parameters excluded), plus ringpipe's kept inputs."""
+
+    def __init__(self, params: Sequence[torch.Tensor]) -> None:
+        self.weights = {p.untyped_storage().data_ptr() for p in params}
+        self.live = self.kept = self.peak = 0
+
+    def pack(self, t: torch.Tensor, inner: Any = None) -> Any:
+        meter = self
+        n = 0 if t.untyped_storage().data_ptr() in self.weights else t.numel() * t.element_size()
+
+        class Held:
+            __slots__ = ("v",)
+
+            def __init__(self, v: Any) -> None:
+                self.v = v
+                meter.live += n
+                meter.peak = max(meter.peak, meter.live + meter.kept)
+
+            def __del__(self) -> None:
+                meter.live -= n
+
+        return Held(t if inner is None else inner(t))
+
+    def hooks(self) -> Any:
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda h: h.v)
+
+    def nested(self, factory: Callable[[nn.Module], Any]) -> Callable[[nn.Module], Any]:
+        """Wrap ringpipe's own saved-tensors hooks (asynchronous stages) so they are counted too."""
+        def make(module: nn.Module) -> Any:
+            inner = factory(module)
+            return torch.autograd.graph.saved_tensors_hooks(
+                lambda t: self.pack(t, inner.pack_hook), lambda h: inner.unpack_hook(h.v))
+        return make
 
 
 def data(args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,157 +146,241 @@ def data(args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(args.batch, args.width, generator=g), torch.randint(0, 10, (args.batch,), generator=g)
 
 
-class ActivationMeter:
-    """Live bytes of tensors saved for backward (a saved-tensors hook) plus kept stage inputs.
-
-    The peak is taken whenever a tensor is saved, so the forward replayed inside a recomputed
-    backward counts too (its graph lives until that backward ends).
-    """
-
-    def __init__(self, trainer: PipelineTrainer) -> None:
-        self.live = 0
-        self.kept = 0
-        self.peak = 0
-        self.rt = trainer.runtime
-        meter = self
-
-        class Held:
-            __slots__ = ("t", "n")
-
-            def __init__(self, t: torch.Tensor) -> None:
-                self.t, self.n = t, t.numel() * t.element_size()
-                meter.live += self.n
-                meter.peak = max(meter.peak, meter.live + meter.kept)
-
-            def __del__(self) -> None:
-                meter.live -= self.n
-
-        self.hooks = torch.autograd.graph.saved_tensors_hooks(Held, lambda h: h.t)
-
-        def tracked(orig):  # type: ignore[no-untyped-def]
-            def call(*a, **k):  # type: ignore[no-untyped-def]
-                out = orig(*a, **k)
-                if self.rt.recompute:
-                    self.kept = sum(t.numel() * t.element_size() for r in self.rt._records.values() for t in r.inputs)
-                self.peak = max(self.peak, self.live + self.kept)
-                return out
-            return call
-
-        self.rt.forward = tracked(self.rt.forward)  # type: ignore[method-assign]
-        self.rt.backward = tracked(self.rt.backward)  # type: ignore[method-assign]
+def timed(comm: Any, warmup: Callable[[], None], work: Callable[[], None]) -> float:
+    warmup()
+    comm.barrier()
+    t0 = time.perf_counter()
+    work()
+    comm.barrier()
+    return time.perf_counter() - t0
 
 
-def ringpipe_run(comm, args, schedule: str, recompute: bool = False) -> dict:  # type: ignore[no-untyped-def]
-    torch.set_num_threads(1)
+def ringpipe_run(comm: Any, args: argparse.Namespace, schedule: str, recompute: bool = False) -> dict[str, Any]:
+    layers = make_layers(args.width, args.blocks)
+    split = Split.make(len(layers), args.blocks, "flat")
     is_async = schedule == "async"
     t = PipelineTrainer(
-        comm, make_layers(args.width, args.layers), balance=[args.layers, args.layers + 1],
-        schedule=schedule, microbatches=args.microbatches,
+        comm, layers, balance=split.balance(), schedule=schedule, microbatches=args.microbatches,
         optimizer_factory=lambda ps: torch.optim.SGD(ps, lr=0.01),
         loss_fn=nn.functional.cross_entropy, recompute=recompute,
         step_every=args.microbatches if is_async else 1,
     )
+    rt = t.runtime
     x, y = data(args)
     feed = (x if t.is_first else None, y if t.is_last else None)
-    meter = ActivationMeter(t)
-    with meter.hooks:
-        for _ in range(args.warmup):
-            t.train_step(*feed)
-        comm.barrier()
-        t0 = time.perf_counter()
-        if is_async:
-            t.train_stream((feed for _ in range(args.steps)), args.steps)
-        else:
-            for _ in range(args.steps):
-                t.train_step(*feed)
-        comm.barrier()
-        dt = time.perf_counter() - t0
-    res = {"samples_per_s": args.steps * args.batch / dt}
-    if not is_async:  # the async stage keeps its graphs under its own saved-tensor hooks
-        res["peak_act_mib"] = meter.peak / 2**20
-    return res
+    meter = ActivationMeter(list(rt.module.parameters()))
+    if recompute:
+        orig_fwd = rt.forward
+
+        def fwd(*a: Any, **k: Any) -> Any:
+            out = orig_fwd(*a, **k)
+            meter.kept = sum(v.numel() * v.element_size() for r in rt._records.values() for v in r.inputs)
+            meter.peak = max(meter.peak, meter.live + meter.kept)
+            return out
+        rt.forward = fwd  # type: ignore[method-assign]
+    orig_live = stage_mod.live_weights
+    stage_mod.live_weights = meter.nested(orig_live)  # type: ignore[assignment]
+    try:
+        with meter.hooks():
+            if is_async:
+                dt = timed(comm, lambda: t.train_stream((feed for _ in range(args.warmup)), args.warmup),
+                           lambda: t.train_stream((feed for _ in range(args.steps)), args.steps))
+            else:
+                dt = timed(comm, lambda: [t.train_step(*feed) for _ in range(args.warmup)],  # type: ignore[func-returns-value]
+                           lambda: [t.train_step(*feed) for _ in range(args.steps)])  # type: ignore[func-returns-value]
+    finally:
+        stage_mod.live_weights = orig_live  # type: ignore[assignment]
+    return {"samples_per_s": args.steps * args.batch / dt, "peak_act_mib": meter.peak / 2**20,
+            **describe([rt.module], layers)}
 
 
-def torch_run(comm, args, schedule: str) -> dict:  # type: ignore[no-untyped-def]
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+def torch_run(comm: Any, args: argparse.Namespace, name: str) -> dict[str, Any]:
+    import torch.distributed.pipelining as pp
 
-    torch.set_num_threads(1)
-    layers = make_layers(args.width, args.layers)
-    mine = nn.Sequential(*(layers[: 2 * args.layers] if comm.rank == 0 else layers[2 * args.layers :]))
-    stage = PipelineStage(mine, comm.rank, 2, torch.device("cpu"), group=dist.group.WORLD)
-    cls = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
-    sched = cls(stage, args.microbatches, loss_fn=nn.functional.cross_entropy)
-    opt = torch.optim.SGD(mine.parameters(), lr=0.01)
+    cls_name, layout = TORCH_SCHEDULES[name]
+    layers = make_layers(args.width, args.blocks)
+    split = Split.make(len(layers), args.blocks, layout)
+    mods = [nn.Sequential(*(layers[i] for i in split.chunks[c])) for c in split.chunks_of(comm.rank)]
+    stages = [pp.PipelineStage(m, c, len(split.chunks), torch.device("cpu"), group=dist.group.WORLD)
+              for m, c in zip(mods, split.chunks_of(comm.rank), strict=True)]
+    log: list[tuple[int, str, int]] = []  # what this rank really runs (torch's pipeline_order is for display)
+    for st in stages:
+        record(st, log)
+    cls = getattr(pp, cls_name)
+    sched = cls(stages[0] if layout == "flat" else stages, args.microbatches, loss_fn=nn.functional.cross_entropy)
+    params = [p for m in mods for p in m.parameters()]
+    opt = torch.optim.SGD(params, lr=0.01)
     x, y = data(args)
+    first, last = split.ranks[0] == comm.rank, split.ranks[-1] == comm.rank
+    meter = ActivationMeter(params)
 
     def step() -> None:
         opt.zero_grad()
-        if comm.rank == 0:
-            sched.step(x)
-        else:
-            sched.step(target=y, losses=[])
+        kw: dict[str, Any] = {"target": y, "losses": []} if last else {}
+        log.clear()
+        sched.step(*((x,) if first else ()), **kw)
         opt.step()
 
-    for _ in range(args.warmup):
-        step()
-    comm.barrier()
-    t0 = time.perf_counter()
-    for _ in range(args.steps):
-        step()
-    comm.barrier()
-    return {"samples_per_s": args.steps * args.batch / (time.perf_counter() - t0)}
+    with meter.hooks():
+        dt = timed(comm, lambda: [step() for _ in range(args.warmup)],  # type: ignore[func-returns-value]
+                   lambda: [step() for _ in range(args.steps)])  # type: ignore[func-returns-value]
+    return {"samples_per_s": args.steps * args.batch / dt, "peak_act_mib": meter.peak / 2**20, "ops": list(log),
+            "chunks": len(split.chunks), **describe(mods, layers)}
 
 
-def worker(comm, args) -> dict:  # type: ignore[no-untyped-def]
-    out: dict = {}
-    for rep in range(args.repeats):
-        for name, fn in [
-            ("torch gpipe", lambda: torch_run(comm, args, "gpipe")),
-            ("ringpipe gpipe", lambda: ringpipe_run(comm, args, "gpipe")),
-            ("torch 1f1b", lambda: torch_run(comm, args, "1f1b")),
-            ("ringpipe 1f1b", lambda: ringpipe_run(comm, args, "1f1b")),
-            ("ringpipe async_1f1b", lambda: ringpipe_run(comm, args, "async")),
-            ("ringpipe gpipe+recompute", lambda: ringpipe_run(comm, args, "gpipe", True)),
-            ("ringpipe 1f1b+recompute", lambda: ringpipe_run(comm, args, "1f1b", True)),
-        ]:
-            res = fn()
-            prev = out.get(name)
-            # best of the repeats for throughput (the machine is shared); memory is deterministic
-            if prev is None or res["samples_per_s"] > prev["samples_per_s"]:
-                out[name] = res
-        del rep
+def record(stage: Any, log: list[tuple[int, str, int]]) -> None:
+    """Log ``(stage, F/B/I/W, micro-batch)`` for every compute call of a torch ``PipelineStage``."""
+    fwd, bwd, wgt, s = stage.forward_one_chunk, stage.backward_one_chunk, stage.backward_weight_one_chunk, stage.stage_index
+
+    def forward(mb: int, *a: Any, **k: Any) -> Any:
+        log.append((s, "F", mb))
+        return fwd(mb, *a, **k)
+
+    def backward(mb: int, loss: Any = None, full_backward: bool = True, **k: Any) -> Any:
+        log.append((s, "B" if full_backward else "I", mb))
+        return bwd(mb, loss, full_backward, **k)
+
+    def weight(mb: int, *a: Any, **k: Any) -> Any:
+        log.append((s, "W", mb))
+        return wgt(mb, *a, **k)
+
+    stage.forward_one_chunk, stage.backward_one_chunk, stage.backward_weight_one_chunk = forward, backward, weight
+
+
+def variants(args: argparse.Namespace, torch_ok: Sequence[str]) -> dict[str, Callable[[Any], dict[str, Any]]]:
+    out: dict[str, Callable[[Any], dict[str, Any]]] = {}
+    for s in RINGPIPE_SYNC + [n for n in RINGPIPE_NEW if n in SCHEDULES]:
+        out[f"ringpipe {s}"] = lambda c, s=s: ringpipe_run(c, args, s)
+    out["ringpipe async_1f1b"] = lambda c: ringpipe_run(c, args, "async")
+    for s in ("gpipe", "1f1b"):
+        out[f"ringpipe {s}+recompute"] = lambda c, s=s: ringpipe_run(c, args, s, True)
+    for s in torch_ok:
+        out[f"torch {s}"] = lambda c, s=s: torch_run(c, args, s)
     return out
+
+
+def worker(comm: Any, args: argparse.Namespace, torch_ok: Sequence[str], only: str | None) -> dict[str, list[dict]]:
+    torch.set_num_threads(1)
+    table = variants(args, torch_ok)
+    names = [only] if only else list(table)
+    out: dict[str, list[dict]] = {n: [] for n in names}
+    for block in range(1 if only else args.repeats):
+        k = block % len(names)
+        for n in names[k:] + names[:k]:  # rotated so no variant always runs first or after the same one
+            out[n].append(table[n](comm))
+    return out
+
+
+def probe_torch(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
+    """Which torch schedules run here (a failing one would leave its peer waiting in the real run)."""
+    small = argparse.Namespace(**{**vars(args), "steps": 1, "warmup": 0})
+    ok, failed = [], {}
+    for name in TORCH_SCHEDULES:
+        try:
+            spawn(worker, 2, args=(small, [name], f"torch {name}"), env={"OMP_NUM_THREADS": "1"})
+            ok.append(name)
+        except Exception as exc:  # noqa: BLE001 - report any failure of torch's schedule, then go on
+            failed[name] = " ".join(str(exc).split())[:300]
+    return ok, failed
+
+
+def theory(args: argparse.Namespace, r0: dict[str, list[dict]], r1: dict[str, list[dict]]) -> dict[str, tuple[float, float]]:
+    """(bubble fraction, time per step in units of one stage's forward of the whole batch) per variant."""
+    m, t = args.microbatches, args.steps
+    out: dict[str, tuple[float, float]] = {}
+    for name, reps in r0.items():
+        sched = name.split()[1].split("+")[0]
+        if name.startswith("torch"):
+            per = {r: [Op(*o) for o in res[name][0]["ops"]] for r, res in enumerate((r0, r1))}
+            tm = simulate(per, reps[0]["chunks"], chunks_per_rank=reps[0]["chunks"] // 2)
+            steps = 1
+        elif sched == "async_1f1b":
+            tm = simulate(ringpipe_ops([async_1f1b(2, m * t, s, m) for s in range(2)]), 2)
+            steps = t
+        else:
+            tm = simulate(ringpipe_ops([get_schedule(sched)(2, m, s) for s in range(2)]), 2)
+            steps = 1
+        out[name] = (tm.bubble, tm.makespan / steps / m)
+    return out
+
+
+def report(args: argparse.Namespace, r0: dict[str, list[dict]], r1: dict[str, list[dict]],
+           failed: dict[str, str]) -> None:
+    load = os.getloadavg()
+    print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+          f"gloo, 2 processes x 1 thread; load average before/after {args.load_before} / {load[0]:.2f}")
+    print(f"# MLP width {args.width}, {args.blocks} blocks + head, batch {args.batch}, {args.microbatches} "
+          f"micro-batches, SGD, {args.warmup} warm-up + {args.steps} timed steps, {args.repeats} blocks")
+    ref = (r0["ringpipe 1f1b"][0], r1["ringpipe 1f1b"][0])
+    layouts: dict[str, list[str]] = {}
+    equal: dict[str, bool] = {}
+    for name in r0:
+        a, b = r0[name][0], r1[name][0]
+        # ranks are interchangeable (one process each): compare the multiset of per-rank work
+        work = sorted((x["params"], x["kinds"]) for x in (a, b))
+        same = work == sorted((x["params"], x["kinds"]) for x in ref)
+        equal[name] = same
+        key = f"rank 0: {a['params']} params, layers {a['layers']} | rank 1: {b['params']} params, layers {b['layers']}"
+        layouts.setdefault(key, []).append(name + ("" if same else " (DIFFERENT WORK)"))
+    print("\n## What each rank holds (parameter count, indices into the shared layer list)")
+    for key, names in layouts.items():
+        print(f"- {', '.join(names)}: {key}")
+    th = theory(args, r0, r1)
+    med = {n: statistics.median(r["samples_per_s"] for r in v) for n, v in r0.items()}
+    print("\n| variant | samples/s median | spread (min-max) | bubble (schedule) | time/step (schedule, units) | peak act. MiB rank 0 / 1 |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for n, v in r0.items():
+        xs = [r["samples_per_s"] for r in v]
+        b, per_step = th.get(n, (float("nan"), float("nan")))
+        print(f"| {n} | {med[n]:.0f} | {min(xs):.0f}-{max(xs):.0f} ({(max(xs) - min(xs)) / med[n]:.0%}) | "
+              f"{b:.3f} | {per_step:.2f} | {v[0]['peak_act_mib']:.2f} / {r1[n][0]['peak_act_mib']:.2f} |")
+    for name, why in failed.items():
+        print(f"| torch {name} | failed: {why} | | | | |")
+
+    def ratio(a: str, b: str) -> str:
+        if not (equal[a] and equal[b]):
+            return f"{a} / {b}: REFUSED, the ranks do not hold the same layers and parameters"
+        per_block = [x["samples_per_s"] / y["samples_per_s"] for x, y in zip(r0[a], r0[b], strict=True)]
+        pred = th[b][1] / th[a][1] if a in th and b in th else float("nan")
+        return (f"{a} / {b}: {statistics.median(per_block):.3f}x median of per-block ratios "
+                f"(range {min(per_block):.3f}-{max(per_block):.3f}); schedules alone predict {pred:.3f}x")
+
+    sync_r = [n for n in r0 if n.startswith("ringpipe") and "async" not in n and "+" not in n]
+    sync_t = [n for n in r0 if n.startswith("torch")]
+    print()
+    if sync_t:
+        best_r, best_t = max(sync_r, key=med.__getitem__), max(sync_t, key=med.__getitem__)
+        print("- best synchronous: " + ratio(best_r, best_t))
+        for s in ("gpipe", "1f1b"):
+            if f"torch {s}" in r0:
+                print("- same schedule: " + ratio(f"ringpipe {s}", f"torch {s}"))
+    print("- " + ratio("ringpipe async_1f1b", "ringpipe 1f1b"))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--width", type=int, default=512)
-    ap.add_argument("--layers", type=int, default=4, help="Linear+ReLU blocks per stage")
-    ap.add_argument("--batch", type=int, default=128)
+    ap.add_argument("--width", type=int, default=1024)
+    ap.add_argument("--blocks", type=int, default=4, help="Linear+ReLU blocks in all (a multiple of 4)")
+    ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--microbatches", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=5, help="blocks: every variant runs once per block")
+    ap.add_argument("--only", help="run one variant (e.g. 'ringpipe async_1f1b') once, for profiling")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    results = spawn(worker, 2, args=(args,), env={"OMP_NUM_THREADS": "1"})
-    if args.json:
-        print(json.dumps(results))
+    args.load_before = f"{os.getloadavg()[0]:.2f}"
+    env = {"OMP_NUM_THREADS": "1"}
+    if args.only:
+        ok = [args.only.split()[1]] if args.only.startswith("torch") else []
+        print(json.dumps(spawn(worker, 2, args=(args, ok, args.only), env=env)[0], default=str)[:2000])
         return
-    print(f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, gloo, 2 processes x 1 thread")
-    print(f"# MLP width {args.width}, {args.layers}+{args.layers + 1} layers per stage, batch {args.batch}, "
-          f"{args.microbatches} micro-batches, {args.steps} steps (best of {args.repeats})")
-    base = {s: results[0][f"torch {s}"]["samples_per_s"] for s in ("gpipe", "1f1b")}
-    print("| run | samples/s | vs torch same schedule | peak act. MiB stage 0 / 1 |")
-    print("| --- | --- | --- | --- |")
-    for name, r0 in results[0].items():
-        ref = base.get(name.split()[1].split("+")[0]) if name.startswith("ringpipe") else None
-        ratio = f"{r0['samples_per_s'] / ref:.2f}x" if ref and "async" not in name else ""
-        if "async" in name:
-            ratio = (f"{r0['samples_per_s'] / results[0]['ringpipe 1f1b']['samples_per_s']:.2f}x ringpipe 1f1b, "
-                     f"{r0['samples_per_s'] / results[0]['ringpipe gpipe']['samples_per_s']:.2f}x ringpipe gpipe")
-        mem = f"{r0['peak_act_mib']:.2f} / {results[1][name]['peak_act_mib']:.2f}" if "peak_act_mib" in r0 else ""
-        print(f"| {name} | {r0['samples_per_s']:.0f} | {ratio} | {mem} |")
+    ok, failed = probe_torch(args)
+    r0, r1 = spawn(worker, 2, args=(args, ok, None), env=env)
+    if args.json:
+        print(json.dumps({"rank0": r0, "rank1": r1, "failed": failed}, default=str))
+        return
+    report(args, r0, r1, failed)
 
 
 if __name__ == "__main__":
