@@ -71,7 +71,7 @@ def test_refused_before_anything_starts(argv, message):
     (["--mode", "threads", SCRIPT], "unknown --mode 'threads'"),
     (["-n", "0", SCRIPT], "-n must be >= 1"),
     (["-H", "localhost:2", "-n", "3", SCRIPT], "-n 3 is more than the 2 slots"),
-    (["-H", "elsewhere.example:2", SCRIPT], "-H names other machines (elsewhere.example)"),
+    (["-H", "elsewhere.example:2", "--nnodes", "2", SCRIPT], "starts every host from this one command"),
     (["-H", "localhost:x", SCRIPT], "slots of 'localhost' must be a whole number"),
     (["--nnodes", "2", SCRIPT], "--nnodes > 1 needs --rdzv-endpoint"),
     (["--max-restarts", "1", "--mode", "mp", SCRIPT], "--max-restarts needs torch's elastic agent"),

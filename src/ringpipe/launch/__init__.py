@@ -4,11 +4,14 @@
 gloo/NCCL, ``mpirun`` for MPI, ``torch.multiprocessing`` for ``--mode mp`` — that gives every
 mode the same command line (:mod:`~ringpipe.launch.options`), the same rank environment, ranks
 that end with their launcher (:mod:`~ringpipe.launch.bootstrap`), whole lines prefixed with the
-rank and one report naming the rank that failed first (:mod:`~ringpipe.launch.relay`).
+rank and one report naming the rank that failed first (:mod:`~ringpipe.launch.relay`). With
+``-H``/``--hostfile`` naming other hosts, one command starts every host's ranks over ssh
+(:mod:`~ringpipe.launch.remote`; :mod:`~ringpipe.launch.hosts` reads the host lists).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any
 
@@ -36,7 +39,7 @@ def add_parser(sub: Any) -> None:
 
     p = sub.add_parser(
         "launch",
-        help="start N processes of a script on this machine (or one node of several)",
+        help="start N processes of a script on this machine, or on several hosts (-H / --hostfile)",
         description=launch_help(),
         prefix_chars="\0",
         add_help=False,
@@ -47,7 +50,7 @@ def add_parser(sub: Any) -> None:
 
 def launch_main(args: Any) -> int:
     """Run ``ringpipe launch`` with ``args.argv`` (the words after ``launch``) or a parsed LaunchOptions."""
-    from ringpipe.launch import runners
+    from ringpipe.launch import remote, runners
 
     try:
         opts = args if isinstance(args, LaunchOptions) else parse_launch_args(list(args.argv))
@@ -55,6 +58,10 @@ def launch_main(args: Any) -> int:
     except LaunchUsageError as exc:
         print(f"ringpipe launch: {exc}", file=sys.stderr)
         return 2
+    if os.environ.pop(remote.STDIN_EOF, None):  # one host of a several-host launch: end with the launcher
+        remote.end_on_stdin_eof()
+    if opts.placement is not None and opts.backend != "mpi":
+        return remote.run_hosts(opts)
     if opts.backend == "mpi":
         try:
             return runners.run_mpi(opts)

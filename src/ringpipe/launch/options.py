@@ -4,7 +4,9 @@ Everything before the program belongs to the launcher and must be understood, or
 refused before any process starts (an unknown option is never passed silently to the script).
 The spellings users already type are accepted: torchrun's (``--nproc-per-node``,
 ``--nproc_per_node``, ``--nnodes``, ``--node-rank``, ``--rdzv-endpoint``, ``--master-addr``,
-``--master-port``, ``--max-restarts``), horovodrun's and mpirun's (``-np``, ``-H localhost:2``).
+``--master-port``, ``--max-restarts``), horovodrun's and mpirun's (``-np``, ``-H host:slots,...``,
+``--hostfile``, ``-x NAME``, ``-p``/``--ssh-port``, ``-i``/``--ssh-identity-file``,
+``--start-timeout``, ``--network-interface``).
 The program is a script or ``-m module``, optionally after ``python``/``python3`` and the
 interpreter's own options (``-u``, ``-X opt``, ``-W arg``, ...); its arguments reach it exactly
 as given.
@@ -15,11 +17,19 @@ from __future__ import annotations
 import argparse
 import difflib
 import os
-import socket
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from ringpipe.launch.hosts import (
+    HostsError,
+    Placement,
+    is_local,
+    parse_host_list,
+    place,
+    read_hostfile,
+)
 
 __all__ = ["LaunchOptions", "parse_launch_args", "LaunchUsageError", "launch_help"]
 
@@ -42,6 +52,14 @@ class LaunchOptions:
     master_port: int | None = None
     max_restarts: int = 0
     hosts: str | None = None
+    hostfile: str | None = None
+    exports: list[str] = field(default_factory=list)  # -x NAME[=VALUE], repeated
+    ssh_port: int | None = None
+    ssh_identity_file: str | None = None
+    ssh_command: str | None = None
+    start_timeout: int | None = None
+    network_interface: str | None = None
+    placement: Placement | None = None  # set by validate() when hosts other than this machine are named
     python: list[str] = field(default_factory=list)  # the interpreter's own options
     program: list[str] = field(default_factory=list)  # [script, *args] or ["-m", module, *args]
 
@@ -82,8 +100,20 @@ _OPTIONS: list[tuple[tuple[str, ...], str, Any, str | None, str]] = [
      "rendezvous port (default: a free one on one node)"),
     (("--max-restarts", "--max_restarts"), "max_restarts", _positive("--max-restarts"), "N",
      "restart every rank up to N times when one fails (torch's elastic agent; default 0)"),
-    (("-H", "--hosts"), "hosts", str, "HOST:SLOTS,...", "horovodrun/mpirun host list; only this machine's "
-     "names (localhost:2) are accepted"),
+    (("-H", "--hosts", "--host"), "hosts", str, "HOST:SLOTS,...", "horovodrun/mpirun host list: ranks fill "
+     "the slots host after host; other hosts are started over ssh"),
+    (("--hostfile", "-hostfile", "--machinefile"), "hostfile", str, "FILE", "hosts, one a line: `host slots=N "
+     "[max_slots=M]` (Open MPI) or `host:N` (horovodrun)"),
+    (("-x",), "exports", str, "NAME[=VALUE]", "send this variable to every host's ranks (repeatable; "
+     "RINGPIPE_*, HOROVOD_*, NCCL_*, GLOO_*, TORCH_*, OMP_*, MKL_*, PYTHONPATH go anyway)"),
+    (("--ssh-port", "-p"), "ssh_port", _positive("--ssh-port"), "PORT", "ssh port on every host"),
+    (("--ssh-identity-file", "-i"), "ssh_identity_file", str, "FILE", "ssh private key to reach the hosts"),
+    (("--ssh-command", "--launch-agent"), "ssh_command", str, "CMD", "how to reach a host instead of ssh, run "
+     "as `CMD [ssh options] HOST COMMAND` (as Open MPI's plm_rsh_agent)"),
+    (("--start-timeout",), "start_timeout", _positive("--start-timeout"), "S", "seconds for every host to answer "
+     "before anything starts (default 30, or HOROVOD_START_TIMEOUT)"),
+    (("--network-interface", "--network-interfaces"), "network_interface", str, "NIC", "interface the ranks talk "
+     "over (GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME; Open MPI's btl/oob_tcp_if_include)"),
 ]
 _BY_NAME = {name: spec for spec in _OPTIONS for name in spec[0]}
 
@@ -163,7 +193,10 @@ def parse_launch_args(argv: Sequence[str]) -> LaunchOptions:
                 raise LaunchUsageError(f"{name} needs a value ({spec[3]})")
             value = argv[i + 1]
             i += 1
-        setattr(opts, spec[1], spec[2](value))
+        if spec[1] == "exports":
+            opts.exports.append(value)
+        else:
+            setattr(opts, spec[1], spec[2](value))
         i += 1
     _read_program(opts, argv[i:])
     return opts
@@ -214,31 +247,30 @@ def _read_program(opts: LaunchOptions, rest: list[str]) -> None:
         raise LaunchUsageError("give a script (or -m module) to run: ringpipe launch -n 2 train.py")
 
 
-def local_slots(hosts: str) -> int:
-    """Total slots of a ``-H host:slots,...`` list whose hosts are all this machine."""
-    mine = {"localhost", "127.0.0.1", "::1", socket.gethostname(), socket.getfqdn()}
-    total = 0
-    others = []
-    for item in hosts.split(","):
-        host, _, slots = item.strip().partition(":")
-        if not host:
-            raise LaunchUsageError(f"-H {hosts!r}: an empty host name; write HOST:SLOTS,... (localhost:2)")
-        try:
-            count = int(slots) if slots else 1
-        except ValueError:
-            raise LaunchUsageError(f"-H {hosts!r}: slots of {host!r} must be a whole number, got {slots!r}") from None
-        if count < 1:
-            raise LaunchUsageError(f"-H {hosts!r}: {host} has {count} slots; give at least 1")
-        if host not in mine and not host.startswith("127."):
-            others.append(host)
-        total += count
-    if others:
-        raise LaunchUsageError(
-            f"-H names other machines ({', '.join(others)}): ringpipe launch starts ranks on this machine; "
-            "run it on every node with --nnodes N --node-rank I --rdzv-endpoint HOST:PORT, or use mpirun -H "
-            "for MPI across hosts"
-        )
-    return total
+def _placement(opts: LaunchOptions) -> None:
+    """Read -H / --hostfile: all on this machine -> -n; other hosts too -> ``opts.placement``."""
+    if opts.hosts is not None and opts.hostfile is not None:
+        raise LaunchUsageError("give the hosts once: -H HOST:SLOTS,... or --hostfile FILE, not both")
+    try:
+        if opts.hostfile is not None:
+            hosts, source = read_hostfile(opts.hostfile), f"--hostfile {opts.hostfile}"
+        else:
+            assert opts.hosts is not None
+            hosts, source = parse_host_list(opts.hosts), f"-H {opts.hosts}"
+        placement = place(hosts, opts.nprocs, source)
+    except HostsError as exc:
+        raise LaunchUsageError(str(exc)) from None
+    opts.nprocs = placement.size
+    if all(is_local(h) for h, _ in placement.hosts):
+        return
+    opts.placement = placement
+    if opts.nnodes > 1 or opts.rdzv_endpoint:
+        raise LaunchUsageError(f"{source} starts every host from this one command: drop --nnodes, --node-rank "
+                               "and --rdzv-endpoint (they are for running the launcher on each node yourself)")
+    if opts.mode == "mp":
+        raise LaunchUsageError("--mode mp runs on one machine; drop it to start ranks on several hosts")
+    if opts.max_restarts:
+        raise LaunchUsageError("--max-restarts is not supported across hosts started with -H / --hostfile")
 
 
 def validate(opts: LaunchOptions) -> None:
@@ -247,12 +279,21 @@ def validate(opts: LaunchOptions) -> None:
         raise LaunchUsageError(f"unknown backend {opts.backend!r}; valid: {', '.join(BACKENDS)}")
     if opts.mode not in ("agent", "mp"):
         raise LaunchUsageError(f"unknown --mode {opts.mode!r}; valid: agent, mp")
-    if opts.hosts is not None:
-        slots = local_slots(opts.hosts)
-        if opts.nprocs is None:
-            opts.nprocs = slots
-        elif opts.nprocs > slots:
-            raise LaunchUsageError(f"-n {opts.nprocs} is more than the {slots} slots of -H {opts.hosts}")
+    if opts.hosts is not None or opts.hostfile is not None:
+        _placement(opts)
+    if opts.start_timeout is None:
+        raw = os.environ.get("HOROVOD_START_TIMEOUT", "30").strip() or "30"
+        if not raw.isdigit() or int(raw) < 1:
+            raise LaunchUsageError(f"HOROVOD_START_TIMEOUT={raw!r} must be a whole number of seconds >= 1")
+        opts.start_timeout = int(raw)
+    if opts.start_timeout < 1:
+        raise LaunchUsageError(f"--start-timeout must be >= 1 second, got {opts.start_timeout}")
+    if opts.ssh_identity_file and not os.path.isfile(opts.ssh_identity_file):
+        raise LaunchUsageError(f"--ssh-identity-file {opts.ssh_identity_file}: no such file")
+    for item in opts.exports:
+        name = item.partition("=")[0]
+        if not name or not (name[0].isalpha() or name[0] == "_") or not name.replace("_", "a").isalnum():
+            raise LaunchUsageError(f"-x {item!r}: give a variable name, or NAME=VALUE")
     if opts.nprocs is None:
         opts.nprocs = 2
     if opts.nprocs < 1:
@@ -281,6 +322,7 @@ def validate(opts: LaunchOptions) -> None:
     if opts.max_restarts and (opts.mode == "mp" or opts.backend == "mpi"):
         raise LaunchUsageError("--max-restarts needs torch's elastic agent: drop --mode mp / --backend mpi")
     if opts.backend == "mpi" and opts.nnodes > 1:
-        raise LaunchUsageError("for MPI across nodes use mpirun with a hostfile directly")
+        raise LaunchUsageError("for MPI across nodes give the hosts to this launcher (-H HOST:SLOTS,... or "
+                               "--hostfile FILE): they go to mpirun")
     if opts.mode == "mp" and opts.nnodes > 1:
         raise LaunchUsageError("--mode mp runs on one node; use the default agent for --nnodes > 1")

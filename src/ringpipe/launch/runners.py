@@ -23,17 +23,20 @@ from ringpipe.launch import bootstrap
 from ringpipe.launch.options import LaunchOptions
 from ringpipe.launch.relay import Failure, OutputRelay, last_error, lost_peer, report_failures
 
-__all__ = ["mpirun_command", "run_agent", "run_mpi", "run_mp"]
+__all__ = ["mpirun_command", "run_agent", "run_mpi", "run_mp", "free_port", "source_address"]
 
 BOOTSTRAP = os.path.abspath(bootstrap.__file__)
 
 
-def _free_port(host: str = "127.0.0.1") -> int:
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on this machine now."""
     import socket
 
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
 
 
 def _rank_command(opts: LaunchOptions) -> list[str]:
@@ -75,7 +78,9 @@ def run_agent(opts: LaunchOptions) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     nproc = int(opts.nprocs or 1)
-    relay = OutputRelay(nproc, rank_of=lambda slot: opts.node_rank * nproc + slot)
+    # A host of a several-host launch is told its first rank (hosts may hold different counts).
+    first = int(os.environ.pop("RINGPIPE_LAUNCH_FIRST_RANK", opts.node_rank * nproc))
+    relay = OutputRelay(nproc, rank_of=lambda slot: first + slot)
     cmd = [
         f"--nproc-per-node={nproc}",
         f"--nnodes={opts.nnodes}",
@@ -96,7 +101,7 @@ def run_agent(opts: LaunchOptions) -> int:
             os.environ["GLOO_SOCKET_IFNAME"] = ifname
     else:
         addr = opts.master_addr or "127.0.0.1"
-        cmd += [f"--master-addr={addr}", f"--master-port={opts.master_port or _free_port()}"]
+        cmd += [f"--master-addr={addr}", f"--master-port={opts.master_port or free_port()}"]
     cmd += _rank_command(opts)
     os.environ.update(_common_env(opts, relay))
     os.environ["RINGPIPE_LAUNCH_SLOTS"] = "local"
@@ -148,8 +153,8 @@ class _RestartNote(logging.Filter):
         return False
 
 
-def _route_interface(host: str) -> str | None:
-    """The network interface of the route to ``host`` (``ip route get``), or None if unknown."""
+def _route(host: str) -> tuple[str, list[str]] | None:
+    """(address, words of ``ip -o route get``) for ``host``, or None if unknown."""
     import socket
 
     try:
@@ -157,11 +162,37 @@ def _route_interface(host: str) -> str | None:
         out = subprocess.run(["ip", "-o", "route", "get", addr], capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.TimeoutExpired):
         return None
-    words = out.stdout.split()
-    if "dev" in words:
-        dev = words[words.index("dev") + 1]
-        return None if dev == "lo" else dev
-    return None
+    return addr, out.stdout.split()
+
+
+def _route_interface(host: str) -> str | None:
+    """The network interface of the route to ``host`` (``ip route get``), or None if unknown.
+
+    When ``host`` is this machine (node 0 itself), the interface that holds its address.
+    """
+    found = _route(host)
+    if found is None:
+        return None
+    addr, words = found
+    dev = words[words.index("dev") + 1] if "dev" in words else None
+    if dev == "lo" and not addr.startswith("127."):
+        try:
+            out = subprocess.run(["ip", "-o", "-4", "addr", "show"], capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        for line in out.stdout.splitlines():
+            parts = line.split()
+            if len(parts) > 3 and parts[3].split("/")[0] == addr:
+                return None if parts[1] == "lo" else parts[1]
+    return None if dev == "lo" else dev
+
+
+def source_address(host: str) -> str | None:
+    """This machine's address on the route to ``host`` (``ip route get``'s ``src``), or None."""
+    found = _route(host)
+    if found is None or "src" not in found[1]:
+        return None
+    return found[1][found[1].index("src") + 1]
 
 
 # ----------------------------------------------------------------------------- mpirun
@@ -219,7 +250,7 @@ def run_mpi(opts: LaunchOptions) -> int:
     relay = OutputRelay(nproc)
     env = dict(os.environ, **_common_env(opts, relay))
     env["MASTER_ADDR"] = opts.master_addr or "127.0.0.1"
-    env["MASTER_PORT"] = str(opts.master_port or _free_port())
+    env["MASTER_PORT"] = str(opts.master_port or free_port())
     cmd = mpirun_command(nproc, _rank_command(opts), tag_output=False)
     try:
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -291,7 +322,7 @@ def run_mp(opts: LaunchOptions) -> int:
     env = _common_env(opts, relay)
     env.update({"WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0",
                 "MASTER_ADDR": opts.master_addr or "127.0.0.1",
-                "MASTER_PORT": str(opts.master_port or _free_port())})
+                "MASTER_PORT": str(opts.master_port or free_port())})
     start = "fork" if sys.platform == "linux" else "spawn"
     ctx = tmp.start_processes(_mp_rank, args=(opts, env, os.getpid()), nprocs=nproc, join=False,
                               start_method=start)
