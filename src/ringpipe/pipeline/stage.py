@@ -259,19 +259,7 @@ class StageRuntime:
             raise StageError(f"stage {self.stage}: backward of micro-batch {mb} without its forward")
         self.policy.before_backward(mb)
         try:
-            if self.recompute:
-                leaves = self._leaves(rec.inputs)
-                rng_ctx = rec.rng.replay() if rec.rng is not None else seeded(rec.seed, self.device)
-                with torch.enable_grad(), frozen_buffers(self.module), rng_ctx:
-                    outputs = as_tensors(_call(self.module, leaves), self.stage)
-                    if self.is_last:
-                        assert self.loss_fn is not None
-                        value = outputs[0] if len(outputs) == 1 else outputs
-                        loss: torch.Tensor | None = self.loss_fn(value, rec.target) * rec.weight
-                    else:
-                        loss = None
-            else:
-                leaves, outputs, loss = rec.inputs, rec.outputs or (), rec.loss
+            leaves, outputs, loss = self._graph(rec)
             if self.is_last:
                 assert loss is not None
                 loss.backward()
@@ -291,6 +279,21 @@ class StageRuntime:
         return tuple(
             (t.grad if t.grad is not None else torch.zeros_like(t)) for t in leaves if t.is_floating_point()
         )
+
+    def _graph(self, rec: _Record) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...], torch.Tensor | None]:
+        """``(input leaves, outputs, loss)`` of a micro-batch's graph: the kept one, or its replay (recompute)."""
+        if not self.recompute:
+            return rec.inputs, rec.outputs or (), rec.loss
+        leaves = self._leaves(rec.inputs)
+        rng_ctx = rec.rng.replay() if rec.rng is not None else seeded(rec.seed, self.device)
+        with torch.enable_grad(), frozen_buffers(self.module), rng_ctx:
+            outputs = as_tensors(_call(self.module, leaves), self.stage)
+            loss: torch.Tensor | None = None
+            if self.is_last:
+                assert self.loss_fn is not None
+                value = outputs[0] if len(outputs) == 1 else outputs
+                loss = self.loss_fn(value, rec.target) * rec.weight
+        return leaves, outputs, loss
 
     def clear(self) -> None:
         """Drop every micro-batch in flight (after an error), and the weight policy's state for them."""
