@@ -38,7 +38,7 @@ def test_horovodrun_options_become_launch_options_and_horovod_variables():
                    "HOROVOD_LOG_LEVEL": "debug"}
 
 
-@pytest.mark.parametrize("option", ["--autotune", "--elastic", "--hostfile", "--network-interface", "--bogus"])
+@pytest.mark.parametrize("option", ["--autotune", "--elastic", "--output-filename", "--jsrun", "--bogus"])
 def test_options_without_an_equivalent_are_refused_by_name(option):
     with pytest.raises(HorovodrunUsageError, match=option):
         translate([option, "x", "-np", "2", "python", "train.py"])

@@ -50,7 +50,7 @@ def add_parser(sub: Any) -> None:
 
 def launch_main(args: Any) -> int:
     """Run ``ringpipe launch`` with ``args.argv`` (the words after ``launch``) or a parsed LaunchOptions."""
-    from ringpipe.launch import remote, runners
+    from ringpipe.launch import mpi_hosts, remote, runners
 
     try:
         opts = args if isinstance(args, LaunchOptions) else parse_launch_args(list(args.argv))
@@ -64,7 +64,7 @@ def launch_main(args: Any) -> int:
         return remote.run_hosts(opts)
     if opts.backend == "mpi":
         try:
-            return runners.run_mpi(opts)
+            return mpi_hosts.run_mpi_hosts(opts) if opts.placement is not None else runners.run_mpi(opts)
         except FileNotFoundError as exc:
             print(f"ringpipe launch: {exc}", file=sys.stderr)
             return 1

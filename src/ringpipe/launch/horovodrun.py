@@ -1,12 +1,17 @@
 """``horovodrun`` on ringpipe: Horovod's launcher command line mapped onto ``ringpipe launch``.
 
-Installed as a console script only with the opt-in extra (``pip install ringpipe[horovodrun]``),
-so it never shadows a real Horovod. Options map as horovodrun defines them
-(horovod/runner/launch.py, horovod/runner/common/util/config_parser.py): ``-np``, ``-H``,
-``--gloo`` / ``--mpi`` become the launch's own options, the tuning, timeline, stall and logging
-options become the ``HOROVOD_*`` variables every rank reads (see
-:mod:`ringpipe.launch.horovod_env`). An option with no ringpipe equivalent is refused by name
-before anything starts.
+Installed as the console scripts ``horovodrun`` and ``ringpipe-horovodrun`` (see pyproject.toml
+for why both). Options map as horovodrun defines them (horovod/runner/launch.py,
+horovod/runner/common/util/config_parser.py): ``-np``, ``-H``, ``--hostfile``, ``-p``/``--ssh-port``,
+``-i``/``--ssh-identity-file``, ``--start-timeout``, ``--network-interface(s)`` and ``--gloo`` /
+``--mpi`` become the launch's own options; the tuning, timeline, stall and logging options become
+the ``HOROVOD_*`` variables every rank reads (see :mod:`ringpipe.launch.horovod_env`). An option
+with no ringpipe equivalent is refused by name before anything starts.
+
+As in Horovod, without ``--gloo`` or ``--mpi`` the job runs on MPI when MPI can be used here
+(``mpirun`` on the PATH and mpi4py importable), else on gloo; and with several hosts every
+variable of this environment reaches every rank (Horovod's ``env`` / ``mpirun -x``), except
+those naming this shell, this machine or another launcher's ranks.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import sys
 from collections.abc import Callable, Sequence
 from types import SimpleNamespace
 
-__all__ = ["main", "translate", "HorovodrunUsageError"]
+__all__ = ["main", "translate", "HorovodrunUsageError", "exportable", "mpi_usable"]
 
 
 class HorovodrunUsageError(ValueError):
@@ -45,7 +50,10 @@ _TO_ENV: dict[str, tuple[str, Callable[[str], str] | None]] = {
 }
 
 # Options that become options of ringpipe launch (value taken).
-_TO_LAUNCH = {"-np": "-np", "--num-proc": "-np", "-H": "-H", "--hosts": "-H"}
+_TO_LAUNCH = {"-np": "-np", "--num-proc": "-np", "-H": "-H", "--hosts": "-H", "--hostfile": "--hostfile",
+              "-hostfile": "--hostfile", "-p": "--ssh-port", "--ssh-port": "--ssh-port", "-i": "--ssh-identity-file",
+              "--ssh-identity-file": "--ssh-identity-file", "--start-timeout": "--start-timeout",
+              "--network-interface": "--network-interface", "--network-interfaces": "--network-interface"}
 
 _UNSUPPORTED = {
     "--autotune": "ringpipe has no autotuner: set --fusion-threshold-mb yourself",
@@ -58,24 +66,52 @@ _UNSUPPORTED = {
     "--elastic": "elastic Horovod (min/max ranks, host discovery) is not supported",
     "--min-np": "elastic Horovod is not supported", "--max-np": "elastic Horovod is not supported",
     "--host-discovery-script": "elastic Horovod is not supported",
-    "--hostfile": "give the hosts with -H HOST:SLOTS,...",
-    "-p": "ssh options are not supported: ringpipe launch starts ranks on this machine",
-    "--ssh-port": "ssh options are not supported: ringpipe launch starts ranks on this machine",
-    "-i": "ssh options are not supported: ringpipe launch starts ranks on this machine",
-    "--ssh-identity-file": "ssh options are not supported: ringpipe launch starts ranks on this machine",
-    "--network-interface": "set GLOO_SOCKET_IFNAME instead",
     "--output-filename": "ringpipe launch prints every rank's lines, prefixed with the rank",
     "--config-file": "give the options on the command line",
     "--mpi-args": "run mpirun yourself with its arguments",
     "--binding-args": "run mpirun yourself with its binding arguments",
     "--jsrun": "jsrun is not supported", "--ray": "Ray is not supported",
-    "--tcp": "ringpipe's gloo and MPI backends use TCP already",
-    "--disable-cache": "ringpipe caches nothing between launches",
-    "--start-timeout": "not configurable in ringpipe",
     "--check-build": "use ringpipe --version",
 }
 
-_FLAGS = {"--gloo", "--mpi", "--verbose", "-v"}
+# Flags accepted with nothing to do: ringpipe checks the hosts on every launch (no cache to disable)
+# and its gloo and MPI traffic is TCP already.
+_FLAGS = {"--gloo", "--mpi", "--verbose", "-v", "--disable-cache", "--tcp"}
+
+# Variables not sent to other hosts: this shell's and this machine's, and another launcher's ranks'.
+_LOCAL_ONLY = ("HOSTNAME", "PWD", "OLDPWD", "SHLVL", "_", "TERM", "DISPLAY", "CUDA_VISIBLE_DEVICES", "RANK",
+               "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
+_LOCAL_PREFIXES = ("SSH_", "BASH_FUNC_", "OMPI_", "PMI_", "PMIX_", "TORCHELASTIC_", "RINGPIPE_LAUNCH_", "XDG_")
+
+
+def exportable(name: str) -> bool:
+    """Whether horovodrun sends ``name`` to the other hosts (Horovod sends all but a few)."""
+    return (name not in _LOCAL_ONLY and not name.startswith(_LOCAL_PREFIXES)
+            and name.replace("_", "a").isalnum() and not name[:1].isdigit())
+
+
+def mpi_usable() -> bool:
+    """Horovod's default controller test, for ringpipe: MPI when mpirun and mpi4py are both here."""
+    import importlib.util
+    import shutil
+
+    return (shutil.which("mpirun") or shutil.which("mpiexec")) is not None and \
+        importlib.util.find_spec("mpi4py") is not None
+
+
+def _other_hosts(args: list[str]) -> bool:
+    """Whether the launch arguments name a host other than this machine (unreadable lists: no)."""
+    from ringpipe.launch.hosts import HostsError, is_local, parse_host_list, read_hostfile
+
+    for flag, value in zip(args, args[1:], strict=False):
+        try:
+            if flag == "-H":
+                return any(not is_local(h.host) for h in parse_host_list(value))
+            if flag == "--hostfile":
+                return any(not is_local(h.host) for h in read_hostfile(value))
+        except HostsError:  # ringpipe launch reports it
+            return False
+    return False
 
 
 def translate(argv: Sequence[str]) -> tuple[list[str], dict[str, str]]:
@@ -128,8 +164,11 @@ def translate(argv: Sequence[str]) -> tuple[list[str], dict[str, str]]:
     command = argv[i:]
     if not command:
         raise HorovodrunUsageError("give the command to run: horovodrun -np 2 python train.py")
-    if backend:
-        args += ["--backend", backend]
+    args += ["--backend", backend or ("mpi" if mpi_usable() else "gloo")]
+    if _other_hosts(args):
+        for name in sorted(os.environ):
+            if exportable(name):
+                args += ["-x", name]
     return [*args, *command], env
 
 
