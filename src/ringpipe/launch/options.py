@@ -109,7 +109,7 @@ _OPTIONS: list[tuple[tuple[str, ...], str, Any, str | None, str]] = [
     (("--ssh-port", "-p"), "ssh_port", _positive("--ssh-port"), "PORT", "ssh port on every host"),
     (("--ssh-identity-file", "-i"), "ssh_identity_file", str, "FILE", "ssh private key to reach the hosts"),
     (("--ssh-command", "--launch-agent"), "ssh_command", str, "CMD", "how to reach a host instead of ssh, run "
-     "as `CMD [ssh options] HOST COMMAND` (as Open MPI's plm_rsh_agent)"),
+     "as `CMD [ssh options] HOST COMMAND` (as Open MPI's plm_rsh_agent; default: RINGPIPE_SSH_COMMAND, else ssh)"),
     (("--start-timeout",), "start_timeout", _positive("--start-timeout"), "S", "seconds for every host to answer "
      "before anything starts (default 30, or HOROVOD_START_TIMEOUT)"),
     (("--network-interface", "--network-interfaces"), "network_interface", str, "NIC", "interface the ranks talk "
@@ -288,6 +288,8 @@ def validate(opts: LaunchOptions) -> None:
         opts.start_timeout = int(raw)
     if opts.start_timeout < 1:
         raise LaunchUsageError(f"--start-timeout must be >= 1 second, got {opts.start_timeout}")
+    if opts.ssh_command is None and os.environ.get("RINGPIPE_SSH_COMMAND", "").strip():
+        opts.ssh_command = os.environ["RINGPIPE_SSH_COMMAND"].strip()
     if opts.ssh_identity_file and not os.path.isfile(opts.ssh_identity_file):
         raise LaunchUsageError(f"--ssh-identity-file {opts.ssh_identity_file}: no such file")
     for item in opts.exports:
