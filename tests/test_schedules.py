@@ -61,9 +61,9 @@ def test_text_form_and_render():
 
 
 def test_registry_error_lists_names():
-    with pytest.raises(ScheduleError, match="valid schedules: 1f1b, async_1f1b, gpipe, seq"):
+    with pytest.raises(ScheduleError, match="valid schedules: 1f1b, async_1f1b, gpipe, interleaved_1f1b, seq, zb_h1"):
         get_schedule("zero_bubble")
-    assert set(SCHEDULES) == {"seq", "gpipe", "1f1b", "async_1f1b"}
+    assert set(SCHEDULES) == {"seq", "gpipe", "1f1b", "async_1f1b", "interleaved_1f1b", "zb_h1"}
 
 
 def test_validator_rejects_bad_schedules():

@@ -1,5 +1,7 @@
 """Pipeline model parallelism: partitioning, schedules, stage runtime, recomputation, replicas."""
 
+from ringpipe.pipeline.bubble import Timing, bubble_fraction, simulate_timing
+from ringpipe.pipeline.chunked import ChunkedExecutor
 from ringpipe.pipeline.executor import PipelineExecutor, RunResult, staleness_of
 from ringpipe.pipeline.partition import BalanceError, partition
 from ringpipe.pipeline.policy import WeightPolicy
@@ -16,12 +18,16 @@ from ringpipe.pipeline.schedules import (
     validate,
     validate_pipeline,
 )
+from ringpipe.pipeline.schedules_interleaved import interleaved_1f1b
+from ringpipe.pipeline.split_backward import SplitStageRuntime
 from ringpipe.pipeline.stage import StageError, StageRuntime
 from ringpipe.pipeline.trainer import PipelineTrainer, split_microbatches
+from ringpipe.pipeline.zero_bubble import zb_h1
 
 __all__ = [
     "Action",
     "BalanceError",
+    "ChunkedExecutor",
     "PipelineExecutor",
     "PipelineGrid",
     "PipelineTrainer",
@@ -29,18 +35,24 @@ __all__ = [
     "SCHEDULES",
     "ScheduleError",
     "StageError",
+    "SplitStageRuntime",
     "StageRuntime",
+    "Timing",
     "WeightPolicy",
+    "bubble_fraction",
     "format_actions",
     "get_schedule",
+    "interleaved_1f1b",
     "make_grid",
     "microbatch_seed",
     "parse",
     "partition",
     "render",
     "seeded",
+    "simulate_timing",
     "split_microbatches",
     "staleness_of",
     "validate",
     "validate_pipeline",
+    "zb_h1",
 ]

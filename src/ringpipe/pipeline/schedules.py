@@ -3,7 +3,15 @@
 A schedule says, for one stage, in which order it runs the forward (``F``) and backward (``B``)
 of each micro-batch and when it runs its optimizer step (``S``). It knows nothing about
 processes or tensors, so it can be printed, validated and tested without any communicator;
-one executor (:mod:`ringpipe.pipeline.executor`) runs any of them. Text form: ``"F0 F1 B0 B1 S"``.
+the executors (:mod:`ringpipe.pipeline.executor`, :mod:`ringpipe.pipeline.chunked`) run them.
+Text form: ``"F0 F1 B0 B1 S"``.
+
+Two extensions serve the newer schedules. A rank may hold several model *chunks* (virtual
+stages, :mod:`ringpipe.pipeline.schedules_interleaved`): ``F3.1`` is the forward of
+micro-batch 3 on the rank's chunk 1 (``F3`` is chunk 0). And the backward may be split
+(:mod:`ringpipe.pipeline.zero_bubble`): in a list that holds ``W`` actions, ``B m`` computes
+only the gradient of the stage input and ``W m`` the weight gradient later; a micro-batch's
+activations are held until its ``W``.
 
 Schedules:
 
@@ -16,6 +24,8 @@ Schedules:
 - ``async_1f1b``: PipeDream (Harlap et al. 2018) without flush: the 1F1B order over the whole
   stream of micro-batches, the stage stepping after every ``step_every`` backwards; a trailing
   partial group of backwards gets a final step.
+- ``interleaved_1f1b``: 1F1B over ``chunks`` virtual stages per rank (Narayanan et al. 2021).
+- ``zb_h1``: zero-bubble ZB-H1 (Qi et al. 2024), backward split into ``B`` and ``W``.
 
 A new schedule is one function registered in :data:`SCHEDULES`.
 """
@@ -42,12 +52,13 @@ __all__ = [
     "get_schedule",
     "validate",
     "validate_pipeline",
+    "num_chunks",
     "max_in_flight",
     "staleness_at_forward",
     "render",
 ]
 
-Kind = Literal["F", "B", "S"]
+Kind = Literal["F", "B", "W", "S"]
 
 
 class ScheduleError(ValueError):
@@ -56,25 +67,31 @@ class ScheduleError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class Action:
-    """One thing a stage does: forward ``F`` / backward ``B`` of micro-batch ``mb``, or step ``S``."""
+    """One thing a stage does: forward ``F``, backward ``B`` (input gradient only where the list
+    has ``W`` actions) or weight-gradient pass ``W`` of micro-batch ``mb`` on the rank's model
+    chunk ``chunk``, or step ``S``."""
 
     kind: Kind
     mb: int = -1
+    chunk: int = 0
 
     def __str__(self) -> str:
-        return "S" if self.kind == "S" else f"{self.kind}{self.mb}"
+        if self.kind == "S":
+            return "S"
+        return f"{self.kind}{self.mb}" + (f".{self.chunk}" if self.chunk else "")
 
 
 def parse(text: str) -> list[Action]:
-    """The actions of a text form such as ``"F0 F1 B0 B1 S"``."""
+    """The actions of a text form such as ``"F0 F1 B0 B1 S"`` or ``"F0 F0.1 B0.1 W0.1 B0 W0 S"``."""
     out: list[Action] = []
     for tok in text.split():
+        mb, _, chunk = tok[1:].partition(".")
         if tok == "S":
             out.append(Action("S"))
-        elif tok[:1] in ("F", "B") and tok[1:].isdigit():
-            out.append(Action(tok[0], int(tok[1:])))  # type: ignore[arg-type]
+        elif tok[:1] in ("F", "B", "W") and mb.isdigit() and (chunk.isdigit() or "." not in tok):
+            out.append(Action(tok[0], int(mb), int(chunk or 0)))  # type: ignore[arg-type]
         else:
-            raise ScheduleError(f"cannot parse action {tok!r} in {text!r}; use F<n>, B<n> or S")
+            raise ScheduleError(f"cannot parse action {tok!r} in {text!r}; use F<n>, B<n>, W<n> (or F<n>.<chunk>) or S")
     return out
 
 
@@ -236,88 +253,123 @@ def get_schedule(name: str) -> ScheduleFn:
 def validate(actions: Sequence[Action], num_microbatches: int) -> None:
     """Check one stage's actions: each micro-batch forward once, backward once after it, steps.
 
-    The last action must be a step once every backward is done, so no gradient is left behind.
+    Per model chunk (chunks ``0 .. k-1`` must all appear): every micro-batch is forwarded once
+    and backwarded once after its forward; where the chunk has ``W`` actions, every micro-batch
+    has one ``W``, after its ``B``. The last action must be a step once every backward is done,
+    so no gradient is left behind.
     """
-    fwd: set[int] = set()
-    bwd: set[int] = set()
+    done: dict[str, set[tuple[int, int]]] = {"F": set(), "B": set(), "W": set()}
     for i, a in enumerate(actions):
         where = f"action {i} ({a}) of {format_actions(actions)!r}"
         if a.kind == "S":
             continue
         if not 0 <= a.mb < num_microbatches:
             raise ScheduleError(f"{where}: micro-batch {a.mb} is not in [0, {num_microbatches})")
-        if a.kind == "F":
-            if a.mb in fwd:
-                raise ScheduleError(f"{where}: forward of micro-batch {a.mb} appears twice")
-            fwd.add(a.mb)
-        else:
-            if a.mb not in fwd:
-                raise ScheduleError(f"{where}: backward of micro-batch {a.mb} before its forward")
-            if a.mb in bwd:
-                raise ScheduleError(f"{where}: backward of micro-batch {a.mb} appears twice")
-            bwd.add(a.mb)
-    missing = sorted(set(range(num_microbatches)) - bwd)
-    if missing:
-        raise ScheduleError(f"micro-batches {missing} have no backward in {format_actions(actions)!r}")
+        if a.chunk < 0:
+            raise ScheduleError(f"{where}: chunk {a.chunk} is negative")
+        key = (a.chunk, a.mb)
+        name = {"F": "forward", "B": "backward", "W": "weight-gradient pass"}[a.kind]
+        if key in done[a.kind]:
+            raise ScheduleError(f"{where}: {name} of micro-batch {a.mb} appears twice")
+        if a.kind == "B" and key not in done["F"]:
+            raise ScheduleError(f"{where}: backward of micro-batch {a.mb} before its forward")
+        if a.kind == "W" and key not in done["B"]:
+            raise ScheduleError(f"{where}: weight-gradient pass of micro-batch {a.mb} before its backward")
+        done[a.kind].add(key)
+    chunks = sorted({c for c, _ in done["F"] | done["B"]} | {0})
+    if chunks != list(range(len(chunks))):
+        raise ScheduleError(f"schedule {format_actions(actions)!r} uses chunks {chunks}; use chunks 0 .. k-1")
+    for c in chunks:
+        missing = sorted(m for m in range(num_microbatches) if (c, m) not in done["B"])
+        if missing:
+            on = f" of chunk {c}" if len(chunks) > 1 else ""
+            raise ScheduleError(f"micro-batches {missing}{on} have no backward in {format_actions(actions)!r}")
+        split = {m for cc, m in done["W"] if cc == c}
+        if split and len(split) != num_microbatches:
+            lacking = sorted(set(range(num_microbatches)) - split)
+            raise ScheduleError(
+                f"micro-batches {lacking} of chunk {c} have no weight-gradient pass W in "
+                f"{format_actions(actions)!r}: a chunk splits the backward of every micro-batch or of none"
+            )
     if not actions or actions[-1].kind != "S":
         raise ScheduleError(f"schedule {format_actions(actions)!r} must end with a step S")
+
+
+def num_chunks(per_stage: Sequence[Sequence[Action]]) -> int:
+    """Model chunks per rank in a pipeline's action lists (1 for the classic schedules)."""
+    return 1 + max((a.chunk for acts in per_stage for a in acts), default=0)
 
 
 def validate_pipeline(per_stage: Sequence[Sequence[Action]], num_microbatches: int) -> None:
     """Check every stage and that the whole pipeline can run without deadlock.
 
-    Simulates the stages with unbounded message queues: stage ``s`` can run ``F m`` once
-    stage ``s-1`` ran it, and ``B m`` once stage ``s+1`` ran it (the last stage's backward
-    follows its own forward). Forward messages between two stages are consumed in the order
-    they are sent, and so are backward ones.
+    With ``k`` chunks per rank and ``n`` ranks, chunk ``c`` of rank ``s`` is virtual stage
+    ``c * n + s``. Simulates the virtual stages with unbounded message queues: a virtual stage
+    can run ``F m`` once the previous one ran it, and ``B m`` once the next one ran it (the last
+    one's backward follows its own forward); ``W m`` follows the stage's own ``B m``. Forward
+    messages between two virtual stages are consumed in the order they are sent, and so are
+    backward ones.
     """
     for s, acts in enumerate(per_stage):
         try:
             validate(acts, num_microbatches)
         except ScheduleError as exc:
             raise ScheduleError(f"stage {s}: {exc}") from None
-    n = len(per_stage)
+    n, k = len(per_stage), num_chunks(per_stage)
+    for s, acts in enumerate(per_stage):
+        if num_chunks([acts]) != k:
+            raise ScheduleError(f"stage {s} holds {num_chunks([acts])} chunks, other stages {k}")
+    total = n * k
+    word = "stage" if k == 1 else "virtual stage"
     pos = [0] * n
-    done: list[set[tuple[str, int]]] = [set() for _ in range(n)]
+    done: list[set[tuple[str, int]]] = [set() for _ in range(total)]
     progress = True
     while progress:
         progress = False
         for s in range(n):
             while pos[s] < len(per_stage[s]):
                 a = per_stage[s][pos[s]]
+                g = a.chunk * n + s
                 ready = (
-                    a.kind == "S"
-                    or (a.kind == "F" and (s == 0 or ("F", a.mb) in done[s - 1]))
-                    or (a.kind == "B" and (s == n - 1 or ("B", a.mb) in done[s + 1]))
+                    a.kind in ("S", "W")
+                    or (a.kind == "F" and (g == 0 or ("F", a.mb) in done[g - 1]))
+                    or (a.kind == "B" and (g == total - 1 or ("B", a.mb) in done[g + 1]))
                 )
                 if not ready:
                     break
-                done[s].add((a.kind, a.mb))
+                if a.kind != "S":
+                    done[g].add((a.kind, a.mb))
                 pos[s] += 1
                 progress = True
     stuck = [s for s in range(n) if pos[s] < len(per_stage[s])]
     if stuck:
         at = ", ".join(f"stage {s} at {per_stage[s][pos[s]]}" for s in stuck)
         raise ScheduleError(f"the pipeline deadlocks: {at}")
-    for s in range(n - 1):
-        order_out = [a.mb for a in per_stage[s] if a.kind == "F"]
-        order_in = [a.mb for a in per_stage[s + 1] if a.kind == "F"]
-        if order_out != order_in:
-            raise ScheduleError(f"stages {s} and {s + 1} run forwards in different orders")
-        b_out = [a.mb for a in per_stage[s + 1] if a.kind == "B"]
-        b_in = [a.mb for a in per_stage[s] if a.kind == "B"]
-        if b_out != b_in:
-            raise ScheduleError(f"stages {s} and {s + 1} run backwards in different orders")
+
+    def order(g: int, kind: str) -> list[int]:
+        return [a.mb for a in per_stage[g % n] if a.kind == kind and a.chunk == g // n]
+
+    for g in range(total - 1):
+        if order(g, "F") != order(g + 1, "F"):
+            raise ScheduleError(f"{word}s {g} and {g + 1} run forwards in different orders")
+        if order(g + 1, "B") != order(g, "B"):
+            raise ScheduleError(f"{word}s {g} and {g + 1} run backwards in different orders")
 
 
 def max_in_flight(actions: Sequence[Action]) -> int:
-    """The largest number of micro-batches forwarded but not yet backwarded (activation memory)."""
+    """The largest number of micro-batches whose activations a stage holds at once.
+
+    A micro-batch is held from its forward to its backward, or to its ``W`` where the backward
+    is split. With several chunks per rank, a micro-batch counts once per chunk (each chunk
+    holds the activations of its share of the rank's layers).
+    """
+    split = {(a.chunk, a.mb) for a in actions if a.kind == "W"}
     live = peak = 0
     for a in actions:
         if a.kind == "F":
             live += 1
             peak = max(peak, live)
-        elif a.kind == "B":
+        elif (a.kind == "B" and (a.chunk, a.mb) not in split) or a.kind == "W":
             live -= 1
     return peak
 
@@ -348,3 +400,11 @@ def render(per_stage: Sequence[Sequence[Action]]) -> str:
         cells = " ".join(str(a).ljust(width) for a in acts)
         rows.append(f"stage {s}: {cells}".rstrip())
     return "\n".join(rows)
+
+
+# Schedules in modules of their own register here (they import Action from this module).
+from ringpipe.pipeline.schedules_interleaved import interleaved_1f1b  # noqa: E402
+from ringpipe.pipeline.zero_bubble import zb_h1  # noqa: E402
+
+SCHEDULES["interleaved_1f1b"] = interleaved_1f1b
+SCHEDULES["zb_h1"] = zb_h1

@@ -1,5 +1,9 @@
 """Single-process simulator of the asynchronous 1F1B pipeline: schedules, staleness and plumbing.
 
+(The time any schedule's action lists imply, and their bubble fraction, come from
+:mod:`ringpipe.pipeline.bubble`, re-exported here: :func:`simulate_timing`,
+:func:`bubble_fraction`.)
+
 It replays, in one process, an N-stage PipeDream pipeline without flush, stage by stage, with
 the same :class:`~ringpipe.pipeline.policy.WeightPolicy` objects the multi-process executor
 calls. It is good for what does not depend on those objects being right: the event order of
@@ -60,6 +64,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ringpipe.pipeline.bubble import Timing, bubble_fraction, simulate_timing
 from ringpipe.pipeline.policy import WeightPolicy
 from ringpipe.pipeline.recompute import RngState, frozen_buffers
 from ringpipe.pipeline.stage import renew_buffers
@@ -68,6 +73,9 @@ from ringpipe.pipeline.staleness.policy_factory import make_policy
 
 __all__ = [
     "SimulationResult",
+    "Timing",
+    "bubble_fraction",
+    "simulate_timing",
     "async_stage_order",
     "order_staleness",
     "simulate_async",

@@ -31,7 +31,9 @@ import torch
 from torch import nn
 
 from ringpipe.comm.base import Communicator
+from ringpipe.pipeline.chunked import ChunkedExecutor
 from ringpipe.pipeline.executor import PipelineExecutor, RunResult
+from ringpipe.pipeline.microbatches import _batch_size, _run_lengths, split_microbatches
 from ringpipe.pipeline.partition import as_layers, partition
 from ringpipe.pipeline.policy import WeightPolicy
 from ringpipe.pipeline.replicas import make_grid, replica_group
@@ -43,55 +45,32 @@ from ringpipe.pipeline.schedules import (
     async_staleness,
     get_schedule,
 )
+from ringpipe.pipeline.schedules_interleaved import interleaved_1f1b
+from ringpipe.pipeline.split_backward import SplitStageRuntime
 from ringpipe.pipeline.stage import LossFn, MetricsFn, StageRuntime
 
-__all__ = ["PipelineTrainer", "split_microbatches", "SCHEDULE_ALIASES"]
+__all__ = ["PipelineTrainer", "split_microbatches", "SCHEDULE_ALIASES", "CHUNKED_SCHEDULES"]
 
 log = logging.getLogger(__name__)
 
-SCHEDULE_ALIASES = {"async": "async_1f1b", "pipedream": "async_1f1b", "pipedream_flush": "1f1b"}
-
-
-def split_microbatches(batch: Any, microbatches: int) -> list[Any]:
-    """Split a tensor (or tuple of tensors) along dim 0 into ``microbatches`` chunks."""
-    tensors = batch if isinstance(batch, tuple | list) else (batch,)
-    if not tensors or not all(isinstance(t, torch.Tensor) for t in tensors):
-        raise TypeError(f"a batch must be a tensor or a tuple of tensors, got {type(batch).__name__}")
-    size = tensors[0].shape[0] if tensors[0].dim() else 0
-    if any((t.shape[0] if t.dim() else 0) != size for t in tensors):
-        raise ValueError(f"batch tensors have different first dimensions {[tuple(t.shape) for t in tensors]}")
-    if size < microbatches:
-        raise ValueError(
-            f"a batch of {size} samples cannot be split into {microbatches} micro-batches; "
-            "use fewer micro-batches or a larger batch (or drop the last, smaller batch)"
-        )
-    parts = [torch.tensor_split(t, microbatches, dim=0) for t in tensors]
-    if isinstance(batch, tuple | list):
-        return [tuple(p[i] for p in parts) for i in range(microbatches)]
-    return list(parts[0])
-
-
-def _batch_size(batch: Any) -> int:
-    first = batch[0] if isinstance(batch, tuple | list) else batch
-    return int(first.shape[0])
-
-
-def _run_lengths(chunks: Sequence[Any]) -> list[int]:
-    """For each chunk, how many chunks from it on have the same shapes (within this list)."""
-    shapes = [tuple(tuple(t.shape) for t in (c if isinstance(c, tuple | list) else (c,))) for c in chunks]
-    out = [1] * len(shapes)
-    for i in range(len(shapes) - 2, -1, -1):
-        if shapes[i] == shapes[i + 1]:
-            out[i] = out[i + 1] + 1
-    return out
+SCHEDULE_ALIASES = {
+    "async": "async_1f1b", "pipedream": "async_1f1b", "pipedream_flush": "1f1b",
+    "interleaved": "interleaved_1f1b", "zbh1": "zb_h1", "zero_bubble": "zb_h1",
+}
+#: Schedules run by :class:`~ringpipe.pipeline.chunked.ChunkedExecutor` (model chunks, split backward).
+CHUNKED_SCHEDULES = frozenset({"interleaved_1f1b", "zb_h1"})
 
 
 class PipelineTrainer:
     """One rank's view of a pipeline (optionally replicated) training run.
 
-    ``schedule``: ``seq``, ``gpipe``, ``1f1b`` or ``async_1f1b`` (alias ``async``).
+    ``schedule``: ``seq``, ``gpipe``, ``1f1b``, ``interleaved_1f1b`` (alias ``interleaved``),
+    ``zb_h1`` (alias ``zbh1``) or ``async_1f1b`` (alias ``async``).
     ``balance``: layers per stage, ``"params"``, ``"time"`` (needs ``sample``) or ``None``
     (by parameters). The number of stages is ``len(balance)`` or ``comm.size // replicas``.
+    ``chunks`` (``interleaved_1f1b`` only, default 2): model chunks per rank; the model is cut
+    into ``stages x chunks`` parts (a ``balance`` list then has that many entries) and rank
+    ``r`` holds parts ``r, r + stages, ...``.
     ``mitigations`` (async only): names for :func:`ringpipe.pipeline.staleness.make_policy`
     (``"stale"``, ``"ws"``, ``"wp"``, ``"ga"``, ``"ga_jfl"`` and combinations) or a ready
     :class:`WeightPolicy`; ``mitigation_options`` are passed on to ``make_policy`` (e.g.
@@ -121,6 +100,7 @@ class PipelineTrainer:
         sample: Any = None,
         loss_on: str = "last",
         device: torch.device | None = None,
+        chunks: int | None = None,
     ) -> None:
         self.comm = comm
         self.schedule = SCHEDULE_ALIASES.get(schedule, schedule)
@@ -145,38 +125,77 @@ class PipelineTrainer:
         self.microbatches = microbatches
         self.step_every = step_every
         self.loss_on = loss_on
-        all_layers = as_layers(layers)
-        num_stages = len(balance) if isinstance(balance, Sequence) and not isinstance(balance, str) else comm.size // max(1, replicas)
-        if num_stages > len(all_layers):
+        self.chunked = self.schedule in CHUNKED_SCHEDULES
+        if chunks is None:
+            chunks = 2 if self.schedule == "interleaved_1f1b" else 1
+        if chunks < 1 or (chunks > 1 and self.schedule != "interleaved_1f1b"):
             raise ValueError(
+                f"chunks={chunks}: several model chunks per rank need schedule 'interleaved_1f1b' "
+                f"(schedule {self.schedule!r} holds one); chunks must be >= 1"
+            )
+        self.chunks = chunks
+        all_layers = as_layers(layers)
+        explicit = isinstance(balance, Sequence) and not isinstance(balance, str)
+        num_parts = len(balance) if explicit else chunks * (comm.size // max(1, replicas))  # type: ignore[arg-type]
+        if num_parts % chunks:
+            raise ValueError(
+                f"balance {list(balance)} has {num_parts} entries, not a multiple of chunks={chunks}: "  # type: ignore[arg-type]
+                f"give layers for every chunk of every stage (stages x chunks entries)"
+            )
+        num_stages = num_parts // chunks
+        if num_parts > len(all_layers):
+            raise ValueError(
+                f"{num_stages} stages x {chunks} chunks for a model of {len(all_layers)} layers; "
+                f"use at most {len(all_layers)} parts" if chunks > 1 else
                 f"{num_stages} stages for a model of {len(all_layers)} layers; use at most {len(all_layers)} stages"
             )
+        if chunks > 1 and num_stages < 2:
+            raise ValueError(f"schedule 'interleaved_1f1b' needs at least 2 stages, got {num_stages}")
+        if chunks > 1:
+            interleaved_1f1b(num_stages, microbatches, 0, chunks)  # refuses a count of micro-batches it cannot run
         self.grid = make_grid(comm.size, comm.rank, num_stages, replicas)
-        stages, self.balance = partition(all_layers, num_stages, balance, sample)
+        parts, self.balance = partition(all_layers, num_parts, balance, sample)
         self.stage = self.grid.stage
         self.num_stages = num_stages
         self.is_first = self.stage == 0
         self.is_last = self.stage == num_stages - 1
-        self.layer_offset = sum(self.balance[: self.stage])
+        self.parts = [c * num_stages + self.stage for c in range(chunks)]  # the model parts this rank holds
+        self.part_offsets = [sum(self.balance[:g]) for g in self.parts]
+        self.layer_offset = self.part_offsets[0]
         if device is None:
             device = torch.device("cuda", comm.topology.local_rank) if comm.backend == "nccl" else torch.device("cpu")
         self.device = device
-        self.module = stages[self.stage].to(device)
-        del stages, all_layers
+        chunk_modules = [parts[g].to(device) for g in self.parts]
+        self.module: nn.Module = chunk_modules[0] if chunks == 1 else nn.ModuleList(chunk_modules)
+        del parts, all_layers
         if optimizer_factory is None:
             raise ValueError("optimizer_factory is required, e.g. lambda params: torch.optim.SGD(params, lr=0.1)")
         self.optimizer = optimizer_factory(list(self.module.parameters()))
         self.scheduler = scheduler_factory(self.optimizer) if scheduler_factory is not None else None
         self.policy = self._make_policy(mitigations, recompute, mitigation_options or {})
-        self.runtime = StageRuntime(
-            self.module, self.stage, num_stages, loss_fn if self.is_last else None, metrics_fn,
-            recompute, self.policy, device, live_weights=self.is_async,
-        )
         self.replica_comm = replica_group(comm, self.grid)
-        self.executor = PipelineExecutor(
-            comm, self.runtime, self.optimizer, self.grid.prev_rank, self.grid.next_rank,
-            self.scheduler, self.replica_comm, seed, device,
-        )
+        self.executor: PipelineExecutor | ChunkedExecutor
+        if self.chunked:
+            runtime_cls = SplitStageRuntime if self.schedule == "zb_h1" else StageRuntime
+            total = num_parts
+            self.runtimes = [
+                runtime_cls(m, g, total, loss_fn if g == total - 1 else None, metrics_fn, recompute, self.policy, device)
+                for m, g in zip(chunk_modules, self.parts, strict=True)
+            ]
+            self.executor = ChunkedExecutor(
+                comm, self.runtimes, self.optimizer, num_stages, self.stage,
+                lambda s: self.grid.rank_of(s, self.grid.replica), self.scheduler, self.replica_comm, seed, device,
+            )
+        else:
+            self.runtimes = [StageRuntime(
+                self.module, self.stage, num_stages, loss_fn if self.is_last else None, metrics_fn,
+                recompute, self.policy, device, live_weights=self.is_async,
+            )]
+            self.executor = PipelineExecutor(
+                comm, self.runtimes[0], self.optimizer, self.grid.prev_rank, self.grid.next_rank,
+                self.scheduler, self.replica_comm, seed, device,
+            )
+        self.runtime = self.runtimes[0]
         self.last_metrics: dict[str, float] = {}
         self._warned_uneven = False
         self._streamed = 0  # micro-batches fed into the open stream (0: no stream open)
@@ -200,6 +219,8 @@ class PipelineTrainer:
         """This stage's action list for a run of ``num_microbatches`` micro-batches."""
         if self.is_async:
             return async_1f1b(self.num_stages, num_microbatches, self.stage, self.step_every)
+        if self.schedule == "interleaved_1f1b":
+            return interleaved_1f1b(self.num_stages, num_microbatches, self.stage, self.chunks)
         return self.schedule_fn(self.num_stages, num_microbatches, self.stage)
 
     def _weights_sync(self, chunks: Sequence[Any] | None, total: int) -> Callable[[int], float] | None:
@@ -319,7 +340,7 @@ class PipelineTrainer:
     @property
     def in_flight(self) -> int:
         """Micro-batches this stage forwarded and has not yet backwarded."""
-        return self.runtime.in_flight
+        return sum(rt.in_flight for rt in self.runtimes)
 
     def stream_step(self, inputs: Any = None, targets: Any = None) -> float | None:
         """Feed one batch into the asynchronous pipeline without draining it (``async_1f1b`` only).
@@ -348,6 +369,7 @@ class PipelineTrainer:
         x_chunks, y_chunks = self._split(inputs, targets)
         start, stop = self._streamed, self._streamed + m
         runs = _run_lengths(x_chunks) if x_chunks is not None else None
+        assert isinstance(self.executor, PipelineExecutor)  # the asynchronous schedule runs one chunk
         result = self.executor.run(
             async_1f1b_window(self.num_stages, self.stage, start, stop, k),
             inputs=(lambda i: x_chunks[i - start]) if x_chunks is not None else None,
@@ -368,6 +390,7 @@ class PipelineTrainer:
         """
         total, self._streamed = self._streamed, 0
         if total:
+            assert isinstance(self.executor, PipelineExecutor)
             self.executor.run(
                 async_1f1b_window(self.num_stages, self.stage, total, total, self.step_every, total=total),
                 staleness={},
@@ -440,9 +463,11 @@ class PipelineTrainer:
         """The full model's state dict (keys of ``nn.Sequential(*layers)``) on every rank. Collective."""
         local = {}
         if self.grid.replica == 0:
-            for key, value in self.module.state_dict().items():
-                idx, _, rest = key.partition(".")
-                local[f"{int(idx) + self.layer_offset}.{rest}"] = value.detach().cpu()
+            modules = [self.module] if self.chunks == 1 else list(self.module.children())
+            for module, offset in zip(modules, self.part_offsets, strict=True):
+                for key, value in module.state_dict().items():
+                    idx, _, rest = key.partition(".")
+                    local[f"{int(idx) + offset}.{rest}"] = value.detach().cpu()
         merged: dict[str, torch.Tensor] = {}
         for part in self.comm.allgather_object(local):
             merged.update(part)
