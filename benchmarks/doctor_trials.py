@@ -2,14 +2,18 @@
 
 Seed 000's setup on one machine: three network-namespace hosts joined by a bridge (needs root),
 8 ranks placed 4-2-2, 3-3-2 or 4-3-1. Scenarios: nothing wrong; a single-rank host (4-3-1);
-host c's link shaped with ``tc tbf``; a rank that arrives late at every allreduce (a script's
-events, then ``ringpipe doctor EVENTS``). Each trial runs the doctor under ``ringpipe launch
---nnodes 3`` (gloo) or Open MPI's ``mpirun`` (mpi backend) and scores its JSON report: the
-expected problem named, and every other problem counted as a false accusation. Prints a
-markdown table; for the shaped link, also the allreduce time with and without host c that the
-doctor measured (the fix it recommends, proven in the same run).
+host c's link shaped with ``tc tbf``; a rank that arrives late at every allreduce, and a rank
+that computes four times as much before each (a script's events, then ``ringpipe doctor
+EVENTS``); host c oversubscribed (its two ranks confined to one CPU that another job keeps
+busy). Each trial runs under ``ringpipe launch --nnodes 3`` (gloo) or Open MPI's ``mpirun`` (mpi
+backend) and scores the doctor's JSON report: the expected problem named, and every other
+problem counted as a false accusation. Trials go round the scenarios and launchers in turn (a
+trial of each, then the next round), each appended to ``--log`` as a JSON line as it ends;
+prints a markdown table; for the shaped link, also the allreduce time with and without host c
+that the doctor measured (the fix it recommends, proven in the same run).
 
-    python benchmarks/doctor_trials.py --trials 10 [--launchers launch,mpirun] [--size 256K]
+    python benchmarks/doctor_trials.py --trials 10 [--launchers launch,mpirun] [--size 256K] [--log FILE]
+    python benchmarks/doctor_trials.py --table FILE     # the table of a log
 """
 
 from __future__ import annotations
@@ -33,17 +37,34 @@ sys.path.insert(0, str(HERE.parent / "tests"))
 import netns  # noqa: E402
 
 LATE = str(HERE.parent / "tests" / "scripts" / "doctor_late_rank.py")
-C = "rp-host-c"
 
-#: name -> (ranks per host, rate of host c's link, late rank, how the problems must read)
-SCENARIOS: dict[str, tuple[tuple[int, int, int], str | None, int | None, list[str]]] = {
-    "4-2-2, nothing wrong": ((4, 2, 2), None, None, []),
-    "3-3-2, nothing wrong": ((3, 3, 2), None, None, []),
-    "4-3-1": ((4, 3, 1), None, None, [f"placement 4-3-1: host {C} runs a single rank"]),
-    "4-2-2, host c's link at 50 Mbit/s": ((4, 2, 2), "50mbit", None, [f"host {C}'s network link is slow"]),
-    "4-3-1, host c's link at 50 Mbit/s": ((4, 3, 1), "50mbit", None,
-                                          [f"host {C}'s network link is slow", "placement 4-3-1: host"]),
-    "4-2-2, rank 5 late (events)": ((4, 2, 2), None, 5, ["rank 5 (host rp-host-b) arrives late"]),
+
+B, C = "rp-host-b", "rp-host-c"
+
+
+class Scenario:
+    """Ranks per host, what is wrong, and which problems name it (``expected``: all required;
+    ``allowed``: also right, not false accusations)."""
+
+    def __init__(self, shape: tuple[int, int, int], expected: list[str], rate: str | None = None,
+                 late: int | None = None, script: str = "sleep", busy_c: bool = False,
+                 allowed: list[str] | None = None) -> None:
+        self.shape, self.expected, self.rate, self.late = shape, expected, rate, late
+        self.script, self.busy_c, self.allowed = script, busy_c, allowed or []
+
+
+SCENARIOS: dict[str, Scenario] = {
+    "4-2-2, nothing wrong": Scenario((4, 2, 2), []),
+    "3-3-2, nothing wrong": Scenario((3, 3, 2), []),
+    "4-3-1": Scenario((4, 3, 1), [f"placement 4-3-1: host {C} runs a single rank"]),
+    "4-2-2, host c's link at 50 Mbit/s": Scenario((4, 2, 2), [f"host {C}'s network link is slow"], rate="50mbit"),
+    "4-3-1, host c's link at 50 Mbit/s": Scenario((4, 3, 1), [f"host {C}'s network link is slow",
+                                                              "placement 4-3-1: host"], rate="50mbit"),
+    "4-2-2, rank 5 late (events)": Scenario((4, 2, 2), [f"rank 5 (host {B}) arrives late"], late=5),
+    "4-2-2, rank 5 computes 4x (events)": Scenario((4, 2, 2), [f"rank 5 (host {B}) arrives late"], late=5,
+                                                   script="compute"),
+    "4-2-2, host c oversubscribed": Scenario((4, 2, 2), [f"ranks [6, 7] on host {C} are bound to the same CPUs"],
+                                             busy_c=True, allowed=[f"the ranks of host {C} compute slowly"]),
 }
 
 
@@ -64,59 +85,123 @@ def report_of(text: str) -> dict[str, Any]:
     return report
 
 
-def run_trial(shape: tuple[int, ...], rate: str | None, late: int | None, launcher: str, size: str,
-              port: int, work: Path) -> dict[str, Any]:
-    """One trial: build the hosts, run the doctor (or the late-rank script and then the doctor), return its report."""
-    rates = {2: rate} if rate else None
-    with netns.bridged_hosts(3, rates) as hosts:
-        if late is not None:
-            events = work / f"events-{port}.json"
-            argv = [LATE, str(events), str(late)]
+def compute_worker(out: str, slow: int, reps: int = 10, nbytes: int = 256 << 10) -> None:
+    """Every rank computes the same matrix products before each ring allreduce; rank ``slow`` four times as many."""
+    import torch
+
+    from ringpipe import collectives
+    from ringpipe.comm import init_world, shutdown_world
+    from ringpipe.observe import collect_events, save_events
+
+    comm = init_world(os.environ.get("RINGPIPE_BACKEND", "gloo"))
+    a = torch.randn(256, 256, generator=torch.Generator().manual_seed(comm.rank))
+    x = torch.ones(nbytes // 4)
+    for _ in range(reps):
+        for _ in range(80 if comm.rank == slow else 20):
+            a = torch.tanh(a @ a / 256)
+        collectives.allreduce(comm, x, "sum", algorithm="ring")
+    job = collect_events(comm)
+    if job is not None:
+        save_events(out, job)
+    shutdown_world()
+
+
+def _mpirun(hosts: tuple[Any, ...], argv: list[str], work: Path, shape: tuple[int, ...]) -> str:
+    cmd, extra = netns.mpirun_across(hosts, argv, work / "hostfile", shape)
+    out = subprocess.run(cmd, capture_output=True, text=True, env=_env(RINGPIPE_BACKEND="mpi", **extra), timeout=300)
+    if out.returncode:
+        raise RuntimeError(out.stdout[-2000:] + out.stderr[-3000:])
+    return out.stdout
+
+
+def _launch(hosts: tuple[Any, ...], argv: list[str], port: int, shape: tuple[int, ...]) -> str:
+    outs = netns.launch_across(hosts, shape, argv, port, _env())
+    if any(o.returncode for o in outs):
+        raise RuntimeError("".join(o.stdout[-1500:] + o.stderr[-2500:] for o in outs))
+    return outs[0].stdout
+
+
+def run_trial(sc: Scenario, launcher: str, size: str, port: int, work: Path) -> dict[str, Any]:
+    """One trial: build the hosts, run the doctor (or a script and then the doctor on its events), return its report."""
+    rates = {2: sc.rate} if sc.rate else None
+    with netns.bridged_hosts(3, rates, cpus={2: "1"} if sc.busy_c else None) as hosts:
+        # Another job on host c keeps its CPU busy for the whole trial.
+        hog = (subprocess.Popen([*hosts[2].prefix(), sys.executable, "-c", "while True: pass"],
+                                start_new_session=True) if sc.busy_c else None)
+        try:
+            if sc.late is not None:
+                events = work / f"events-{port}.json"
+                argv = ([LATE, str(events), str(sc.late)] if sc.script == "sleep" else
+                        [__file__, "--worker", str(events), str(sc.late)])
+                if launcher == "launch":
+                    _launch(hosts, argv, port, sc.shape)
+                else:
+                    _mpirun(hosts, [sys.executable, *argv], work, sc.shape)
+                done = subprocess.run([sys.executable, "-m", "ringpipe.cli", "doctor", "--json", str(events)],
+                                      capture_output=True, text=True, env=_env(), timeout=120)
+                return report_of(done.stdout)
+            args = ["-m", "ringpipe.cli", "doctor", "--json", "--size", size, "--verify", "3"]
             if launcher == "launch":
-                outs = netns.launch_across(hosts, shape, argv, port, _env())
-                failed = [o for o in outs if o.returncode]
-            else:
-                cmd, extra = netns.mpirun_across(hosts, [sys.executable, *argv], work / "hostfile", shape)
-                out = subprocess.run(cmd, capture_output=True, text=True, env=_env(RINGPIPE_BACKEND="mpi", **extra),
-                                     timeout=300)
-                failed = [out] if out.returncode else []
-            if failed:
-                raise RuntimeError(failed[0].stdout[-2000:] + failed[0].stderr[-3000:])
-            done = subprocess.run([sys.executable, "-m", "ringpipe.cli", "doctor", "--json", str(events)],
-                                  capture_output=True, text=True, env=_env(), timeout=120)
-            return report_of(done.stdout)
-        args = ["doctor", "--json", "--size", size, "--verify", "3"]
-        if launcher == "launch":
-            outs = netns.launch_across(hosts, shape, ["-m", "ringpipe.cli", *args], port, _env())
-            text = outs[0].stdout
-            if any(o.returncode for o in outs):
-                raise RuntimeError("".join(o.stdout[-1500:] + o.stderr[-2500:] for o in outs))
-        else:
-            cmd, extra = netns.mpirun_across(hosts, [sys.executable, "-m", "ringpipe.cli", *args],
-                                             work / "hostfile", shape)
-            out = subprocess.run(cmd, capture_output=True, text=True, env=_env(RINGPIPE_BACKEND="mpi", **extra),
-                                 timeout=300)
-            if out.returncode:
-                raise RuntimeError(out.stdout[-2000:] + out.stderr[-3000:])
-            text = out.stdout
-        return report_of(text)
+                return report_of(_launch(hosts, args, port, sc.shape))
+            return report_of(_mpirun(hosts, [sys.executable, *args], work, sc.shape))
+        finally:
+            if hog is not None:
+                os.killpg(hog.pid, 9)
+                hog.wait()
 
 
-def score(report: dict[str, Any], expected: list[str]) -> tuple[bool, list[str]]:
-    """(every expected problem named, the problems that were not expected)."""
+def score(report: dict[str, Any], sc: Scenario) -> tuple[bool, list[str]]:
+    """(every expected problem named, the problems that were neither expected nor allowed)."""
     problems = [f["what"] for f in report["findings"] if f["severity"] == "problem"]
-    named = all(any(p.startswith(e) for p in problems) for e in expected)
-    false = [p for p in problems if not any(p.startswith(e) for e in expected)]
+    named = all(any(p.startswith(e) for p in problems) for e in sc.expected)
+    false = [p for p in problems if not any(p.startswith(e) for e in sc.expected + sc.allowed)]
     return named, false
 
 
+def _gain(report: dict[str, Any], sc: Scenario) -> float | None:
+    ms = report.get("allreduce_ms", {})
+    if f"without {C}" in ms:
+        return ms["ring"] / ms[f"without {C}"]
+    if sc.expected and "placement" in sc.expected[0] and ms:
+        return ms["ring"] / min(v for k, v in ms.items() if not k.startswith("without"))
+    return None
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """The markdown table of logged trials (one row per scenario and launcher)."""
+    out = ["| scenario | launcher | trials | named correctly | false accusations | fix measured (ring / fix) "
+           "| s per trial (median) |", "|---|---|---|---|---|---|---|"]
+    for name, sc in SCENARIOS.items():
+        for launcher in ("launch", "mpirun"):
+            mine = [r for r in rows if r["scenario"] == name and r["launcher"] == launcher]
+            if not mine:
+                continue
+            falses = [p for r in mine for p in r["false"]]
+            named = sum(r["named"] for r in mine)
+            gains = [r["gain"] for r in mine if r.get("gain")]
+            what = f"{len(falses)}" + (f" ({'; '.join(sorted(set(falses)))[:200]})" if falses else "")
+            out.append(f"| {name} | {launcher} | {len(mine)} | {f'{named}/{len(mine)}' if sc.expected else '-'} | "
+                       f"{what} | {f'{statistics.median(gains):.1f}x' if gains else '-'} | "
+                       f"{statistics.median(r['secs'] for r in mine):.0f} |")
+    return "\n".join(out)
+
+
 def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        compute_worker(sys.argv[2], int(sys.argv[3]))
+        return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--launchers", default="launch,mpirun")
     ap.add_argument("--size", default="256K", help="probe message size (doctor --size)")
     ap.add_argument("--only", default=None, help="run the scenarios whose name contains this text")
+    ap.add_argument("--log", default=None, help="append each trial to this file as a JSON line")
+    ap.add_argument("--table", default=None, metavar="LOG", help="print the table of a log and exit")
     args = ap.parse_args()
+    if args.table:
+        rows = [json.loads(line) for line in Path(args.table).read_text().splitlines() if line.strip()]
+        print(table(rows))
+        return 0
     reason = netns.can_create()
     if reason:
         print(f"doctor_trials: {reason}", file=sys.stderr)
@@ -124,44 +209,32 @@ def main() -> int:
     launchers = [x for x in args.launchers.split(",") if x]
     if "mpirun" in launchers and shutil.which("mpirun") is None:
         launchers.remove("mpirun")
-    rows = []
+    rows: list[dict[str, Any]] = []
     port = 29700
     with tempfile.TemporaryDirectory(prefix="rp-doctor-trials-") as tmp:
-        for name, (shape, rate, late, expected) in SCENARIOS.items():
-            if args.only and args.only not in name:
-                continue
-            for launcher in launchers:
-                named, falses, gains, secs = 0, [], [], []
-                for _ in range(args.trials):
+        for trial in range(args.trials):
+            for name, sc in SCENARIOS.items():
+                if args.only and args.only not in name:
+                    continue
+                for launcher in launchers:
                     port += 1
                     t0 = time.time()
                     try:
-                        report = run_trial(shape, rate, late, launcher, args.size, port, Path(tmp))
+                        report = run_trial(sc, launcher, args.size, port, Path(tmp))
+                        ok, false = score(report, sc)
+                        gain = _gain(report, sc)
                     except Exception as exc:  # noqa: BLE001 - a failed trial is scored as missed
                         print(f"  {name} / {launcher}: trial failed: {str(exc)[-600:]}", file=sys.stderr)
-                        falses.append("(trial failed)")
-                        continue
-                    secs.append(time.time() - t0)
-                    ok, false = score(report, expected)
-                    named += ok
-                    falses += false
-                    ms = report.get("allreduce_ms", {})
-                    if f"without {C}" in ms:
-                        gains.append(ms["ring"] / ms[f"without {C}"])
-                    elif expected and "placement" in expected[0] and ms:
-                        best = min(v for k, v in ms.items() if not k.startswith("without"))
-                        gains.append(ms["ring"] / best)
-                    print(f"  {name} / {launcher}: named={ok} false={false} ({time.time() - t0:.0f} s)",
-                          file=sys.stderr, flush=True)
-                rows.append((name, launcher, args.trials, named if expected else "-", len(falses),
-                             sorted(set(falses)), statistics.median(gains) if gains else None,
-                             statistics.median(secs) if secs else 0.0))
-    print("\n| scenario | launcher | trials | named correctly | false accusations | fix measured (ring / fix) "
-          "| s per trial |\n|---|---|---|---|---|---|---|")
-    for name, launcher, n, named, nfalse, falses, gain, secs in rows:
-        what = f"{nfalse}" + (f" ({'; '.join(falses)[:160]})" if falses else "")
-        print(f"| {name} | {launcher} | {n} | {named if named == '-' else f'{named}/{n}'} | {what} | "
-              f"{'-' if gain is None else f'{gain:.1f}x'} | {secs:.0f} |")
+                        ok, false, gain = False, ["(trial failed)"], None
+                    row = {"scenario": name, "launcher": launcher, "trial": trial, "named": ok, "false": false,
+                           "gain": gain, "secs": time.time() - t0, "load": os.getloadavg()[0]}
+                    rows.append(row)
+                    if args.log:
+                        with open(args.log, "a") as f:
+                            f.write(json.dumps(row) + "\n")
+                    print(f"  [{trial}] {name} / {launcher}: named={ok} false={false} ({row['secs']:.0f} s, "
+                          f"load {row['load']:.1f})", file=sys.stderr, flush=True)
+    print("\n" + table(rows))
     return 0
 
 

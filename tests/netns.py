@@ -25,10 +25,12 @@ class Host:
     addr: str
     ifname: str
     hostname: str
+    cpus: str | None = None
 
     def prefix(self) -> list[str]:
-        """Run a command inside this host: own network namespace and own hostname."""
-        return ["ip", "netns", "exec", self.ns, "unshare", "--uts", "sh", "-c",
+        """Run a command inside this host: own network namespace, own hostname, its CPUs (``cpus``) only."""
+        pin = ["taskset", "-c", self.cpus] if self.cpus else []
+        return ["ip", "netns", "exec", self.ns, *pin, "unshare", "--uts", "sh", "-c",
                 f'hostname {self.hostname} && exec "$@"', "sh"]
 
 
@@ -39,7 +41,7 @@ def can_create() -> str | None:
     for tool in ("ip", "unshare"):
         if shutil.which(tool) is None:
             return f"needs the {tool} command (iproute2 / util-linux)"
-    probe = f"rp-probe-{os.getpid()}"
+    probe = f"rpd-probe-{os.getpid()}"
     made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
     if made.returncode != 0:
         return f"cannot create network namespaces here: {made.stderr.strip()}"
@@ -56,8 +58,8 @@ def two_hosts(delay_ms: float = 0.0, rate: str | None = None) -> Iterator[tuple[
     """Yield two hosts joined by a veth link, optionally shaped (``tc netem`` delay, ``tc tbf`` rate)."""
     tag = f"{os.getpid() % 100000}"
     hosts = (
-        Host(f"rp-a-{tag}", "10.213.0.1", f"rpa{tag}", "rp-host-a"),
-        Host(f"rp-b-{tag}", "10.213.0.2", f"rpb{tag}", "rp-host-b"),
+        Host(f"rpd-a-{tag}", "10.213.0.1", f"rpda{tag}", "rp-host-a"),
+        Host(f"rpd-b-{tag}", "10.213.0.2", f"rpdb{tag}", "rp-host-b"),
     )
     try:
         for h in hosts:
@@ -94,16 +96,19 @@ def _tbf(ns: str, dev: str, rate: str) -> list[str]:
 
 
 @contextlib.contextmanager
-def bridged_hosts(count: int = 3, rates: dict[int, str] | None = None) -> Iterator[tuple[Host, ...]]:
+def bridged_hosts(count: int = 3, rates: dict[int, str] | None = None,
+                  cpus: dict[int, str] | None = None) -> Iterator[tuple[Host, ...]]:
     """Yield ``count`` hosts (``rp-host-a``, ``rp-host-b``, ...) joined by a bridge in a switch namespace.
 
     ``rates`` shapes host ``i``'s link in both directions (``{2: "50mbit"}``: host c's egress and
-    the switch's egress towards it), as a slow NIC, cable or switch port would.
+    the switch's egress towards it), as a slow NIC, cable or switch port would. ``cpus``
+    confines what runs on host ``i`` to some CPUs (``{2: "1"}``), as a smaller host would.
     """
     tag = f"{os.getpid() % 100000}"
-    switch = f"rp-sw-{tag}"
+    switch = f"rpd-sw-{tag}"
     letters = "abcdefghij"[:count]
-    hosts = tuple(Host(f"rp-{x}3-{tag}", f"10.213.0.{i + 1}", "eth0", f"rp-host-{x}") for i, x in enumerate(letters))
+    hosts = tuple(Host(f"rpd-{x}3-{tag}", f"10.213.0.{i + 1}", "eth0", f"rp-host-{x}", (cpus or {}).get(i))
+                  for i, x in enumerate(letters))
     made: list[str] = []
     try:
         for ns in (switch, *(h.ns for h in hosts)):
@@ -147,7 +152,7 @@ def mpirun_across(hosts: tuple[Host, ...], argv: list[str], hostfile: Path,
            "--hostfile", str(hostfile), "--mca", "plm_rsh_agent", AGENT, "--mca", "btl", "self,tcp",
            "--mca", "btl_tcp_if_include", subnet, "--mca", "oob_tcp_if_include", subnet,
            "--bind-to", "none", "--tag-output", *argv]
-    env = {"RP_NETNS_MAP": " ".join(f"{h.addr}={h.ns}:{h.hostname}" for h in hosts)}
+    env = {"RP_NETNS_MAP": " ".join(f"{h.addr}={h.ns}:{h.hostname}:{h.cpus or ''}" for h in hosts)}
     return cmd, env
 
 

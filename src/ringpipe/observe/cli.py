@@ -209,6 +209,11 @@ def doctor_main(args: Any) -> int:
     else:
         from ringpipe.comm import init_world, shutdown_world
 
+        if backend == "mpi":
+            # Open MPI's waits spin on a core; with more ranks than cores (a small machine, several
+            # hosts in containers) the spinning ranks then hold the cores that the ranks being
+            # measured need. Yielding while idle costs nothing where every rank has its core.
+            os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
         try:
             comm = init_world(backend)
         except (CommError, EnvironmentError_) as exc:

@@ -79,17 +79,51 @@ def _sequences(job: JobEvents) -> dict[tuple[str, str, int], dict[int, list[tupl
     return calls
 
 
+def _work_between(job: JobEvents, rank: int, lo: int, hi: int, expected: Sequence[tuple[int, int]]) -> float:
+    """Milliseconds ``rank`` spent outside communication and declared expected work in ``[lo, hi]``."""
+    spans = [(max(e.start_ns, lo), min(e.end_ns, hi)) for e in job.ranks[rank].events
+             if "." not in e.op and e.op != EXPECTED_OP and e.start_ns < hi and e.end_ns > lo]
+    spans += [(max(a, lo), min(b, hi)) for a, b in expected if a < hi and b > lo]
+    busy, end = 0, lo
+    for a, b in sorted(spans):
+        if b > end:
+            busy += b - max(a, end)
+            end = b
+    return max(0, hi - lo - busy) / 1e6
+
+
+def _late_finding(job: JobEvents, r: int, what: str, comm: str, evidence: str) -> Finding:
+    host = job.ranks[r].host
+    return Finding(
+        "problem", f"rank {r} (host {host}) arrives late at {what} on {comm}", evidence,
+        f"the network is not the cause: rank {r} does more work between collectives. Look for "
+        "uneven data or model shards, a slower or oversubscribed CPU on its host, data loading "
+        "or file I/O on that rank only (mark work a rank does alone by design with "
+        "ringpipe.observe.expected_work), or other jobs on that host",
+        rank=r, hosts=(host,),
+    )
+
+
 def late_ranks(job: JobEvents, min_calls: int = 5, min_late_ms: float = 1.0, share: float = 0.1) -> list[Finding]:
-    """Ranks that keep entering the same collectives last, from the job's events.
+    """Ranks that keep the others waiting at the same collectives, from the job's events.
 
     The k-th call of an operation of one size on a communicator is the same collective on every
-    rank (ranks call collectives in one order). A rank's arrival is counted without the
-    expected work it declared since its previous call of that sequence. A rank is named when
-    it is the last to arrive in at least 75 % of at least ``min_calls`` calls, by a median of
-    ``min_late_ms`` or more and at least three times the median lateness of the other ranks,
-    and when the time the others waited for it is at least ``share`` of the calls' span (a
-    millisecond of scheduling noise per call is no fault); once per rank, at the sequence where
-    it kept the others waiting longest.
+    rank (ranks call collectives in one order). Two views of the same fault:
+
+    - **arrival**: a rank's arrival is counted without the expected work it declared since its
+      previous call of that sequence. A rank is late when it is the last to arrive in at least
+      75 % of at least ``min_calls`` calls, by a median of ``min_late_ms`` or more and at least
+      three times the median lateness of the other ranks.
+    - **work between calls**: the time a rank spent outside any communication (and outside its
+      declared expected work) since its previous call. Arrival times also carry when each rank
+      left the previous collective, which scheduling scatters on a machine with fewer cores
+      than ranks (MPI ranks that spin while they wait); the work between calls does not. A rank
+      is late when its work is the largest in at least 75 % of the calls, exceeds the others'
+      median by ``min_late_ms`` or more and by at least half of it.
+
+    Either way the time the others waited for it must be at least ``share`` of the calls' span
+    (a millisecond of scheduling noise per call is no fault). Named once per rank, at the
+    sequence where it kept the others waiting longest.
     """
     expected = _expected(job)
     best: dict[int, tuple[float, Finding]] = {}
@@ -101,8 +135,11 @@ def late_ranks(job: JobEvents, min_calls: int = 5, min_late_ms: float = 1.0, sha
         if n < min_calls:
             continue
         late: dict[int, list[float]] = {r: [] for r in ranks}
+        work: dict[int, list[float]] = {r: [] for r in ranks}
         last: Counter[int] = Counter()
+        most: Counter[int] = Counter()
         waited: defaultdict[int, float] = defaultdict(float)
+        worked_over: defaultdict[int, float] = defaultdict(float)
         excused = 0
         for k in range(n):
             arrivals = {}
@@ -110,6 +147,8 @@ def late_ranks(job: JobEvents, min_calls: int = 5, min_late_ms: float = 1.0, sha
                 start = per_rank[r][k][0]
                 since = per_rank[r][k - 1][1] if k else 0
                 arrivals[r] = start - _overlap(expected[r], since, start)
+                if k:
+                    work[r].append(_work_between(job, r, since, start, expected[r]))
             excused += any(arrivals[r] != per_rank[r][k][0] for r in ranks)
             first = min(arrivals.values())
             order = sorted(ranks, key=lambda r: arrivals[r])
@@ -117,28 +156,33 @@ def late_ranks(job: JobEvents, min_calls: int = 5, min_late_ms: float = 1.0, sha
             waited[order[-1]] += (arrivals[order[-1]] - arrivals[order[-2]]) / 1e9
             for r in ranks:
                 late[r].append((arrivals[r] - first) / 1e6)
+            if k:
+                byw = sorted(ranks, key=lambda r: work[r][-1])
+                most[byw[-1]] += 1
+                worked_over[byw[-1]] += (work[byw[-1]][-1] - work[byw[-2]][-1]) / 1e3
         span = (max(per_rank[r][n - 1][1] for r in ranks) - min(per_rank[r][0][0] for r in ranks)) / 1e9
+        what = f"{op} of {human_bytes(nbytes)}" if op != "barrier" else op
+        note = f"; declared expected work discounted in {excused} calls" if excused else ""
         for r in ranks:
             med = statistics.median(late[r])
             others = statistics.median([x for q in ranks if q != r for x in late[q]])
-            costly = waited[r] >= share * span
-            if last[r] >= 0.75 * n and med >= min_late_ms and med >= 3 * others and costly:
-                host = job.ranks[r].host
-                what = f"{op} of {human_bytes(nbytes)}" if op != "barrier" else op
-                f = Finding(
-                    "problem",
-                    f"rank {r} (host {host}) arrives late at {what} on {comm}",
+            if last[r] >= 0.75 * n and med >= min_late_ms and med >= 3 * others and waited[r] >= share * span:
+                f = _late_finding(job, r, what, comm, (
                     f"last to enter in {last[r]} of {n} calls, a median {med:.1f} ms after the first rank "
-                    f"(other ranks: {others:.2f} ms); the others waited {waited[r]:.3f} s for it in total"
-                    + (f"; declared expected work discounted in {excused} calls" if excused else ""),
-                    f"the network is not the cause: rank {r} does more work between collectives. Look for "
-                    "uneven data or model shards, a slower or oversubscribed CPU on its host, data loading "
-                    "or file I/O on that rank only (mark work a rank does alone by design with "
-                    "ringpipe.observe.expected_work), or other jobs on that host",
-                    rank=r, hosts=(host,),
-                )
+                    f"(other ranks: {others:.2f} ms); the others waited {waited[r]:.3f} s for it in total" + note))
                 if r not in best or waited[r] > best[r][0]:
                     best[r] = (waited[r], f)
+                continue
+            mine = statistics.median(work[r])
+            theirs = statistics.median([x for q in ranks if q != r for x in work[q]])
+            if (most[r] >= 0.75 * (n - 1) and mine - theirs >= max(min_late_ms, 0.5 * theirs)
+                    and worked_over[r] >= share * span):
+                f = _late_finding(job, r, what, comm, (
+                    f"between its calls it worked a median {mine:.1f} ms outside communication against {theirs:.1f} "
+                    f"ms for the other ranks (the most in {most[r]} of {n - 1} intervals); the others waited "
+                    f"about {worked_over[r]:.3f} s for it in total" + note))
+                if r not in best or worked_over[r] > best[r][0]:
+                    best[r] = (worked_over[r], f)
     return [best[r][1] for r in sorted(best)]
 
 
@@ -146,21 +190,40 @@ def late_ranks(job: JobEvents, min_calls: int = 5, min_late_ms: float = 1.0, sha
 
 
 def compute_findings(job: JobEvents, slow_factor: float = 1.5, min_ms: float = 2.0) -> list[Finding]:
-    """Ranks whose compute probe took ``slow_factor`` times the median or longer (and ``min_ms`` more)."""
+    """Ranks whose compute probe took ``slow_factor`` times the median or longer (and ``min_ms`` more).
+
+    When every rank of a host (two or more) is slow, the host is named once: its CPUs are slow
+    or busy with other work, which no rank of it can fix alone.
+    """
     times = {r.rank: r.info["compute_ms"] for r in job.ranks if "compute_ms" in r.info}
     if len(times) < 2:
         return []
     med = statistics.median(times.values())
-    return [
+    slow = {r for r, t in times.items() if t >= slow_factor * med and t - med >= min_ms}
+    found: list[Finding] = []
+    for host in dict.fromkeys(job.hosts()):
+        ranks = [r.rank for r in job.ranks if r.host == host]
+        if len(ranks) < 2 or not set(ranks) <= slow or len(ranks) == len(times):
+            continue
+        slow -= set(ranks)
+        found.append(Finding(
+            "problem", f"the ranks of host {host} compute slowly",
+            f"the same matrix products took {', '.join(f'{times[r]:.1f}' for r in ranks)} ms on ranks "
+            f"{ranks} against a median of {med:.1f} ms (each rank timed alone)",
+            f"{host}'s CPUs are shared with other jobs, slower or throttled (top, numactl --show on {host}); "
+            f"move the job's ranks off {host} or stop what else runs there",
+            hosts=(host,),
+        ))
+    return found + [
         Finding(
             "problem",
             f"rank {r} (host {job.ranks[r].host}) computes slowly",
-            f"the same matrix products took {t:.1f} ms against a median of {med:.1f} ms (each rank timed alone)",
+            f"the same matrix products took {times[r]:.1f} ms against a median of {med:.1f} ms (each rank timed alone)",
             "its CPU is shared (other jobs), slower, throttled, or its memory is on another NUMA node "
             "(numactl --show; bind ranks with mpirun --bind-to core --map-by socket)",
             rank=r, hosts=(job.ranks[r].host,),
         )
-        for r, t in sorted(times.items()) if t >= slow_factor * med and t - med >= min_ms
+        for r in sorted(slow)
     ]
 
 

@@ -29,19 +29,25 @@ _PROBE_TAG = 7_100_000
 _QUIET_TAG = 7_100_001
 
 
-def _quiet(comm: Communicator, work: Work, longest: float = 0.01) -> None:
+def _quiet(comm: Communicator, work: Work, longest: float = 0.01, spin: float = 0.0) -> None:
     """Wait for ``work`` without spinning: MPI's blocking wait polls a core, so poll it with sleeps.
 
     The pause doubles up to ``longest`` (seven waiting ranks polling every half millisecond
-    would take a good part of a small machine's cores themselves). c10d's waits block in the
-    kernel already (and gloo's receive reports completion only to ``wait``), so there the plain
-    wait is the quiet one.
+    would take a good part of a small machine's cores themselves); ``spin``: seconds of plain
+    polling first (a transfer about to end is not delayed by a sleep). A process that wakes
+    from a sleep is scheduled promptly, one that spins competes for the core with every other
+    runnable process: on a machine with fewer cores than ranks, MPI's spinning waits made a
+    transfer read tens of times slower than it is. c10d's waits block in the kernel already
+    (and gloo's receive reports completion only to ``wait``), so there the plain wait is the
+    quiet one.
     """
     if comm.backend == "mpi":
-        pause = 0.0002
+        pause = 0.00002
+        until = time.perf_counter() + spin
         while not work.is_completed():
-            time.sleep(pause)
-            pause = min(2 * pause, longest)
+            if time.perf_counter() >= until:
+                time.sleep(pause)
+                pause = min(2 * pause, longest)
     work.wait()
 
 
@@ -73,16 +79,13 @@ def probe_pairs(hosts: list[str], all_pairs: bool) -> list[tuple[int, int]]:
 
 
 def _pingpong(comm: Communicator, peer: int, buf: torch.Tensor, reps: int, first: bool) -> list[float]:
-    """One-way times (s) of ``reps`` round trips of ``buf`` with ``peer``."""
+    """One-way times (s) of ``reps`` round trips of ``buf`` with ``peer`` (quiet waits under MPI)."""
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        if first:
-            comm.send(buf, peer, _PROBE_TAG)
-            comm.recv(buf, peer, _PROBE_TAG)
-        else:
-            comm.recv(buf, peer, _PROBE_TAG)
-            comm.send(buf, peer, _PROBE_TAG)
+        for sending in ((True, False) if first else (False, True)):
+            work = comm.isend(buf, peer, _PROBE_TAG) if sending else comm.irecv(buf, peer, _PROBE_TAG)
+            _quiet(comm, work, longest=0.0002, spin=0.0003)
         times.append((time.perf_counter() - t0) / 2)
     return times
 
