@@ -34,6 +34,8 @@ __all__ = ["die_with_parent", "rank_environment", "redirect_output", "run_progra
 
 #: Directory of the launcher's output pipes and failure records (set by the launcher).
 LAUNCH_DIR = "RINGPIPE_LAUNCH_DIR"
+#: Ranks per host of a several-host launch, in host order ("4,2,2"; set by the launcher).
+PLACEMENT = "RINGPIPE_LAUNCH_PLACEMENT"
 
 
 def die_with_parent(parent: int | None = None, poll_s: float = 0.5) -> None:
@@ -78,9 +80,9 @@ def rank_environment(env: Mapping[str, str]) -> dict[str, str]:
     ``PMI_*``); from either, every mode ends with the same contract: ``RANK``, ``WORLD_SIZE``,
     ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK`` (the node's index) and, as horovodrun
     exports them, ``HOROVOD_RANK``, ``HOROVOD_SIZE``, ``HOROVOD_LOCAL_RANK``,
-    ``HOROVOD_LOCAL_SIZE``, ``HOROVOD_CROSS_RANK`` (the node's index among the nodes, for ranks
-    of the same local rank) and ``HOROVOD_CROSS_SIZE`` (the number of nodes). Variables already
-    set are kept.
+    ``HOROVOD_LOCAL_SIZE``, ``HOROVOD_CROSS_RANK`` (the node's index among the nodes that hold
+    this local rank) and ``HOROVOD_CROSS_SIZE`` (the number of those nodes; every node when each
+    holds the same number of ranks). Variables already set are kept.
     """
     rank = _first(env, ["RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"])
     size = _first(env, ["WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"])
@@ -95,6 +97,16 @@ def rank_environment(env: Mapping[str, str]) -> dict[str, str]:
     # ranks placed by slot (as ringpipe launch and horovodrun place them) the node is rank // local size.
     node = _first(env, ["GROUP_RANK"]) or str(int(rank) // max(1, int(local_size)))
     nodes = str(max(int(node) + 1, -(-int(size) // max(1, int(local_size)))))
+    cross_rank, cross_size = node, nodes
+    counts = [int(c) for c in env.get(PLACEMENT, "").split(",") if c.strip().isdigit()]
+    if counts and sum(counts) == int(size):  # a several-host launch: the exact placement is known
+        starts = [sum(counts[:i]) for i in range(len(counts))]
+        host = max(i for i, start in enumerate(starts) if start <= int(rank))
+        count, local = counts[host], int(rank) - starts[host]
+        node, nodes, local_rank, local_size = str(host), str(len(counts)), str(local), str(count)
+        # Horovod's cross rank and size: among the hosts that hold this local rank (hosts.py's rule).
+        cross_rank = str(sum(1 for c in counts[:host] if c > local))
+        cross_size = str(sum(1 for c in counts if c > local))
     values = {
         "RANK": rank,
         "WORLD_SIZE": size,
@@ -105,8 +117,8 @@ def rank_environment(env: Mapping[str, str]) -> dict[str, str]:
         "HOROVOD_SIZE": size,
         "HOROVOD_LOCAL_RANK": local_rank,
         "HOROVOD_LOCAL_SIZE": local_size,
-        "HOROVOD_CROSS_RANK": node,
-        "HOROVOD_CROSS_SIZE": nodes,
+        "HOROVOD_CROSS_RANK": cross_rank,
+        "HOROVOD_CROSS_SIZE": cross_size,
     }
     return {k: v for k, v in values.items() if not env.get(k, "").strip()}
 

@@ -21,6 +21,7 @@ import subprocess
 import sys
 
 from ringpipe.launch import runners
+from ringpipe.launch.bootstrap import PLACEMENT
 from ringpipe.launch.hosts import is_local
 from ringpipe.launch.options import LaunchOptions
 from ringpipe.launch.relay import Failure, last_error, lost_peer, report_failures
@@ -123,7 +124,7 @@ def run_mpi_hosts(opts: LaunchOptions) -> int:
     port = opts.master_port or (found[first] if isinstance(found.get(first), int) else runners.free_port(""))
     env = forwarded_env(opts)
     env.update({"RINGPIPE_BACKEND": "mpi", "MASTER_ADDR": _node0_address(placement), "MASTER_PORT": str(port),
-                "PYTHONUNBUFFERED": "1"})
+                "PYTHONUNBUFFERED": "1", PLACEMENT: ",".join(str(n) for _, n in placement.hosts)})
     cmd = mpirun_hosts_command(opts, env)
     print(f"ringpipe launch: {placement.size} MPI ranks on {len(placement.hosts)} hosts ({placement.describe()})",
           file=sys.stderr, flush=True)

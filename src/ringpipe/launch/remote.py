@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from ringpipe.launch.bootstrap import PLACEMENT
 from ringpipe.launch.hosts import Placement, is_local
 from ringpipe.launch.options import LaunchOptions
 
@@ -224,7 +225,8 @@ def run_hosts(opts: LaunchOptions) -> int:
     sigterm = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         for i, host in enumerate(hosts):
-            host_env = {**env, FIRST_RANK: str(placement.first_rank(i)), STDIN_EOF: "1"}
+            host_env = {**env, FIRST_RANK: str(placement.first_rank(i)), STDIN_EOF: "1",
+                        PLACEMENT: ",".join(str(n) for _, n in placement.hosts)}
             command = _host_command(opts, placement, i, endpoint)
             if host in remote:
                 exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(host_env.items()))
