@@ -146,13 +146,15 @@ def data(args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(args.batch, args.width, generator=g), torch.randint(0, 10, (args.batch,), generator=g)
 
 
-def timed(comm: Any, warmup: Callable[[], None], work: Callable[[], None]) -> float:
+def timed(comm: Any, warmup: Callable[[], None], work: Callable[[], None]) -> tuple[float, float]:
+    """Wall-clock seconds of ``work`` between two barriers, and this process's CPU seconds in it."""
     warmup()
     comm.barrier()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     work()
+    c1 = time.process_time()
     comm.barrier()
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, c1 - c0
 
 
 def ringpipe_run(comm: Any, args: argparse.Namespace, schedule: str, recompute: bool = False) -> dict[str, Any]:
@@ -183,14 +185,15 @@ def ringpipe_run(comm: Any, args: argparse.Namespace, schedule: str, recompute: 
     try:
         with meter.hooks():
             if is_async:
-                dt = timed(comm, lambda: t.train_stream((feed for _ in range(args.warmup)), args.warmup),
+                dt, cpu = timed(comm, lambda: t.train_stream((feed for _ in range(args.warmup)), args.warmup),
                            lambda: t.train_stream((feed for _ in range(args.steps)), args.steps))
             else:
-                dt = timed(comm, lambda: [t.train_step(*feed) for _ in range(args.warmup)],  # type: ignore[func-returns-value]
+                dt, cpu = timed(comm, lambda: [t.train_step(*feed) for _ in range(args.warmup)],  # type: ignore[func-returns-value]
                            lambda: [t.train_step(*feed) for _ in range(args.steps)])  # type: ignore[func-returns-value]
     finally:
         stage_mod.live_weights = orig_live  # type: ignore[assignment]
-    return {"samples_per_s": args.steps * args.batch / dt, "peak_act_mib": meter.peak / 2**20,
+    return {"samples_per_s": args.steps * args.batch / dt, "cpu_ms_per_step": 1e3 * cpu / args.steps,
+            "peak_act_mib": meter.peak / 2**20,
             **describe([rt.module], layers)}
 
 
@@ -222,9 +225,10 @@ def torch_run(comm: Any, args: argparse.Namespace, name: str) -> dict[str, Any]:
         opt.step()
 
     with meter.hooks():
-        dt = timed(comm, lambda: [step() for _ in range(args.warmup)],  # type: ignore[func-returns-value]
+        dt, cpu = timed(comm, lambda: [step() for _ in range(args.warmup)],  # type: ignore[func-returns-value]
                    lambda: [step() for _ in range(args.steps)])  # type: ignore[func-returns-value]
-    return {"samples_per_s": args.steps * args.batch / dt, "peak_act_mib": meter.peak / 2**20, "ops": list(log),
+    return {"samples_per_s": args.steps * args.batch / dt, "cpu_ms_per_step": 1e3 * cpu / args.steps,
+            "peak_act_mib": meter.peak / 2**20, "ops": list(log),
             "chunks": len(split.chunks), **describe(mods, layers)}
 
 
@@ -259,25 +263,35 @@ def variants(args: argparse.Namespace, torch_ok: Sequence[str]) -> dict[str, Cal
     return out
 
 
-def worker(comm: Any, args: argparse.Namespace, torch_ok: Sequence[str], only: str | None) -> dict[str, list[dict]]:
+def worker(comm: Any, args: argparse.Namespace, torch_ok: Sequence[str], only: Sequence[str] | None) -> dict[str, list[dict]]:
     torch.set_num_threads(1)
     table = variants(args, torch_ok)
-    names = [only] if only else list(table)
+    names = list(only) if only else list(table)
+    unknown = sorted(set(names) - set(table))
+    if unknown:
+        raise SystemExit(f"unknown variants {unknown}; valid: {sorted(table)}")
     out: dict[str, list[dict]] = {n: [] for n in names}
-    for block in range(1 if only else args.repeats):
+    for block in range(args.repeats):
         k = block % len(names)
         for n in names[k:] + names[:k]:  # rotated so no variant always runs first or after the same one
-            out[n].append(table[n](comm))
+            if args.profile:
+                import cProfile
+
+                prof = cProfile.Profile()
+                out[n].append(prof.runcall(table[n], comm))
+                prof.dump_stats(os.path.join(args.profile, f"{n.replace(' ', '_')}.rank{comm.rank}.prof"))
+            else:
+                out[n].append(table[n](comm))
     return out
 
 
 def probe_torch(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
     """Which torch schedules run here (a failing one would leave its peer waiting in the real run)."""
-    small = argparse.Namespace(**{**vars(args), "steps": 1, "warmup": 0})
+    small = argparse.Namespace(**{**vars(args), "steps": 1, "warmup": 0, "repeats": 1, "profile": None})
     ok, failed = [], {}
     for name in TORCH_SCHEDULES:
         try:
-            spawn(worker, 2, args=(small, [name], f"torch {name}"), env={"OMP_NUM_THREADS": "1"})
+            spawn(worker, 2, args=(small, [name], [f"torch {name}"]), env={"OMP_NUM_THREADS": "1"})
             ok.append(name)
         except Exception as exc:  # noqa: BLE001 - report any failure of torch's schedule, then go on
             failed[name] = " ".join(str(exc).split())[:300]
@@ -311,7 +325,8 @@ def report(args: argparse.Namespace, r0: dict[str, list[dict]], r1: dict[str, li
           f"gloo, 2 processes x 1 thread; load average before/after {args.load_before} / {load[0]:.2f}")
     print(f"# MLP width {args.width}, {args.blocks} blocks + head, batch {args.batch}, {args.microbatches} "
           f"micro-batches, SGD, {args.warmup} warm-up + {args.steps} timed steps, {args.repeats} blocks")
-    ref = (r0["ringpipe 1f1b"][0], r1["ringpipe 1f1b"][0])
+    ref = (Split.make(len(make_layers(1, args.blocks)), args.blocks, "flat"), make_layers(args.width, args.blocks))
+    ref = tuple(describe([nn.Sequential(*(ref[1][i] for i in c))], ref[1]) for c in ref[0].chunks)
     layouts: dict[str, list[str]] = {}
     equal: dict[str, bool] = {}
     for name in r0:
@@ -327,12 +342,15 @@ def report(args: argparse.Namespace, r0: dict[str, list[dict]], r1: dict[str, li
         print(f"- {', '.join(names)}: {key}")
     th = theory(args, r0, r1)
     med = {n: statistics.median(r["samples_per_s"] for r in v) for n, v in r0.items()}
-    print("\n| variant | samples/s median | spread (min-max) | bubble (schedule) | time/step (schedule, units) | peak act. MiB rank 0 / 1 |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("\n| variant | samples/s median | spread (min-max) | CPU ms/step rank 0 / 1 | bubble (schedule) "
+          "| time/step (schedule, units) | peak act. MiB rank 0 / 1 |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for n, v in r0.items():
         xs = [r["samples_per_s"] for r in v]
         b, per_step = th.get(n, (float("nan"), float("nan")))
+        cpu = [statistics.median(r["cpu_ms_per_step"] for r in res[n]) for res in (r0, r1)]
         print(f"| {n} | {med[n]:.0f} | {min(xs):.0f}-{max(xs):.0f} ({(max(xs) - min(xs)) / med[n]:.0%}) | "
+              f"{cpu[0]:.0f} / {cpu[1]:.0f} | "
               f"{b:.3f} | {per_step:.2f} | {v[0]['peak_act_mib']:.2f} / {r1[n][0]['peak_act_mib']:.2f} |")
     for name, why in failed.items():
         print(f"| torch {name} | failed: {why} | | | | |")
@@ -348,13 +366,14 @@ def report(args: argparse.Namespace, r0: dict[str, list[dict]], r1: dict[str, li
     sync_r = [n for n in r0 if n.startswith("ringpipe") and "async" not in n and "+" not in n]
     sync_t = [n for n in r0 if n.startswith("torch")]
     print()
-    if sync_t:
+    if sync_t and sync_r:
         best_r, best_t = max(sync_r, key=med.__getitem__), max(sync_t, key=med.__getitem__)
         print("- best synchronous: " + ratio(best_r, best_t))
         for s in ("gpipe", "1f1b"):
-            if f"torch {s}" in r0:
+            if f"torch {s}" in r0 and f"ringpipe {s}" in r0:
                 print("- same schedule: " + ratio(f"ringpipe {s}", f"torch {s}"))
-    print("- " + ratio("ringpipe async_1f1b", "ringpipe 1f1b"))
+    if "ringpipe async_1f1b" in r0 and "ringpipe 1f1b" in r0:
+        print("- " + ratio("ringpipe async_1f1b", "ringpipe 1f1b"))
 
 
 def main() -> None:
@@ -366,17 +385,18 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=5, help="blocks: every variant runs once per block")
-    ap.add_argument("--only", help="run one variant (e.g. 'ringpipe async_1f1b') once, for profiling")
+    ap.add_argument("--only", help="comma-separated variants to run (e.g. 'ringpipe async_1f1b,ringpipe 1f1b')")
+    ap.add_argument("--profile", metavar="DIR", help="write each rank's cProfile statistics of each run to DIR")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     args.load_before = f"{os.getloadavg()[0]:.2f}"
     env = {"OMP_NUM_THREADS": "1"}
-    if args.only:
-        ok = [args.only.split()[1]] if args.only.startswith("torch") else []
-        print(json.dumps(spawn(worker, 2, args=(args, ok, args.only), env=env)[0], default=str)[:2000])
-        return
-    ok, failed = probe_torch(args)
-    r0, r1 = spawn(worker, 2, args=(args, ok, None), env=env)
+    only = [v.strip() for v in args.only.split(",")] if args.only else None
+    if only:
+        ok, failed = [v.split()[1] for v in only if v.startswith("torch ")], {}
+    else:
+        ok, failed = probe_torch(args)
+    r0, r1 = spawn(worker, 2, args=(args, ok, only), env=env)
     if args.json:
         print(json.dumps({"rank0": r0, "rank1": r1, "failed": failed}, default=str))
         return
