@@ -12,8 +12,8 @@ Same data, batch, micro-batches, SGD optimizer, one thread per process, warm-up.
 run in blocks (every variant once per block, the order rotated from block to block) so that
 drift of a shared machine falls on all of them; the median and the spread over blocks are
 reported, and the ratios are medians of the per-block ratios. Peak activation memory is
-measured the same way on both sides: live bytes of the tensors autograd saves for backward
-(a saved-tensors hook; tensors living in a parameter's storage are not activations) plus the
+measured the same way on both sides: live bytes of the storages autograd saves for backward
+(a saved-tensors hook; each storage counted once, a parameter's storage not at all) plus the
 stage inputs ringpipe keeps for recomputation, peak over the run, per rank. Next to the
 measured figures: the bubble fraction and the time per step the schedules imply, computed
 from their action lists (``schedule_timing.py``: F = 1, B = 2, I = W = 1 per stage).
@@ -56,7 +56,7 @@ TORCH_SCHEDULES = {  # name -> (class name, chunk layout)
     "zbv": ("ScheduleZBVZeroBubble", "v"),
 }
 RINGPIPE_SYNC = ["seq", "gpipe", "1f1b"]
-RINGPIPE_NEW = ["interleaved_1f1b", "zb_h1", "zbh1"]  # run when the installed ringpipe registers them
+RINGPIPE_NEW = {"interleaved_1f1b": "loop", "zb_h1": "flat"}  # run when the installed ringpipe registers them
 
 
 def make_layers(width: int, blocks: int) -> list[nn.Module]:
@@ -111,21 +111,28 @@ class ActivationMeter:
     def __init__(self, params: Sequence[torch.Tensor]) -> None:
         self.weights = {p.untyped_storage().data_ptr() for p in params}
         self.live = self.kept = self.peak = 0
+        self.refs: dict[int, int] = {}  # storage -> saved tensors holding it (a storage counts once)
 
     def pack(self, t: torch.Tensor, inner: Any = None) -> Any:
         meter = self
-        n = 0 if t.untyped_storage().data_ptr() in self.weights else t.numel() * t.element_size()
+        ptr = t.untyped_storage().data_ptr()
+        n = 0 if ptr in self.weights else t.untyped_storage().nbytes()
 
         class Held:
             __slots__ = ("v",)
 
             def __init__(self, v: Any) -> None:
                 self.v = v
-                meter.live += n
-                meter.peak = max(meter.peak, meter.live + meter.kept)
+                meter.refs[ptr] = meter.refs.get(ptr, 0) + 1
+                if meter.refs[ptr] == 1:
+                    meter.live += n
+                    meter.peak = max(meter.peak, meter.live + meter.kept)
 
             def __del__(self) -> None:
-                meter.live -= n
+                meter.refs[ptr] -= 1
+                if not meter.refs[ptr]:
+                    del meter.refs[ptr]
+                    meter.live -= n
 
         return Held(t if inner is None else inner(t))
 
@@ -159,18 +166,21 @@ def timed(comm: Any, warmup: Callable[[], None], work: Callable[[], None]) -> tu
 
 def ringpipe_run(comm: Any, args: argparse.Namespace, schedule: str, recompute: bool = False) -> dict[str, Any]:
     layers = make_layers(args.width, args.blocks)
-    split = Split.make(len(layers), args.blocks, "flat")
+    layout = RINGPIPE_NEW.get(schedule, "flat")
+    split = Split.make(len(layers), args.blocks, layout)
     is_async = schedule == "async"
+    extra: dict[str, Any] = {"chunks": 2} if layout == "loop" else {}
     t = PipelineTrainer(
         comm, layers, balance=split.balance(), schedule=schedule, microbatches=args.microbatches,
         optimizer_factory=lambda ps: torch.optim.SGD(ps, lr=0.01),
         loss_fn=nn.functional.cross_entropy, recompute=recompute,
-        step_every=args.microbatches if is_async else 1,
+        step_every=args.microbatches if is_async else 1, **extra,
     )
     rt = t.runtime
+    mods = [r.module for r in getattr(t, "runtimes", [rt])]
     x, y = data(args)
     feed = (x if t.is_first else None, y if t.is_last else None)
-    meter = ActivationMeter(list(rt.module.parameters()))
+    meter = ActivationMeter([p for m in mods for p in m.parameters()])
     if recompute:
         orig_fwd = rt.forward
 
@@ -193,8 +203,7 @@ def ringpipe_run(comm: Any, args: argparse.Namespace, schedule: str, recompute: 
     finally:
         stage_mod.live_weights = orig_live  # type: ignore[assignment]
     return {"samples_per_s": args.steps * args.batch / dt, "cpu_ms_per_step": 1e3 * cpu / args.steps,
-            "peak_act_mib": meter.peak / 2**20,
-            **describe([rt.module], layers)}
+            "peak_act_mib": meter.peak / 2**20, **describe(mods, layers)}
 
 
 def torch_run(comm: Any, args: argparse.Namespace, name: str) -> dict[str, Any]:
@@ -311,6 +320,9 @@ def theory(args: argparse.Namespace, r0: dict[str, list[dict]], r1: dict[str, li
         elif sched == "async_1f1b":
             tm = simulate(ringpipe_ops([async_1f1b(2, m * t, s, m) for s in range(2)]), 2)
             steps = t
+        elif sched == "interleaved_1f1b":
+            tm = simulate(ringpipe_ops([get_schedule(sched)(2, m, s, 2) for s in range(2)]), 4, chunks_per_rank=2)
+            steps = 1
         else:
             tm = simulate(ringpipe_ops([get_schedule(sched)(2, m, s) for s in range(2)]), 2)
             steps = 1

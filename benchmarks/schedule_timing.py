@@ -86,11 +86,20 @@ def _deps(op: Op, num_chunks: int) -> list[tuple[tuple[int, str, int], ...]]:
 
 
 def ringpipe_ops(actions_per_stage: Sequence[Sequence[object]]) -> dict[int, list[Op]]:
-    """ringpipe's per-stage action lists (``F``/``B``/``S``, one chunk per rank) as ops."""
-    return {
-        s: [Op(s, a.kind, a.mb) for a in acts if a.kind != "S"]  # type: ignore[attr-defined]
-        for s, acts in enumerate(actions_per_stage)
-    }
+    """ringpipe's per-stage action lists as ops.
+
+    A rank's chunk ``c`` holds part ``c * stages + stage`` of the model (interleaved 1F1B);
+    in a list with ``W`` actions, ``B`` is the input-gradient half only (``I`` here).
+    """
+    n = len(actions_per_stage)
+    out: dict[int, list[Op]] = {}
+    for s, acts in enumerate(actions_per_stage):
+        split = any(a.kind == "W" for a in acts)  # type: ignore[attr-defined]
+        out[s] = [
+            Op(getattr(a, "chunk", 0) * n + s, "I" if split and a.kind == "B" else a.kind, a.mb)  # type: ignore[attr-defined]
+            for a in acts if a.kind != "S"  # type: ignore[attr-defined]
+        ]
+    return out
 
 
 def torch_ops(pipeline_order: Mapping[int, Sequence[object]]) -> dict[int, list[Op]]:
