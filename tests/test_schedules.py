@@ -110,3 +110,88 @@ def test_async_order_matches_simulator(stages, mbs, step_every):
 
 def test_action_str():
     assert str(Action("F", 3)) == "F3" and str(Action("S")) == "S"
+
+
+# ---------------------------------------------------------------- interleaved 1F1B and ZB-H1
+
+NEW_SHAPES = [(2, 2), (2, 4), (2, 8), (3, 3), (3, 6), (4, 4), (4, 8), (4, 12)]
+
+
+def _per_stage(name, stages, mbs, **kw):
+    return [get_schedule(name)(stages, mbs, s, **kw) for s in range(stages)]
+
+
+@pytest.mark.parametrize("chunks", [1, 2, 3, 4])
+@pytest.mark.parametrize(("stages", "mbs"), NEW_SHAPES)
+def test_interleaved_runs_every_chunk_of_every_microbatch_in_a_legal_order(stages, mbs, chunks):
+    per_stage = _per_stage("interleaved_1f1b", stages, mbs, chunks=chunks)
+    validate_pipeline(per_stage, mbs)  # deadlock-free, same message order on both sides of every boundary
+    for acts in per_stage:
+        assert acts[-1] == Action("S") and sum(a.kind == "S" for a in acts) == 1
+        for c in range(chunks):
+            fwd = [a.mb for a in acts if a.kind == "F" and a.chunk == c]
+            bwd = [a.mb for a in acts if a.kind == "B" and a.chunk == c]
+            assert sorted(fwd) == list(range(mbs)) and sorted(bwd) == list(range(mbs))
+            for m in range(mbs):
+                assert acts.index(Action("F", m, c)) < acts.index(Action("B", m, c))
+        # a micro-batch's backward walks the chunks in reverse: chunk c+1's B before chunk c's
+        for m in range(mbs):
+            for c in range(chunks - 1):
+                assert acts.index(Action("B", m, c + 1)) < acts.index(Action("B", m, c))
+
+
+def test_interleaved_with_one_chunk_is_1f1b_and_refuses_uneven_groups():
+    for s in range(3):
+        assert get_schedule("interleaved_1f1b")(3, 5, s, chunks=1) == get_schedule("1f1b")(3, 5, s)
+    with pytest.raises(ScheduleError, match=r"multiple of stages \(4\).*use 8 micro-batches"):
+        get_schedule("interleaved_1f1b")(4, 6, 0)
+    with pytest.raises(ScheduleError, match="chunks must be >= 1"):
+        get_schedule("interleaved_1f1b")(2, 4, 0, chunks=0)
+
+
+def test_interleaved_text_form():
+    # Megatron-LM's order for 2 ranks, 2 chunks, 4 micro-batches: 2*(2-0-1) + (2-1)*2 = 4 warm-up forwards
+    assert format_actions(get_schedule("interleaved_1f1b")(2, 4, 0)) == (
+        "F0 F1 F0.1 F1.1 F2 B0.1 F3 B1.1 F2.1 B0 F3.1 B1 B2.1 B3.1 B2 B3 S"
+    )
+    text = "F0 F0.1 B0.1 W0.1 B0 W0 S"
+    assert format_actions(parse(text)) == text
+    assert parse("F2.0") == [Action("F", 2)]
+
+
+@pytest.mark.parametrize(("stages", "mbs"), NEW_SHAPES + [(1, 3), (3, 1), (4, 2), (5, 7)])
+def test_zb_h1_splits_every_backward_in_a_legal_order(stages, mbs):
+    per_stage = _per_stage("zb_h1", stages, mbs)
+    validate_pipeline(per_stage, mbs)
+    for s, acts in enumerate(per_stage):
+        for m in range(mbs):
+            f, b, w = (acts.index(Action(k, m)) for k in "FBW")
+            assert f < b < w < len(acts) - 1  # F, then B, then W, all before the step
+        assert acts[-1] == Action("S") and sum(a.kind == "S" for a in acts) == 1
+        # F and B in 1F1B's order: only where the W passes go differs
+        assert [a for a in acts if a.kind in "FB"] == [a for a in get_schedule("1f1b")(stages, mbs, s) if a.kind in "FB"]
+
+
+@pytest.mark.parametrize(("stages", "mbs"), NEW_SHAPES + [(4, 2), (5, 7)])
+def test_zb_h1_holds_no_more_activations_than_1f1b(stages, mbs):
+    zb, ofob = _per_stage("zb_h1", stages, mbs), _per_stage("1f1b", stages, mbs)
+    # the pipeline's peak (the first stage of 1F1B holds min(stages, microbatches) micro-batches)
+    assert max(max_in_flight(a) for a in zb) == max(max_in_flight(a) for a in ofob) == min(stages, mbs)
+    for acts in zb:  # counted by hand: from F to W
+        live = peak = 0
+        for a in acts:
+            live += (a.kind == "F") - (a.kind == "W")
+            peak = max(peak, live)
+        assert peak <= min(stages, mbs)
+
+
+def test_validator_rejects_bad_split_backwards_and_chunks():
+    with pytest.raises(ScheduleError, match="weight-gradient pass of micro-batch 0 before its backward"):
+        validate(parse("F0 W0 B0 S"), 1)
+    with pytest.raises(ScheduleError, match=r"micro-batches \[1\] of chunk 0 have no weight-gradient pass"):
+        validate(parse("F0 F1 B0 W0 B1 S"), 2)
+    with pytest.raises(ScheduleError, match="uses chunks"):
+        validate(parse("F0 F0.2 B0.2 B0 S"), 1)
+    with pytest.raises(ScheduleError, match="forwards in different orders"):
+        validate_pipeline([parse("F0 F1 F0.1 F1.1 B0.1 B1.1 B0 B1 S"),
+                           parse("F0 F1 F1.1 F0.1 B0.1 B1.1 B0 B1 S")], 2)
