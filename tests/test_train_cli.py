@@ -155,15 +155,15 @@ def dp_run(tmp_path_factory):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("mode", ["single", "ddp"])
-def test_resume_with_another_mode_names_the_checkpoint_mode(dp_run, mode, capsys):
+@pytest.mark.parametrize("mode", ["gpipe", "1f1b"])
+def test_resume_in_a_pipeline_mode_names_the_checkpoint_mode(dp_run, mode, capsys):
     """The saved config's dp section is not blamed: the mode that differs from the checkpoint's is."""
     before = _files(dp_run)
     rc, _, _ = train(dp_run, "--resume", "--mode", mode)
     err = capsys.readouterr().err
     assert rc == 1
-    assert "written by mode 'dp' on 2 ranks" in err and f"this run is mode {mode!r} on {1 if mode == 'single' else 2}" in err
-    assert "resume with the same mode" in err and "dp section" not in err
+    assert f"written by mode 'dp' on 2 ranks; this run is mode {mode!r} on 2" in err
+    assert "continues only in a data-parallel mode" in err and "--mode dp" in err and "dp section" not in err
     assert _files(dp_run) == before
 
 

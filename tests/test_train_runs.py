@@ -91,13 +91,13 @@ def test_resume_equals_uninterrupted(tmp_path, mode, nprocs):
 
 
 def test_failed_resume_keeps_saved_config(tmp_path, capsys):
-    """A refused --resume (another mode) leaves config.yaml as it was, so a later resume still works."""
+    """A refused --resume (a pipeline mode) leaves config.yaml as it was, so a later resume still works."""
     run = tmp_path / "run"
     rc, cut, _ = train(run, *sets([*TINY, "mode=single", "max_steps=3"]))
     assert rc == 0 and not cut["complete"]
     saved = (run / "config.yaml").read_text()
     capsys.readouterr()
-    rc, _, _ = train(run, "--resume", "--mode", "dp")
+    rc, _, _ = train(run, "--resume", "--mode", "gpipe")
     assert rc == 1 and "mode 'single'" in capsys.readouterr().err
     assert (run / "config.yaml").read_text() == saved
     rc, resumed, _ = train(run, "--resume", "--set", "max_steps=null")

@@ -39,7 +39,6 @@ __all__ = [
     "resume_checkpoint",
     "set_aside",
     "remove_stale_temporaries",
-    "world_mismatch",
 ]
 
 log = logging.getLogger(__name__)
@@ -248,13 +247,3 @@ def set_aside(path: Path, reason: str) -> Path:
         os.replace(path, target)
     log.warning("%s; moved aside to %s", reason, target.name)
     return target
-
-
-def world_mismatch(path: str | Path, ckpt: dict[str, Any], mode: str, world_size: int) -> str:
-    """Why a run of ``mode`` on ``world_size`` ranks cannot continue checkpoint ``ckpt`` ("" if it can)."""
-    if ckpt["mode"] == mode and ckpt["world_size"] == world_size:
-        return ""
-    return (
-        f"--resume: {path} was written by mode {ckpt['mode']!r} on {ckpt['world_size']} ranks; "
-        f"this run is mode {mode!r} on {world_size}: resume with the same mode and number of processes"
-    )

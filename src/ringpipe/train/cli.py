@@ -101,6 +101,10 @@ def _build_config(args: argparse.Namespace, run_dir: Path | None, header: dict[s
     if args.resume and args.config is None and run_dir is not None and (run_dir / "config.yaml").is_file():
         base = read_file(run_dir / "config.yaml")
     raw = resolve_raw(args.config, overrides, base=base)
+    if base is not None and raw.get("mode") != base.get("mode"):
+        # Resumed in another mode: the saved config's mode-specific keys are not carried over.
+        base = {k: v for k, v in base.items() if k not in ("dp", "pipeline", "nprocs")}
+        raw = resolve_raw(args.config, overrides, base=base)
     env_backend = os.environ.get("RINGPIPE_BACKEND")
     if env_backend and args.backend is None and "backend" not in raw:
         raw = {**raw, "backend": env_backend}
@@ -110,17 +114,16 @@ def _build_config(args: argparse.Namespace, run_dir: Path | None, header: dict[s
 
 
 def _check_resume_world(header: dict[str, Any], raw: dict[str, Any]) -> None:
-    """Refuse to resume a checkpoint with another mode or number of processes than it was written with."""
-    from ringpipe.env import detect
-    from ringpipe.train.checkpoint import CheckpointError, world_mismatch
+    """Refuse to resume a checkpoint in a mode or on a number of processes it cannot continue on."""
+    from ringpipe.train.checkpoint import CheckpointError
+    from ringpipe.train.resize import resume_refusal
 
     mode = raw.get("mode", TrainConfig.model_fields["mode"].default)
     nprocs = raw.get("nprocs", TrainConfig.model_fields["nprocs"].default)
     if not isinstance(mode, str) or not isinstance(nprocs, int):
         return  # validation names the bad value
-    topology = detect()
-    world = topology.size if topology.launcher != "single" else 1 if mode == "single" else nprocs
-    error = world_mismatch(header["path"], header, mode, world)
+    world = _resume_world(mode, nprocs)
+    error = resume_refusal(header["path"], header, mode, world)
     if error:
         raise CheckpointError(error)
 
@@ -128,11 +131,26 @@ def _check_resume_world(header: dict[str, Any], raw: dict[str, Any]) -> None:
 def _nothing_left(header: dict[str, Any], cfg: TrainConfig, run_dir: Path) -> str:
     """Why resuming checkpoint ``header`` with ``cfg`` would train no step ("" if it would)."""
     from ringpipe.train.loop import nothing_to_resume
+    from ringpipe.train.resize import DATA_PARALLEL_MODES, samples_seen, total_steps_from
 
     records, replicas = header.get("records"), header.get("replicas")
     if not records or not replicas:
         return ""  # a checkpoint that does not say: the ranks check it after loading the data
-    return nothing_to_resume(run_dir, int(header["step"]), cfg.total_steps(records, replicas), cfg.max_steps)
+    step, samples = int(header["step"]), samples_seen(header, replicas)
+    if cfg.mode in DATA_PARALLEL_MODES:  # continued on the replicas of this run (see ringpipe.train.resize)
+        replicas = _resume_world(cfg.mode, cfg.nprocs)
+    total = total_steps_from(cfg.epochs, records, cfg.batch_size * replicas, step, samples)
+    if samples == step * cfg.batch_size * replicas:
+        total = cfg.total_steps(records, replicas)
+    return nothing_to_resume(run_dir, step, total, cfg.max_steps)
+
+
+def _resume_world(mode: str, nprocs: int) -> int:
+    """The number of ranks this run will have: the launcher's world, else 1 for mode single, else nprocs."""
+    from ringpipe.env import detect
+
+    topology = detect()
+    return topology.size if topology.launcher != "single" else 1 if mode == "single" else nprocs
 
 
 def _world_fits(cfg: TrainConfig) -> str:

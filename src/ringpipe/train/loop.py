@@ -48,7 +48,6 @@ __all__ = ["train", "Given", "REPEAT_S", "seed_everything", "node_first", "write
 log = logging.getLogger(__name__)
 
 
-
 def seed_everything(seed: int) -> None:
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
@@ -107,6 +106,8 @@ class _Run(Checkpointing):
         self.schedule = build_schedule(e.optimizer, cfg.schedule, cfg.epochs, self.steps_per_epoch, e.lr_scale)
         self.stream = ShardStream(self.records, e.replicas, e.replica_rank, cfg.batch_size, cfg.seed)
         self.step = 0
+        self.base_step = self.base_samples = 0  # samples read by step base_step (a resumed run's checkpoint)
+        self.resizes: list[dict[str, Any]] = []  # changes of mode or replicas at resumes (runstate.py)
         self.window = Tally()
         self.epoch_tally = Tally()
         self.metrics = MetricsWriter(run_dir, self.is_root, cfg.logger)
@@ -123,8 +124,11 @@ class _Run(Checkpointing):
 
     # ------------------------------------------------------------------ epochs
 
+    def samples_at(self, step: int) -> int:
+        return self.base_samples + (step - self.base_step) * self.global_batch
+
     def epoch_at(self, step: int) -> float:
-        return step * self.global_batch / self.records
+        return self.samples_at(step) / self.records
 
     def crossed_epoch(self, step: int) -> int | None:
         """The whole epoch reached by ``step`` if step-1 was still before it."""
@@ -288,7 +292,7 @@ class _Run(Checkpointing):
 
     def _summary(self, final_eval: dict[str, Any], interrupted: bool, wall: float) -> dict[str, Any]:
         e, cfg = self.engine, self.cfg
-        samples = self.step * self.global_batch
+        samples = self.samples_at(self.step)
         micro, steps_per_batch = _micro_batches(cfg)
         return {
             "mode": cfg.mode,
@@ -317,6 +321,7 @@ class _Run(Checkpointing):
             "complete": not interrupted,
             "stop_reason": self.stop_reason,
             **({"best": self.best.summary()} if self.best is not None else {}),
+            **({"resized": self.resizes} if self.resizes else {}),
         }
 
 

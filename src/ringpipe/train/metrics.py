@@ -223,6 +223,11 @@ def _notes(summary: dict[str, Any]) -> list[str]:
     if scale not in (None, 1.0) and summary.get("lr") is not None:
         notes.append(f"lr {summary['lr']:g} is the single-process rate; optimizer.scale_lr (default true) "
                      f"multiplied it by {scale:g}, the rate logged and in final_lr")
+    for change in summary.get("resized", []):
+        notes.append(f"resumed at step {change['step']} ({change['samples']} samples) from mode "
+                     f"{change['from_mode']} on {change['from_replicas']} replicas to mode {change['mode']} on "
+                     f"{change['replicas']}; global_batch and lr_scale are those of the last part, samples counts "
+                     f"every part")
     return notes
 
 

@@ -29,9 +29,16 @@ from ringpipe.train.checkpoint import (
     remove_stale_temporaries,
     save_checkpoint,
     set_aside,
-    world_mismatch,
 )
 from ringpipe.train.config import dump_config
+from ringpipe.train.resize import (
+    replicas_of,
+    resharded_stream,
+    resume_refusal,
+    samples_seen,
+    summed_tally,
+    total_steps_from,
+)
 
 if TYPE_CHECKING:
     from ringpipe.comm import Communicator
@@ -130,6 +137,11 @@ class Checkpointing:
     step: int
     saved_step: int
     total_steps: int
+    stop_step: int
+    base_step: int
+    base_samples: int
+    global_batch: int
+    resizes: list[dict[str, Any]]
     records: int
     train_time: float
     wall_before: float
@@ -138,6 +150,9 @@ class Checkpointing:
     drained: tuple[int, dict[str, Any] | None] | None
 
     def epoch_at(self, step: int) -> float:
+        raise NotImplementedError
+
+    def samples_at(self, step: int) -> int:
         raise NotImplementedError
 
     def wall_time(self) -> float:
@@ -160,6 +175,7 @@ class Checkpointing:
             "version": CHECKPOINT_VERSION,
             "step": self.step,
             "epoch": self.epoch_at(self.step),
+            "samples": self.samples_at(self.step),
             "mode": self.cfg.mode,
             "world_size": self.comm.size,
             "config": dump_config(self.cfg),
@@ -169,6 +185,8 @@ class Checkpointing:
             "wall_time": self.wall_time(),
             "records": self.records,
             "replicas": self.engine.replicas,
+            "lr_scale": self.engine.lr_scale,
+            "resizes": self.resizes,
             "last_eval": self.last_eval,
             "last_train": self.last_train,
         }
@@ -218,7 +236,7 @@ class Checkpointing:
             try:
                 found = self._find_resumable()
                 path, ckpt = str(found.path), found.checkpoint
-                error = world_mismatch(found.path, ckpt, self.cfg.mode, self.comm.size)
+                error = resume_refusal(found.path, ckpt, self.cfg.mode, self.comm.size)
             except CheckpointError as exc:
                 error = str(exc)
             if not error:
@@ -229,22 +247,75 @@ class Checkpointing:
         if error:
             raise CheckpointError(error)
         assert ckpt is not None
-        done = nothing_to_resume(self.run_dir, int(ckpt["step"]), self.total_steps, self.cfg.max_steps)
+        old_replicas = replicas_of(ckpt, self.engine.replicas)
+        step, samples = int(ckpt["step"]), samples_seen(ckpt, old_replicas)
+        self.base_step, self.base_samples = step, samples
+        resized = old_replicas != self.engine.replicas
+        if samples != step * self.global_batch:  # another global batch before (resized now or earlier)
+            self.total_steps = total_steps_from(self.cfg.epochs, self.records, self.global_batch, step, samples)
+            self.stop_step = min(self.total_steps, self.cfg.max_steps or self.total_steps)
+        done = nothing_to_resume(self.run_dir, step, self.total_steps, self.cfg.max_steps)
         if done:
             raise NothingToResume(done)  # before anything in the run directory changes
-        mine = ckpt["ranks"][self.comm.rank]
-        self._load_engine(ckpt["engine"] if self.engine.shared_state else mine["engine"], path)
-        self.schedule.load_state_dict(mine["schedule"])
-        self.stream.load_state_dict(mine["stream"])
-        self.window.value = mine["window"].clone()
-        self.epoch_tally.value = mine["epoch_tally"].clone()
-        _set_rng_state(mine["rng"])
-        self.step = int(ckpt["step"])
+        self.resizes = list(ckpt.get("resizes", []))
+        if resized:
+            self._resume_resized(ckpt, path, old_replicas)
+        else:
+            mine = ckpt["ranks"][self.comm.rank]
+            self._load_engine(ckpt["engine"] if self.engine.shared_state else mine["engine"], path)
+            self.schedule.load_state_dict(mine["schedule"])
+            self.stream.load_state_dict(mine["stream"])
+            self.window.value = mine["window"].clone()
+            self.epoch_tally.value = mine["epoch_tally"].clone()
+            _set_rng_state(mine["rng"])
+            if ckpt["mode"] != self.cfg.mode:
+                self._note_resize(ckpt, old_replicas, f"resuming mode {ckpt['mode']} as mode {self.cfg.mode} on the same "
+                                        f"{self.engine.replicas} replicas at step {step}: nothing else changes")
+        self.step = step
         self.saved_step = self.step
         self.train_time = float(ckpt["train_time"])
         self.wall_before = float(ckpt.get("wall_time", self.train_time))
         self.last_eval, self.last_train = dict(ckpt["last_eval"]), dict(ckpt["last_train"])
         self.metrics.truncate_after(self.step)
+
+    def _resume_resized(self, ckpt: dict[str, Any], path: str, old_replicas: int) -> None:
+        """Continue a data-parallel checkpoint on another number of replicas (:mod:`ringpipe.train.resize`)."""
+        ranks, rank = ckpt["ranks"], self.comm.rank
+        old_lr = float(ranks[0]["schedule"]["_last_lr"][0])
+        old_scale = float(ckpt.get("lr_scale", old_replicas if ckpt["config"]["optimizer"].get("scale_lr") else 1))
+        self._load_engine(ckpt["engine"], path)
+        stream = resharded_stream([r["stream"] for r in ranks], old_replicas, self.records)
+        self.stream.load_state_dict(stream)
+        self.window.value = summed_tally([r["window"] for r in ranks], rank)
+        self.epoch_tally.value = summed_tally([r["epoch_tally"] for r in ranks], rank)
+        if rank < len(ranks):
+            _set_rng_state(ranks[rank]["rng"])
+        # The rate of a run of this size at this epoch: the schedule counts steps of this global
+        # batch, so its position is the samples seen in those steps (a fraction after a resize).
+        schedule = self.schedule
+        schedule.last_epoch = self.base_samples / self.global_batch
+        lrs = schedule.get_lr()
+        for group, lr in zip(schedule.optimizer.param_groups, lrs, strict=True):
+            group["lr"] = lr
+        schedule._last_lr = list(lrs)
+        left = self.records - stream["start"] if stream["start"] else 0
+        repeated = (-left) % self.engine.replicas if left else 0
+        data = (f"the {left} samples not yet seen in the interrupted pass are dealt to the new replicas"
+                f"{f' ({repeated} of them read twice to even out the shards)' if repeated else ''}"
+                if left else "the next pass starts on the new replicas")
+        self._note_resize(ckpt, old_replicas, (
+            f"resuming mode {ckpt['mode']} on {old_replicas} replicas as mode {self.cfg.mode} on "
+            f"{self.engine.replicas} at step {self.base_step} ({self.base_samples} samples, epoch "
+            f"{self.base_samples / self.records:.4f}): global batch {self.cfg.batch_size * old_replicas} -> "
+            f"{self.global_batch} ({self.cfg.batch_size} per replica), lr scale {old_scale:g} -> "
+            f"{self.engine.lr_scale:g}, lr {old_lr:.4g} -> {lrs[0]:.4g}; {data}"))
+
+    def _note_resize(self, ckpt: dict[str, Any], old_replicas: int, line: str) -> None:
+        self.resizes.append({"step": self.base_step, "samples": self.base_samples, "from_mode": ckpt["mode"],
+                             "from_replicas": old_replicas, "mode": self.cfg.mode,
+                             "replicas": self.engine.replicas})
+        if self.is_root:
+            log.warning("%s", line)
 
     def _find_resumable(self) -> Resumable:
         """Rank 0: the newest good checkpoint; newer unusable ones are reported and moved aside,

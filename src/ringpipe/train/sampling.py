@@ -5,10 +5,15 @@ Each pass over the data is ``torch.utils.data.DistributedSampler``'s shard for t
 replicas). Batches are cut from the concatenation of passes, so every step has exactly
 ``batch_size`` samples per replica and the epoch ``step * global_batch / records`` is exact.
 The position (pass, offset) is the whole state: a resumed run continues mid-pass.
+
+A pass may also begin at position ``start`` of its permutation (a run resumed on another
+number of replicas, see :mod:`ringpipe.train.resize`): the rest of the permutation is then
+padded and dealt out by DistributedSampler's rule (padding repeats its first samples).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -25,21 +30,31 @@ class ShardStream:
         self.batch_size, self.seed = batch_size, seed
         self.pass_ = 0
         self.offset = 0
+        self.start = 0  # where this pass's sharding begins in the pass's permutation
         self._shard: torch.Tensor | None = None
 
     def _current(self) -> torch.Tensor:
         if self._shard is None:
-            # DistributedSampler only takes len() of its dataset.
-            sampler: DistributedSampler[int] = DistributedSampler(
-                range(self.records),  # type: ignore[arg-type]
-                num_replicas=self.replicas,
-                rank=self.rank,
-                shuffle=True,
-                seed=self.seed,
-            )
-            sampler.set_epoch(self.pass_)
-            self._shard = torch.tensor(list(sampler), dtype=torch.long)
+            if self.start == 0:
+                self._shard = torch.tensor(list(self._sampler(self.replicas, self.rank)), dtype=torch.long)
+            else:
+                rest = torch.tensor(list(self._sampler(1, 0)), dtype=torch.long)[self.start :]
+                size = math.ceil(len(rest) / self.replicas) * self.replicas
+                padded = rest.repeat(math.ceil(size / len(rest)))[:size]  # DistributedSampler's padding
+                self._shard = padded[self.rank :: self.replicas]
         return self._shard
+
+    def _sampler(self, replicas: int, rank: int) -> DistributedSampler[int]:
+        # DistributedSampler only takes len() of its dataset; with one replica: the pass's permutation.
+        sampler: DistributedSampler[int] = DistributedSampler(
+            range(self.records),  # type: ignore[arg-type]
+            num_replicas=replicas,
+            rank=rank,
+            shuffle=True,
+            seed=self.seed,
+        )
+        sampler.set_epoch(self.pass_)
+        return sampler
 
     def next_batch(self) -> torch.Tensor:
         parts, need = [], self.batch_size
@@ -50,14 +65,15 @@ class ShardStream:
             need -= len(take)
             self.offset += len(take)
             if self.offset >= len(shard):
-                self.pass_, self.offset, self._shard = self.pass_ + 1, 0, None
+                self.pass_, self.offset, self.start, self._shard = self.pass_ + 1, 0, 0, None
         return torch.cat(parts)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"pass": self.pass_, "offset": self.offset}
+        return {"pass": self.pass_, "offset": self.offset, "start": self.start}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.pass_, self.offset, self._shard = int(state["pass"]), int(state["offset"]), None
+        self.start = int(state.get("start", 0))
 
 
 def eval_indices(records: int, replicas: int, rank: int, batch_size: int) -> list[torch.Tensor]:
