@@ -101,3 +101,35 @@ def test_settings_that_differ_across_ranks_are_an_error_on_every_rank():
             a, b = SHOWN.get(setting, (a, b))
             assert f"{setting} differs across ranks" in msg, msg
             assert f"rank 0: {a!r}" in msg and f"rank 1: {b!r}" in msg, msg
+
+
+def _step_against_allreduce(comm):
+    """Rank 0 steps (its first bucket goes out right behind the step's announcement), rank 1 allreduces."""
+    from ringpipe.comm.base import ReduceOp
+    from ringpipe.dp.ops import allreduce_inplace
+
+    model = nn.Linear(4, 2)
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), comm=comm)
+    out = {}
+
+    def call():
+        if comm.rank == 0:
+            model(torch.ones(3, 4)).sum().backward()
+            opt.step()
+        else:
+            allreduce_inplace(comm, torch.ones(3), ReduceOp.SUM)
+
+    out["first"] = _catch(call)
+    # the communicator is still usable afterwards: nothing is left in flight
+    t = torch.ones(2) * (comm.rank + 1)
+    comm.allreduce(t)
+    out["after"] = t.tolist()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_an_optimizer_step_against_another_collective_is_an_error_on_every_rank():
+    for out in spawn(_step_against_allreduce, 2):
+        msg = out["first"]
+        assert msg is not None and "collective=step" in msg and "collective=allreduce" in msg, msg
+        assert out["after"] == [3.0, 3.0]

@@ -37,12 +37,14 @@ __all__ = [
     "SERVED",
     "JoinError",
     "Note",
+    "Pending",
     "announce",
     "checks",
     "device_of",
     "exchange",
     "identity",
     "run_announced",
+    "start_exchange",
 ]
 
 # Every announced operation; the header carries its position (plus one; zero: joined).
@@ -54,6 +56,9 @@ _REDUCE_OPS = tuple(ReduceOp)
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
            torch.int8, torch.uint8, torch.bool)
 _FIELDS = 5  # operation, reduce op, dtype, element count, on a GPU (then: invalid calls)
+# After them: the element count and dtype of data posted right behind the header (an optimizer
+# step's first bucket), so that on a disagreement the other ranks can complete that allreduce.
+_TAIL = 3
 
 
 class JoinError(EngineError):
@@ -108,11 +113,56 @@ def exchange(
     (``problem``); if the ranks with data differ, or one is invalid, every rank raises the same
     :class:`MismatchError` or :class:`InvalidCallError` before any data moves.
     """
+    wire, fields = _header(comm, op, tensor, reduce_op, detail, problem)
+    comm.allreduce(wire, ReduceOp.SUM)
+    return _read(comm, wire.cpu().tolist(), fields, problem)
+
+
+class Pending:
+    """A header exchange in flight (:func:`start_exchange`); :meth:`note` waits for it and reads it."""
+
+    __slots__ = ("comm", "wire", "work", "fields")
+
+    def __init__(self, comm: Communicator, wire: torch.Tensor, work: Any, fields: dict[str, Any] | None) -> None:
+        self.comm, self.wire, self.work, self.fields = comm, wire, work, fields
+
+    def note(self) -> Note:
+        self.work.wait()
+        return _read(self.comm, self.wire.cpu().tolist(), self.fields, None, behind=True)
+
+
+def start_exchange(comm: Communicator, op: str, behind: torch.Tensor) -> Pending:
+    """Post the header of ``op`` (a call without tensor or problem, such as an optimizer step) without waiting.
+
+    For a thread-safe backend: the caller posts the sum-allreduce of ``behind`` right after the
+    header, so the two round trips overlap instead of following each other. The order of
+    collectives is the one of :func:`exchange` followed by the data, so a joined rank serves it
+    the same way. If the ranks' calls differ, the ranks that made another call first complete
+    that allreduce with zeros (the header says its length), then every rank raises as usual.
+    """
+    wire, fields = _header(comm, op, None, None, None, None, behind)
+    return Pending(comm, wire, comm.iallreduce(wire, ReduceOp.SUM), fields)
+
+
+_CONSTANT: dict[tuple[Any, ...], torch.Tensor] = {}
+
+
+def _header(comm: Communicator, op: str | None, tensor: torch.Tensor | None, reduce_op: ReduceOp | None,
+            detail: dict[str, Any] | None, problem: BaseException | None,
+            behind: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, Any] | None]:
+    """This rank's header (a fresh tensor on the communicator's object device) and the fields it fingerprints."""
     size = comm.size
-    header = torch.zeros(2 * size + _FIELDS + 1, dtype=torch.int64)
     fields = None if op is None else _fields(op, tensor, reduce_op, detail)
+    constant = op is not None and tensor is None and reduce_op is None and not detail and problem is None
+    key = (op or "", comm.rank, size, None if behind is None else (behind.numel(), behind.dtype))
+    if constant and key in _CONSTANT:  # an optimizer step's header never changes: build it once
+        return _CONSTANT[key].clone(), fields
+    header = torch.zeros(2 * size + _FIELDS + _TAIL, dtype=torch.int64)
     if op is not None:
-        header[comm.rank] = 1
+        header[comm.rank] = 1 if behind is None else 2  # 2: data follows the header without waiting for it
+        if behind is not None:
+            header[2 * size + _FIELDS + 1] = behind.numel()
+            header[2 * size + _FIELDS + 2] = _DTYPES.index(behind.dtype) + 1
         header[size + comm.rank] = fingerprint(fields)
         header[2 * size] = OPS.index(op) + 1
         if reduce_op is not None:
@@ -123,14 +173,22 @@ def exchange(
             header[2 * size + 4] = int(tensor.device.type == "cuda")
         header[2 * size + _FIELDS] = int(problem is not None)
     wire = header.to(comm._object_device())
-    comm.allreduce(wire, ReduceOp.SUM)
-    values = wire.cpu().tolist()
+    if constant and wire.device.type == "cpu":
+        _CONSTANT[key] = wire.clone()
+    return wire, fields
+
+
+def _read(comm: Communicator, values: list[int], fields: dict[str, Any] | None,
+          problem: BaseException | None, behind: bool = False) -> Note:
+    """What every rank learns from the summed header (``behind``: this rank posted data behind it)."""
+    size = comm.size
     have_data = tuple(r for r in range(size) if values[r] > 0)
     joined = tuple(r for r in range(size) if values[r] <= 0)
     count = len(have_data)
     if count == 0:
         return Note("", (), joined)
     if values[2 * size + _FIELDS] or len({values[size + r] for r in have_data}) > 1:
+        _drain(comm, values, behind)
         _disagree(comm, fields, problem)
     code, rop, dtype, numel, cuda = (v // count for v in values[2 * size : 2 * size + _FIELDS])
     return Note(
@@ -142,6 +200,23 @@ def exchange(
         numel,
         cuda == 1,
     )
+
+
+def _drain(comm: Communicator, values: list[int], behind: bool) -> None:
+    """On a disagreement, complete with zeros the allreduce that other ranks posted behind their header."""
+    size = comm.size
+    posted = [r for r in range(size) if values[r] == 2]
+    if not posted or behind:
+        return
+    numel = values[2 * size + _FIELDS + 1] // len(posted)
+    code = values[2 * size + _FIELDS + 2] // len(posted)
+    if numel * len(posted) != values[2 * size + _FIELDS + 1] or not 0 < code <= len(_DTYPES):
+        raise MismatchError(
+            f"{comm.name}: ranks {posted} posted optimizer buckets of different lengths behind their headers; "
+            "build the same DistributedOptimizer on every rank"
+        )
+    zeros = torch.zeros(numel, dtype=_DTYPES[code - 1], device=comm._object_device())
+    comm.iallreduce(zeros, ReduceOp.SUM).wait()
 
 
 def _disagree(comm: Communicator, fields: dict[str, Any] | None, problem: BaseException | None) -> NoReturn:

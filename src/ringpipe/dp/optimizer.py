@@ -22,6 +22,7 @@ import contextlib
 import itertools
 import logging
 import os
+import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
@@ -30,7 +31,7 @@ import torch
 
 from ringpipe.comm.base import Communicator, ReduceOp
 from ringpipe.dp.agreement import agree, comparable, layout_of, validate
-from ringpipe.dp.announce import Note, announce
+from ringpipe.dp.announce import Note, announce, start_exchange
 from ringpipe.dp.compression import Compression, Compressor
 from ringpipe.dp.engine import Engine, Handle
 
@@ -61,7 +62,7 @@ class _Slot:
 class _Bucket:
     """A flat buffer holding the gradients of several parameters of one dtype and device."""
 
-    __slots__ = ("index", "slots", "buffer", "numel", "pending", "handle", "wire", "bitmap")
+    __slots__ = ("index", "slots", "buffer", "numel", "pending", "handle", "wire", "bitmap", "ready")
 
     def __init__(self, index: int, slots: list[_Slot], bitmap: int) -> None:
         self.index = index
@@ -79,6 +80,7 @@ class _Bucket:
         self.pending = len(slots)
         self.handle: Handle | None = None
         self.wire: torch.Tensor | None = None
+        self.ready = 0.0  # when its last gradient arrived (timed steps only)
 
 
 def _name_parameters(
@@ -258,10 +260,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._unused: list[int] = []
         # Adasum combines parameter updates in step(), not gradients in backward (Horovod's delta optimizer)
         self._adasum = rop is ReduceOp.ADASUM and comm.size > 1
+        self._overlap_header = algorithm == "native" and not self.engine.complete_in_engine
         self._hooks = [] if self._adasum else [
             s.param.register_post_accumulate_grad_hook(self._make_hook(s)) for s in self._slots
         ]
         self._created = next(_CREATED)
+        #: Seconds spent per phase since the last reset when a dict is set here (benchmarks read it):
+        #: "copy" (gradients into buckets), "ready_to_sent" (bucket complete to its task starting),
+        #: "engine" (bucket tasks: scaling, casts, posting), "copy_out" (results out of the wire)
+        #: and "wait" (step() waiting for reductions still in flight).
+        self.clock: dict[str, float] | None = None
         self.engine.optimizers.add(self)
         log.debug("DistributedOptimizer: %d parameters in %d buckets", len(self._slots), len(self._buckets))
 
@@ -327,10 +335,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 )
             self._synchronized = False
             slot.used = True
-            self._take_grad(slot)
+            clock = self.clock
+            if clock is None:
+                self._take_grad(slot)
+            else:
+                t0 = time.perf_counter()
+                self._take_grad(slot)
+                clock["copy"] = clock.get("copy", 0.0) + time.perf_counter() - t0
             bucket = slot.bucket
             assert bucket is not None
             bucket.pending -= 1
+            if bucket.pending == 0 and clock is not None:
+                bucket.ready = time.perf_counter()
             if bucket.pending == 0 and bucket.index == self._next_launch:
                 self._launch_ready()
 
@@ -374,6 +390,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         used = (
             torch.tensor([float(s.used) for s in self._slots], dtype=buffer.dtype) if bucket.bitmap else None
         )
+        # MPI does not match the blocking header allreduce of a joined rank with a non-blocking one
+        overlap = self._overlap_header
 
         def task() -> Any:
             wire = buffer
@@ -390,6 +408,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if used is not None:
                 wire[bucket.numel : bucket.numel + bucket.bitmap] = used
             if contribute and self.join_support:  # a joined rank learnt of this bucket from join's announcement
+                if bucket.index == 0 and overlap:
+                    # The step's header and the first bucket go out back to back: their round
+                    # trips overlap, and the collectives are the ones a joined rank expects.
+                    pending = start_exchange(self.comm, "step", wire)
+                    work = reduce(wire)
+                    self._active = float(pending.note().count)
+                    return work
                 if bucket.index == 0:
                     self._active = float(announce(self.comm, "step").count)
                 elif self._active < size:
@@ -408,6 +433,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 if scale != 1.0:
                     buffer[: bucket.numel].mul_(scale)
 
+        clock = self.clock
+        if clock is not None:
+            task, then = _timed(clock, bucket, task, then)
         # The last bucket is launched when backward is over: nothing is left to overlap with.
         last = bucket.index == len(self._buckets) - 1
         bucket.handle = self.engine.submit(task, then, name=f"bucket{bucket.index}", inline=last)
@@ -426,6 +454,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._next_launch = len(self._buckets)
 
     def _wait_all(self) -> None:
+        t0 = time.perf_counter()
         try:
             for bucket in self._buckets:
                 if bucket.handle is not None:
@@ -439,6 +468,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 slot.used = False
             self._next_launch = 0
             self._peers_joined = self._active < self.comm.size
+            if self.clock is not None:
+                self.clock["wait"] = self.clock.get("wait", 0.0) + time.perf_counter() - t0
         if not self.sparse_as_dense:
             for slot in self._slots:
                 if slot.sparse and slot.param.grad is not None:
@@ -605,6 +636,27 @@ class DistributedOptimizer(torch.optim.Optimizer):
             )
         for group, theirs in zip(self.param_groups, groups, strict=True):
             group.update({k: v for k, v in theirs.items() if k != "params"})
+
+
+def _timed(clock: dict[str, float], bucket: _Bucket, task: Callable[[], Any],
+           then: Callable[[Any], None]) -> tuple[Callable[[], Any], Callable[[Any], None]]:
+    """``task`` and ``then`` that add their durations to ``clock`` (see ``DistributedOptimizer.clock``)."""
+
+    def timed_task() -> Any:
+        t0 = time.perf_counter()
+        if bucket.ready:
+            clock["ready_to_sent"] = clock.get("ready_to_sent", 0.0) + t0 - bucket.ready
+            bucket.ready = 0.0
+        out = task()
+        clock["engine"] = clock.get("engine", 0.0) + time.perf_counter() - t0
+        return out
+
+    def timed_then(value: Any) -> None:
+        t0 = time.perf_counter()
+        then(value)
+        clock["copy_out"] = clock.get("copy_out", 0.0) + time.perf_counter() - t0
+
+    return timed_task, timed_then
 
 
 def _reducer(comm: Communicator, algorithm: str) -> Callable[[torch.Tensor], Any]:
