@@ -438,20 +438,94 @@ def test_every_rank_learns_the_same_verdict(data, size):
         assert st_.invalid == ((min(bad), f"rank {min(bad)} is wrong") if bad else None)
 
 
-@pytest.mark.parametrize(("nbytes", "hosts", "want"), [
-    (4096, ["h"] * 4, "recursive_doubling"),
-    (256 * 1024, ["h"] * 4, "recursive_doubling"),  # faster than Rabenseifner in every record
-    (256 * 1024 + 4, ["h"] * 4, "ring"),
-    (64 << 20, ["h"] * 4, "ring"),
-    (1 << 20, ["a", "a", "b", "b"], "hierarchical"),
-    (1 << 20, ["a", "b", "c", "d"], "ring"),
+@pytest.mark.parametrize(("backend", "nbytes", "hosts", "want"), [
+    ("gloo", 4096, ["h"] * 4, "recursive_doubling"),
+    ("gloo", 64 * 1024, ["h"] * 4, "recursive_doubling"),  # at or above gloo's own in every record
+    ("gloo", 64 * 1024 + 4, ["h"] * 4, "native"),  # gloo's allreduce was faster from 256 KiB to 16 MiB
+    ("gloo", 16 << 20, ["h"] * 4, "native"),
+    ("gloo", 64 << 20, ["h"] * 4, "ring"),  # 1.05-1.07x gloo's at 64 MiB
+    ("mpi", 4096, ["h"] * 4, "native"),  # Open MPI's shared-memory collective: 2-10x faster below 64 MiB
+    ("mpi", 16 << 20, ["h"] * 4, "native"),
+    ("mpi", 64 << 20, ["h"] * 4, "ring"),
+    ("gloo", 1 << 20, ["a", "a", "b", "b"], "hierarchical"),
+    ("gloo", 1 << 20, ["a", "b", "c", "d"], "native"),
 ])
-def test_auto_follows_the_recorded_measurements(nbytes, hosts, want):
+def test_auto_without_measurements_follows_the_recorded_ones(backend, nbytes, hosts, want):
     from types import SimpleNamespace
 
-    comm = SimpleNamespace(size=4, global_ranks=[0, 1, 2, 3], topology=SimpleNamespace(hostnames=hosts))
+    comm = SimpleNamespace(size=4, global_ranks=[0, 1, 2, 3], topology=SimpleNamespace(hostnames=hosts),
+                           backend=backend)
     assert C.resolve("allreduce", "auto", nbytes, comm) == want  # type: ignore[arg-type]
     assert C.resolve("broadcast", "auto", nbytes, comm) == "tree"  # type: ignore[arg-type]
+
+
+def test_auto_takes_the_choice_of_the_nearest_measured_size():
+    from types import SimpleNamespace
+
+    from ringpipe.collectives import autotune
+
+    comm = SimpleNamespace(size=2, global_ranks=[0, 1], topology=SimpleNamespace(hostnames=["h", "h"]),
+                           backend="gloo")
+    table = autotune.Table([(4096, "recursive_doubling", {}), (1 << 20, "native", {}), (64 << 20, "ring", {})],
+                           autotune.key(comm))  # type: ignore[arg-type]
+    autotune._TABLES[table.key] = table
+    try:
+        got = [C.resolve("allreduce", "auto", n, comm) for n in (1, 8192, 200_000, 1 << 20, 16 << 20, 1 << 30)]
+        # log-distance: 200 KB is nearer 1 MiB than 4 KiB; 16 MiB is nearer 64 MiB than 1 MiB
+        assert got == ["recursive_doubling", "recursive_doubling", "native", "native", "ring", "ring"]
+        other = SimpleNamespace(size=2, global_ranks=[0, 1], topology=SimpleNamespace(hostnames=["h", "h"]),
+                                backend="mpi")
+        assert C.resolve("allreduce", "auto", 4096, other) == "native"  # a table is kept per backend
+    finally:
+        autotune.forget()
+
+
+def _probe_and_use(comm, path) -> dict:  # noqa: ANN001
+    from ringpipe.collectives import autotune
+
+    table = autotune.probe(comm, sizes=(4096, 256 * 1024), rounds=1)
+    out = {"rows": [(b, c, sorted(t)) for b, c, t in table.rows]}
+    # force the native collective behind auto: the sum is still the sum, and the trace names it
+    autotune._TABLES[table.key] = autotune.Table([(4096, "native", {})], table.key)
+    default_log().clear()
+    x = torch.arange(10.0) * (comm.rank + 1)
+    C.allreduce(comm, x, "sum", "auto")
+    out["x"] = x.tolist()
+    out["algorithms"] = sorted({e.detail.get("algorithm") for e in default_log().events()
+                                if e.op == "allreduce" and e.detail and "algorithm" in e.detail})
+    if comm.rank == 0:
+        table.save(path)
+    comm.barrier()
+    autotune.forget()
+    out["loaded"] = [(b, c) for b, c, _ in autotune.load(comm, path).rows]
+    autotune.forget()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_the_probe_gives_every_rank_the_same_table_and_auto_can_run_the_native_collective(tmp_path):
+    out = spawn(_probe_and_use, 2, args=(str(tmp_path / "auto.json"),))
+    assert out[0]["rows"] == out[1]["rows"]
+    for b, choice, timed in out[0]["rows"]:
+        assert timed == ["native", "rabenseifner", "recursive_doubling", "ring"]
+        assert choice in timed
+    for res in out:
+        assert res["x"] == [3.0 * i for i in range(10)]  # (1 + 2) * arange
+        assert res["algorithms"] == ["native"]
+        assert res["loaded"] == [(b, c) for b, c, _ in out[0]["rows"]]
+
+
+def test_a_table_measured_elsewhere_is_refused(tmp_path):
+    from types import SimpleNamespace
+
+    from ringpipe.collectives import autotune
+
+    path = tmp_path / "auto.json"
+    autotune.Table([(4096, "ring", {})], ("gloo", 4, None)).save(str(path))
+    comm = SimpleNamespace(size=2, rank=0, global_ranks=[0, 1], topology=SimpleNamespace(hostnames=None),
+                           backend="gloo", broadcast_object=lambda obj, root: obj)
+    with pytest.raises(ValueError, match="measured for .*'gloo', 4.* run the probe again"):
+        autotune.load(comm, str(path))  # type: ignore[arg-type]
 
 
 def test_unknown_algorithm_lists_the_valid_ones():

@@ -1,30 +1,39 @@
-"""The ``auto`` algorithm: pick one from message size, world size and topology.
+"""The ``auto`` algorithm: pick one from measurements, message size, world size and topology.
 
-Thresholds come from ``ringpipe bench`` / ``benchmarks/collectives.py`` runs recorded in
-``benchmarks/RESULTS.md`` (gloo and Open MPI over loopback on a 2-core host, 2 and 4 ranks,
-4 KiB to 64 MiB by factors of 4):
+Measured first: when :func:`ringpipe.collectives.autotune.probe` (``ringpipe bench`` runs it)
+or :func:`~ringpipe.collectives.autotune.load` has a table for this backend, world size and set
+of hosts, ``auto`` takes the choice of the nearest measured size: the backend's own allreduce
+(``native``) unless one of ringpipe's algorithms beat it there.
 
-- allreduce up to :data:`SMALL_BYTES`: recursive doubling (fewest latencies; the consistency
-  header rides in the data message). It was the fastest ringpipe algorithm, or tied, at every
-  recorded size from 4 to 256 KiB;
+Without a table, rules drawn from the ``ringpipe bench`` / ``benchmarks/collectives.py`` runs
+recorded in ``benchmarks/RESULTS.md`` (gloo and Open MPI over loopback on a 2-core host, 2 and 4
+ranks, 4 KiB to 64 MiB by factors of 4):
+
 - more than one node and more than one rank on some node: hierarchical;
-- otherwise the ring (bandwidth-optimal, pipelined).
+- MPI: the native ``MPI_Allreduce`` below :data:`RING_BYTES` (Open MPI's shared-memory
+  collective was 2-10x faster than any algorithm over point-to-point messages there), the
+  ring from it;
+- other backends (gloo): recursive doubling up to :data:`RD_BYTES` (fewest latencies, the
+  consistency header rides in the data message, so the check costs no extra message: at or
+  above gloo's allreduce at 4-64 KiB), the ring from :data:`RING_BYTES` (1.05-1.07x gloo's at
+  64 MiB), and gloo's own allreduce in between, where it was faster.
 
-Rabenseifner is never picked: it was slower than recursive doubling at every recorded size up
-to 256 KiB and never faster than the ring above it over gloo; it beat both only in some MPI
-runs (4 ranks at 1, 4 and 64 MiB; 2 ranks at 64 MiB), within the runs' 2x spread. Its
-``lg p`` latencies may pay off on worlds larger than those measured: ask for it by name.
-
-Reduce-scatter and allgather use the ring; broadcast and reduce the binomial tree.
+Rabenseifner is never picked by the rules (never faster than both recursive doubling and the
+ring over gloo); a probe picks it where it measures fastest. Reduce-scatter and allgather use
+the ring; broadcast and reduce the binomial tree.
 """
 
 from __future__ import annotations
 
+from ringpipe.collectives import autotune
 from ringpipe.comm.base import Communicator
 
-__all__ = ["SMALL_BYTES", "choose", "num_nodes"]
+__all__ = ["RD_BYTES", "RING_BYTES", "SMALL_BYTES", "choose", "num_nodes"]
 
+#: Up to this size hierarchical's leaders use recursive doubling (the ring above).
 SMALL_BYTES = 256 * 1024
+RD_BYTES = 64 * 1024
+RING_BYTES = 64 * 1024 * 1024
 
 _DEFAULTS = {
     "reduce_scatter": "ring",
@@ -46,9 +55,14 @@ def choose(collective: str, nbytes: int, comm: Communicator) -> str:
     """The algorithm ``auto`` runs for ``collective`` on ``nbytes`` (the same on every rank)."""
     if collective != "allreduce":
         return _DEFAULTS[collective]
-    if nbytes <= SMALL_BYTES:
-        return "recursive_doubling"
+    table = autotune.lookup(comm)
+    if table is not None and table.rows:
+        return table.choose(nbytes)
     nodes = num_nodes(comm)
     if 1 < nodes < comm.size:
         return "hierarchical"
-    return "ring"
+    if getattr(comm, "backend", "") == "mpi":
+        return "native" if nbytes < RING_BYTES else "ring"
+    if nbytes <= RD_BYTES:
+        return "recursive_doubling"
+    return "ring" if nbytes >= RING_BYTES else "native"

@@ -10,6 +10,11 @@ allreduce, ``(p-1)/p`` for allgather and reduce-scatter, 1 for broadcast and p2p
 is the whole buffer: the gathered output for allgather, the input for reduce-scatter) and the
 number of wrong elements in a checked call.
 
+``auto`` rows name the algorithm ``auto`` ran at that size (``auto>native``, ``auto>ring``...).
+Before an allreduce sweep that includes ``auto``, every rank runs the probe of
+:mod:`ringpipe.collectives.autotune` once over the sweep's sizes (``--no-probe``: the recorded
+rules instead; ``--auto-table FILE``: read the table from FILE when it exists, else write it there).
+
 Buffers live where the communicator takes tensors (the pinned GPU under NCCL, the CPU under
 gloo and MPI), and CUDA work is synchronised before the clock is read.
 """
@@ -205,8 +210,10 @@ def run_bench(
             size_b = count * item
             avg = sum(times) / len(times)
             algbw = size_b / max(times) / 1e9 if max(times) > 0 else 0.0
+            chosen = collectives.resolve(_API[collective], "auto", size_b, comm) \
+                if algo == "auto" and collective in _API else algo
             rows.append({
-                "collective": collective, "algorithm": algo, "backend": comm.backend,
+                "collective": collective, "algorithm": algo, "chosen": chosen, "backend": comm.backend,
                 "ranks": comm.size, "bytes": size_b, "count": count,
                 "dtype": str(dtype).removeprefix("torch."),
                 "time_us": round(avg * 1e6, 2), "time_min_us": round(min(times) * 1e6, 2),
@@ -219,12 +226,13 @@ def run_bench(
     return rows
 
 
-_HEAD = (f"{'size(B)':>11} {'count':>10} {'dtype':>8} {'algorithm':>19} {'min(us)':>10} "
+_HEAD = (f"{'size(B)':>11} {'count':>10} {'dtype':>8} {'algorithm':>24} {'min(us)':>10} "
          f"{'avg(us)':>10} {'max(us)':>10} {'algbw':>8} {'busbw':>8} {'wrong':>6}")
 
 
 def format_row(r: dict[str, Any]) -> str:
-    return (f"{r['bytes']:>11} {r['count']:>10} {r['dtype']:>8} {r['algorithm']:>19} "
+    algo = r["algorithm"] if r.get("chosen", r["algorithm"]) == r["algorithm"] else f"{r['algorithm']}>{r['chosen']}"
+    return (f"{r['bytes']:>11} {r['count']:>10} {r['dtype']:>8} {algo:>24} "
             f"{r['time_min_us']:>10.1f} {r['time_us']:>10.1f} {r['time_max_us']:>10.1f} "
             f"{r['algbw_gbps']:>8.3f} {r['busbw_gbps']:>8.3f} {r['wrong']:>6}")
 
@@ -319,12 +327,33 @@ def bench_job(comm: Communicator, args: Any, sizes: list[int], algos: list[str] 
         if root:
             print(json.dumps(row) if args.json else format_row(row), flush=True)
 
+    if args.collective == "allreduce" and "auto" in check_algorithms("allreduce", algos) and not args.no_probe:
+        _probe(comm, args, sizes, dtype, root)
     rows = run_bench(comm, args.collective, sizes, algos, args.iters, args.warmup, dtype,
                      check=not args.no_check, on_row=show)
     if root and args.plot:
         plot(rows, args.plot)
         print(f"ringpipe bench: busbw plot written to {os.path.abspath(args.plot)}", file=sys.stderr, flush=True)
     return 1 if any(r["wrong"] for r in rows) else 0
+
+
+def _probe(comm: Communicator, args: Any, sizes: list[int], dtype: torch.dtype, root: bool) -> None:
+    """Give ``auto`` its measured table: read from ``--auto-table`` when the file exists, else probe (and write it)."""
+    from ringpipe.collectives import autotune
+
+    path = args.auto_table
+    if path and os.path.exists(path):
+        table = autotune.load(comm, path)
+        how = f"read from {path}"
+    else:
+        t0 = time.perf_counter()
+        table = autotune.probe(comm, sorted({max(s, 4) for s in sizes}), dtype=dtype)
+        how = f"probed in {time.perf_counter() - t0:.1f} s"
+        if path and root:
+            table.save(path)
+            how += f", written to {path}"
+    if root:
+        print(f"ringpipe bench: auto table {how}: {table}", file=sys.stderr, flush=True)
 
 
 def _bench_mpirun(args: Any, argv: list[str]) -> int:
@@ -344,7 +373,10 @@ def _argv_of(args: Any) -> list[str]:
         argv += ["-a", args.algorithms]
     if args.plot:
         argv += ["--plot", str(args.plot)]
-    return argv + [f for f, on in (("--no-check", args.no_check), ("--json", args.json)) if on]
+    if args.auto_table:
+        argv += ["--auto-table", str(args.auto_table)]
+    flags = (("--no-check", args.no_check), ("--json", args.json), ("--no-probe", args.no_probe))
+    return argv + [f for f, on in flags if on]
 
 
 def bench_main(args: Any) -> int:
@@ -421,5 +453,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--backend", default=None, help="gloo, nccl or mpi (default: $RINGPIPE_BACKEND or gloo)")
     p.add_argument("--no-check", action="store_true", help="skip the consistency header")
     p.add_argument("--json", action="store_true", help="one JSON object per row")
+    p.add_argument("--no-probe", action="store_true",
+                   help="auto follows its recorded rules instead of probing this job's sizes first")
+    p.add_argument("--auto-table", default=None, metavar="FILE.json",
+                   help="auto's measured table: read from FILE when it exists, else probe and write it there")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="draw busbw against size per algorithm")
     p.set_defaults(func=bench_main)
