@@ -1,22 +1,38 @@
-"""Step time of ringpipe's DistributedOptimizer against torch DDP, same model, batch and transport.
+"""Step time of ringpipe's DistributedOptimizer against torch DDP and against the compute-only bound.
 
-    python benchmarks/dp_vs_ddp.py                      # 2 ranks, gloo (local launcher)
-    mpirun -n 2 python benchmarks/dp_vs_ddp.py --mpi    # 2 ranks under mpirun: MPI communicator too
+    python benchmarks/dp_vs_ddp.py                                  # every model, 2 ranks, fp32, 5 runs
+    python benchmarks/dp_vs_ddp.py --models small,mlp --ranks 2,4 --compression none,fp16 --runs 5
 
-Models: a ~10M-parameter MLP and a small CNN. For each model the ranks time, in alternating
-blocks within one run, a training step (forward, backward, gradient averaging, SGD step) of
+Every run starts ``--ranks`` real processes (gloo, local launcher, one thread each) that time,
+in alternating blocks, one training step (zero_grad, forward, loss, backward, optimizer step,
+SGD with momentum) of the same model definition, data and transport in three ways:
 
-- ``ringpipe``: ``DistributedOptimizer`` on the gloo communicator (and on the MPI one with --mpi),
-- ``ddp``: ``torch.nn.parallel.DistributedDataParallel`` on the gloo process group,
+- ``bound``: the step with no communication at all (each rank trains alone, on the same
+  threads and under the same load as the other variants): what a data-parallel system can at
+  best reach;
+- ``ddp``: ``torch.nn.parallel.DistributedDataParallel`` (with ``--compression fp16``, its
+  ``fp16_compress_hook``);
+- ``ringpipe``: ``DistributedOptimizer`` with its defaults (join support on, as Horovod), and
+  ``ringpipe-nojoin`` with ``join_support=False`` (``--nojoin``).
 
-and, before the ranks start, ``alone``: the same step in one process without communication.
-Reported: median step time per variant and the ratios ringpipe/ddp and x/alone.
+Each step is split into forward (+ loss), backward and optimizer step; for ringpipe, the
+optimizer's own clock adds gradient copies into the fusion buffers, the time from a bucket
+being complete to its task starting, the engine tasks (scaling, casting, posting) and the time
+``step()`` waited for reductions. A variant's overhead over the bound, per phase, is where its
+communication was not hidden. Reported per configuration: the median over runs of each run's
+median step time, and the spread (lowest and highest run median).
+
+Models (``--models``): ``small`` (the trainer's MLP 64-128-64-10, batch 32), ``mlp``
+(1024-2048-2048-2048-10, batch 64), ``resnet`` (ResNet-18: 11.2M parameters, basic blocks
+2-2-2-2, ImageNet stem, 32x32 inputs, batch 16) and ``transformer`` (the trainer's: d_model 64,
+4 heads, 2 layers, ff 128, vocab 32, sequences of 16, batch 32).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -25,150 +41,217 @@ from typing import Any
 import torch
 from torch import nn
 
-from ringpipe.comm import Communicator, init_world
-from ringpipe.dp import DistributedOptimizer
+__all__ = ["main", "make_model", "run_ranks"]
 
-__all__ = ["main", "make_model", "time_steps"]
+PHASES = ("forward", "backward", "step")
+CLOCK = ("copy", "ready_to_sent", "engine", "copy_out", "wait")
 
-BATCH = 32
+
+class _Block(nn.Module):
+    """ResNet's basic block."""
+
+    def __init__(self, cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Conv2d(cin, cout, 3, stride, 1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(),
+            nn.Conv2d(cout, cout, 3, 1, 1, bias=False), nn.BatchNorm2d(cout),
+        )
+        self.skip = nn.Identity() if stride == 1 and cin == cout else nn.Sequential(
+            nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.body(x) + self.skip(x))
+
+
+def resnet18(classes: int = 10) -> nn.Module:
+    layers: list[nn.Module] = [nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64), nn.ReLU(),
+                               nn.MaxPool2d(3, 2, 1)]
+    cin = 64
+    for cout, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
+        layers += [_Block(cin, cout, stride), _Block(cout, cout, 1)]
+        cin = cout
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(512, classes)]
+    return nn.Sequential(*layers)
 
 
 def make_model(kind: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    """The model, one batch of inputs and targets (the same on every rank and for every variant)."""
     torch.manual_seed(0)
-    if kind == "small":  # the default run's MLP on 8x8 digits: latency-bound, 17k parameters
+    if kind == "small":
         model: nn.Module = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64), nn.ReLU(),
                                          nn.Linear(64, 10))
-        x = torch.randn(BATCH, 64)
+        x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
     elif kind == "mlp":
-        model = nn.Sequential(
-            nn.Linear(1024, 2048), nn.ReLU(), nn.Linear(2048, 2048), nn.ReLU(),
-            nn.Linear(2048, 1536), nn.ReLU(), nn.Linear(1536, 10),
-        )
-        x = torch.randn(BATCH, 1024)
+        model = nn.Sequential(nn.Linear(1024, 2048), nn.ReLU(), nn.Linear(2048, 2048), nn.ReLU(),
+                              nn.Linear(2048, 2048), nn.ReLU(), nn.Linear(2048, 10))
+        x, y = torch.randn(64, 1024), torch.randint(0, 10, (64,))
+    elif kind == "resnet":
+        model = resnet18()
+        x, y = torch.randn(16, 3, 32, 32), torch.randint(0, 10, (16,))
+    elif kind == "transformer":
+        from ringpipe.train.models import Embedding, TokenHead, TransformerBlock
+
+        model = nn.Sequential(Embedding(32, 16, 64), TransformerBlock(64, 4, 128, 0.0),
+                              TransformerBlock(64, 4, 128, 0.0), TokenHead(64, 32))
+        x, y = torch.randint(0, 32, (32, 16)), torch.randint(0, 32, (32, 16))
     else:
-        model = nn.Sequential(
-            nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(),
-            nn.MaxPool2d(2), nn.Conv2d(64, 128, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Flatten(), nn.Linear(128 * 8 * 8, 256), nn.ReLU(), nn.Linear(256, 10),
-        )
-        x = torch.randn(BATCH, 3, 32, 32)
-    y = torch.randint(0, 10, (BATCH,))
+        raise ValueError(f"unknown model {kind!r}; valid: small, mlp, resnet, transformer")
     return model, x, y
 
 
-def time_steps(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, n: int) -> list[float]:
-    times = []
-    loss_fn = nn.CrossEntropyLoss()
+def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+
+def _steps(variant: dict[str, Any], n: int) -> None:
+    """Time ``n`` steps of a variant, appending to its samples (total and per phase)."""
+    model, opt, x, y = variant["model"], variant["opt"], variant["x"], variant["y"]
+    clock = getattr(opt, "clock", None)
     for _ in range(n):
+        if clock is not None:
+            clock.clear()
         t0 = time.perf_counter()
         opt.zero_grad()
-        loss_fn(model(x), y).backward()
+        loss = _loss(model(x), y)
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
         opt.step()
-        times.append(time.perf_counter() - t0)
-    return times
+        t3 = time.perf_counter()
+        s = variant["samples"]
+        s["total"].append(t3 - t0)
+        s["forward"].append(t1 - t0)
+        s["backward"].append(t2 - t1)
+        s["step"].append(t3 - t2)
+        if clock is not None:
+            for k in CLOCK:
+                s.setdefault(k, []).append(clock.get(k, 0.0))
 
 
-def _variants(comm: Communicator, kind: str, mpi_comm: Communicator | None) -> dict[str, Any]:
-    """Build every variant once (model, optimizer, input) so that blocks can alternate."""
-    out: dict[str, Any] = {}
-    # join_support=False is the fair peer of DDP without its Join context (even data, no
-    # per-step announcement); "-join" is ringpipe's default, ready for hvd.join() on uneven data.
-    for name, join_support in (("ringpipe-gloo", False), ("ringpipe-gloo-join", True)):
-        model, x, y = make_model(kind)
-        opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
-                                   model.named_parameters(), comm=comm, join_support=join_support)
-        out[name] = (model, opt, x, y)
+def _variants(comm: Any, kind: str, compression: str, nojoin: bool) -> dict[str, dict[str, Any]]:
+    from ringpipe.dp import DistributedOptimizer
+
+    def sgd(m: nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
+
+    out: dict[str, dict[str, Any]] = {}
+    model, x, y = make_model(kind)
+    out["bound"] = {"model": model, "opt": sgd(model), "x": x, "y": y}
     model, x, y = make_model(kind)
     ddp = nn.parallel.DistributedDataParallel(model)
-    out["ddp-gloo"] = (ddp, torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9), x, y)
-    if mpi_comm is not None:
+    if compression == "fp16":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    out["ddp"] = {"model": ddp, "opt": sgd(ddp), "x": x, "y": y}
+    for name, join in (("ringpipe", True), ("ringpipe-nojoin", False)):
+        if name == "ringpipe-nojoin" and not nojoin:
+            continue
         model, x, y = make_model(kind)
-        opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
-                                   model.named_parameters(), comm=mpi_comm, join_support=False)
-        out["ringpipe-mpi"] = (model, opt, x, y)
+        opt = DistributedOptimizer(sgd(model), model.named_parameters(), comm=comm, compression=compression,
+                                   join_support=join)
+        opt.clock = {}
+        out[name] = {"model": model, "opt": opt, "x": x, "y": y}
+    for v in out.values():
+        v["samples"] = {k: [] for k in ("total", *PHASES)}
     return out
 
 
-def run_ranks(comm: Communicator, kinds: list[str], blocks: int, steps: int,
-              mpi_comm: Communicator | None = None) -> dict[str, dict[str, float]]:
+def run_ranks(comm: Any, kind: str, compression: str, blocks: int, steps: int, nojoin: bool) -> dict[str, Any]:
+    """One run on every rank: alternated blocks; per variant the median of each measure (slowest rank)."""
     torch.set_num_threads(1)
-    result: dict[str, dict[str, float]] = {}
-    for kind in kinds:
-        variants = _variants(comm, kind, mpi_comm)
-        samples: dict[str, list[float]] = {name: [] for name in variants}
-        for model, opt, x, y in variants.values():
-            time_steps(model, opt, x, y, 3)  # warm-up
-        for block in range(blocks):
-            order = list(variants.items())
-            if block % 2:
-                order.reverse()
-            for name, (model, opt, x, y) in order:
-                comm.barrier()
-                samples[name] += time_steps(model, opt, x, y, steps)
-        result[kind] = {name: statistics.median(ts) for name, ts in samples.items()}
-        result[kind]["params"] = sum(p.numel() for p in variants["ringpipe-gloo"][0].parameters())
-    return result
+    variants = _variants(comm, kind, compression, nojoin)
+    for v in variants.values():
+        _steps(v, 3)  # warm-up
+        v["samples"] = {k: [] for k in v["samples"]}
+    names = list(variants)
+    for block in range(blocks):
+        for name in (names if block % 2 == 0 else names[::-1]):
+            comm.barrier()
+            _steps(variants[name], steps)
+    mine = {name: {k: statistics.median(s) for k, s in v["samples"].items()} for name, v in variants.items()}
+    every = comm.allgather_object(mine)
+    slowest = max(every, key=lambda m: m["ringpipe"]["total"])  # one rank's figures, consistent phases
+    return {"params": sum(p.numel() for p in variants["bound"]["model"].parameters()), "ranks": comm.size,
+            "variants": slowest, "per_rank_total": [{n: m[n]["total"] for n in m} for m in every]}
 
 
-def alone(kinds: list[str], steps: int) -> dict[str, float]:
-    torch.set_num_threads(1)
-    out = {}
-    for kind in kinds:
-        model, x, y = make_model(kind)
-        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-        time_steps(model, opt, x, y, 3)
-        out[kind] = statistics.median(time_steps(model, opt, x, y, steps))
+def _one_run(kind: str, ranks: int, compression: str, blocks: int, steps: int, nojoin: bool) -> dict[str, Any]:
+    from ringpipe.launch import spawn
+
+    return spawn(run_ranks, ranks, args=(kind, compression, blocks, steps, nojoin))[0]
+
+
+def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Median over runs of every variant's measures, and the spread of the step time."""
+    out: dict[str, Any] = {"params": runs[0]["params"], "ranks": runs[0]["ranks"], "runs": len(runs), "variants": {}}
+    for name in runs[0]["variants"]:
+        keys = runs[0]["variants"][name]
+        med = {k: statistics.median(r["variants"][name][k] for r in runs) for k in keys}
+        totals = [r["variants"][name]["total"] for r in runs]
+        med["min"], med["max"] = min(totals), max(totals)
+        out["variants"][name] = med
+    ratios = [r["variants"]["ringpipe"]["total"] / r["variants"]["ddp"]["total"] for r in runs]
+    out["ratio_median"], out["ratio_min"], out["ratio_max"] = statistics.median(ratios), min(ratios), max(ratios)
     return out
 
 
-def report(res: dict[str, dict[str, float]], single: dict[str, float], title: str) -> str:
-    lines = [f"### {title}", "",
-             "| model | params | variant | median step (ms) | / ddp-gloo | / alone |",
-             "| --- | ---: | --- | ---: | ---: | ---: |"]
-    for kind, row in res.items():
-        ddp = row["ddp-gloo"]
-        lines.append(f"| {kind} | {int(row['params']):,} | alone (1 process) | {single[kind] * 1e3:.1f} | | 1.00 |")
-        for name, t in row.items():
-            if name == "params":
-                continue
-            lines.append(f"| {kind} | | {name} | {t * 1e3:.1f} | {t / ddp:.3f} | {t / single[kind]:.2f} |")
+def _ms(t: float) -> str:
+    return f"{t * 1e3:.2f}" if t < 0.1 else f"{t * 1e3:.1f}"
+
+
+def report(results: list[tuple[str, int, str, dict[str, Any]]]) -> str:
+    lines = [
+        "| model | params | ranks | wire | bound (ms) | DDP (ms) | ringpipe (ms) | ringpipe / DDP (runs) |"
+        " DDP over bound | ringpipe over bound |",
+        "| --- | ---: | ---: | --- | ---: | ---: | ---: | --- | ---: | ---: |",
+    ]
+    for kind, ranks, comp, s in results:
+        v = s["variants"]
+        b, d, r = v["bound"]["total"], v["ddp"]["total"], v["ringpipe"]["total"]
+        lines.append(
+            f"| {kind} | {s['params']:,} | {ranks} | {comp} | {_ms(b)} | {_ms(d)} ({_ms(v['ddp']['min'])}-"
+            f"{_ms(v['ddp']['max'])}) | {_ms(r)} ({_ms(v['ringpipe']['min'])}-{_ms(v['ringpipe']['max'])}) | "
+            f"**{s['ratio_median']:.3f}** ({s['ratio_min']:.3f}-{s['ratio_max']:.3f}) | {_ms(d - b)} | {_ms(r - b)} |"
+        )
+    lines += ["", "Per phase (ms, median over runs): forward / backward / step; ringpipe's clock: copies in, "
+              "ready to task, engine tasks, copies out, wait in step()", "",
+              "| model | ranks | wire | variant | forward | backward | step | copy | ready→task | engine | copy out | wait |",
+              "| --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for kind, ranks, comp, s in results:
+        for name, v in s["variants"].items():
+            extra = " | ".join(_ms(v[k]) if k in v else "" for k in CLOCK)
+            lines.append(f"| {kind} | {ranks} | {comp} | {name} | {_ms(v['forward'])} | {_ms(v['backward'])} | "
+                         f"{_ms(v['step'])} | {extra} |")
     return "\n".join(lines)
-
-
-def _spawned(comm: Communicator, kinds: list[str], blocks: int, steps: int) -> dict[str, dict[str, float]]:
-    return run_ranks(comm, kinds, blocks, steps)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", default="small,mlp,cnn")
-    p.add_argument("--blocks", type=int, default=6, help="alternating timing blocks per variant")
-    p.add_argument("--steps", type=int, default=5, help="timed steps per block")
-    p.add_argument("--mpi", action="store_true", help="running under mpirun: also time the MPI communicator")
-    p.add_argument("--json", default=None, help="write the numbers to this file (rank 0)")
+    p.add_argument("--models", default="small,mlp,resnet,transformer")
+    p.add_argument("--ranks", default="2", help="comma-separated world sizes (4 oversubscribes a 2-core host)")
+    p.add_argument("--compression", default="none", help="comma-separated: none, fp16")
+    p.add_argument("--runs", type=int, default=5, help="independent runs (fresh processes) per configuration")
+    p.add_argument("--blocks", type=int, default=6, help="alternating timing blocks per variant and run")
+    p.add_argument("--steps", type=int, default=0, help="timed steps per block (default: by model)")
+    p.add_argument("--nojoin", action="store_true", help="also time DistributedOptimizer(join_support=False)")
+    p.add_argument("--json", default=None, help="write the numbers to this file")
     args = p.parse_args(argv)
-    kinds = args.models.split(",")
-    if args.mpi:
-        mpi_comm = init_world("mpi")
-        single = alone(kinds, args.blocks * args.steps) if mpi_comm.rank == 0 else {}
-        mpi_comm.barrier()
-        gloo = init_world("gloo")  # rendezvous through MPI; DDP needs a c10d group
-        res = run_ranks(gloo, kinds, args.blocks, args.steps, mpi_comm=mpi_comm)
-        title = "2 ranks under mpirun (Open MPI): ringpipe on MPI and on gloo, DDP on gloo"
-        rank = mpi_comm.rank
-    else:
-        from ringpipe.launch import spawn
-
-        # Fork the ranks before this process runs autograd (autograd threads do not survive fork).
-        res = spawn(_spawned, 2, args=(kinds, args.blocks, args.steps))[0]
-        single = alone(kinds, args.blocks * args.steps)
-        title = "2 ranks, gloo, local launcher: ringpipe DistributedOptimizer vs DDP"
-        rank = 0
-    if rank == 0:
-        print(report(res, single, title))
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"title": title, "ranks": res, "alone": single}, f, indent=1)
+    default_steps = {"small": 20, "transformer": 10, "mlp": 5, "resnet": 3}
+    results = []
+    for kind in args.models.split(","):
+        for ranks in (int(r) for r in args.ranks.split(",")):
+            for comp in args.compression.split(","):
+                steps = args.steps or default_steps.get(kind, 5)
+                runs = [_one_run(kind, ranks, comp, args.blocks, steps, args.nojoin) for _ in range(args.runs)]
+                s = summarize(runs)
+                results.append((kind, ranks, comp, s))
+                print(f"{kind} ranks={ranks} wire={comp}: ringpipe/DDP {s['ratio_median']:.3f} "
+                      f"({s['ratio_min']:.3f}-{s['ratio_max']:.3f}); load {os.getloadavg()[0]:.1f}", flush=True)
+    print(report(results))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([{"model": k, "ranks": r, "wire": c, **s} for k, r, c, s in results], f, indent=1)
     return 0
 
 
