@@ -3,6 +3,9 @@
 Ping-pong between rank 0 and rank 1 for sizes from 8 B to 64 MiB: ringpipe ``comm.send/recv``
 (which records every message at the choke point) against ``torch.distributed.send/recv`` (gloo)
 or mpi4py ``Send/Recv`` (MPI) on the same connection, and the cost of the recording itself.
+Both sides move the same buffer the same number of times; they alternate in ``--repeats``
+blocks (the order swapped every block, so drift of a shared machine falls on both), and the
+table gives the median over blocks and the median of the per-block time ratios with its range.
 
     python benchmarks/p2p.py                    # everything: gloo and MPI on one host and across two namespace hosts
     python benchmarks/p2p.py --only local-gloo  # one part
@@ -16,6 +19,7 @@ import json
 import os
 import platform
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -52,7 +56,7 @@ def pingpong(send, recv, rank: int, nbytes: int) -> float:
     return (time.perf_counter() - t0) / (2 * n)
 
 
-def worker(backend: str, label: str) -> None:
+def worker(backend: str, label: str, repeats: int) -> None:
     from ringpipe.comm import init_world, shutdown_world
 
     comm = init_world(backend)
@@ -77,15 +81,19 @@ def worker(backend: str, label: str) -> None:
             dist.recv(t, p)
 
     rows = []
+    sides = {"native": (raw_send, raw_recv), "ringpipe": (comm.send, comm.recv)}
     for nbytes in SIZES:
-        comm.barrier()
-        t_raw = pingpong(raw_send, raw_recv, rank, nbytes)
-        comm.barrier()
-        t_rp = pingpong(comm.send, comm.recv, rank, nbytes)
-        rows.append({"setup": label, "backend": backend, "bytes": nbytes,
+        times: dict[str, list[float]] = {k: [] for k in sides}
+        for block in range(repeats):
+            for name in (list(sides) if block % 2 == 0 else list(sides)[::-1]):
+                comm.barrier()
+                times[name].append(pingpong(*sides[name], rank, nbytes))
+        t_raw, t_rp = statistics.median(times["native"]), statistics.median(times["ringpipe"])
+        ratios = [b / a for a, b in zip(times["native"], times["ringpipe"], strict=True)]
+        rows.append({"setup": label, "backend": backend, "bytes": nbytes, "repeats": repeats,
                      "native_us": t_raw * 1e6, "ringpipe_us": t_rp * 1e6,
                      "native_gbps": nbytes / t_raw / 1e9, "ringpipe_gbps": nbytes / t_rp / 1e9,
-                     "ratio": t_rp / t_raw})
+                     "ratio": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios)})
     comm.log.clear()
     if rank == 0:
         for r in rows:
@@ -142,10 +150,12 @@ def main() -> None:
     parser.add_argument("--label", default="one host")
     parser.add_argument("--only", choices=["local-gloo", "local-mpi", "two-hosts-gloo", "two-hosts-mpi", "overhead"])
     parser.add_argument("--json", help="write all rows to this file")
+    parser.add_argument("--repeats", type=int, default=5, help="blocks alternating native and ringpipe")
     args = parser.parse_args()
     if args.worker:
-        worker(args.backend, args.label)
+        worker(args.backend, args.label, args.repeats)
         return
+    rep = ["--repeats", str(args.repeats)]
 
     me = str(Path(__file__).resolve())
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -155,13 +165,13 @@ def main() -> None:
         print(f"choke-point recording overhead: {recording_overhead()['per_op_overhead_us']:.2f} us per operation")
     if "local-gloo" in parts:
         rows += _run([sys.executable, "-m", "ringpipe.cli", "launch", "-n", "2", me, "--worker",
-                      "--backend", "gloo", "--label", "one host"], env)
+                      "--backend", "gloo", "--label", "one host", *rep], env)
     if "local-mpi" in parts:
         from ringpipe.launch import mpirun_command
 
         if shutil.which("mpirun"):
             rows += _run(mpirun_command(2, [sys.executable, me, "--worker", "--backend", "mpi",
-                                            "--label", "one host"]), env)
+                                            "--label", "one host", *rep]), env)
     if "two-hosts-gloo" in parts:
         sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
         import netns
@@ -175,7 +185,7 @@ def main() -> None:
                 for node, host in enumerate((a, b)):
                     cmd = [*host.prefix(), sys.executable, "-m", "ringpipe.cli", "launch", "-n", "1",
                            "--nnodes", "2", "--node-rank", str(node), "--rdzv-endpoint", f"{a.addr}:29641",
-                           me, "--worker", "--backend", "gloo", "--label", "two namespace hosts (veth)"]
+                           me, "--worker", "--backend", "gloo", "--label", "two namespace hosts (veth)", *rep]
                     procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                                   text=True, env=env))
                 for p in procs:
@@ -193,15 +203,17 @@ def main() -> None:
         else:
             with netns.two_hosts() as hosts, tempfile.TemporaryDirectory() as tmp:
                 cmd, extra = netns.mpirun_across(hosts, [sys.executable, me, "--worker", "--backend", "mpi",
-                                                         "--label", "two namespace hosts (veth)"],
+                                                         "--label", "two namespace hosts (veth)", *rep],
                                                  Path(tmp) / "hostfile")
                 rows += _run(cmd, {**env, **extra})
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}, torch {torch.__version__}")
+    print(f"load average {os.getloadavg()[0]:.2f}; medians over {args.repeats} alternating blocks")
     print(f"{'setup':28} {'backend':7} {'bytes':>10} {'native us':>10} {'ringpipe us':>12} {'native GB/s':>11} "
-          f"{'ringpipe GB/s':>13} {'time ratio':>10}")
+          f"{'ringpipe GB/s':>13} {'time ratio':>10} {'ratio range':>12}")
     for r in rows:
         print(f"{r['setup']:28} {r['backend']:7} {r['bytes']:>10} {r['native_us']:>10.1f} {r['ringpipe_us']:>12.1f} "
-              f"{r['native_gbps']:>11.3f} {r['ringpipe_gbps']:>13.3f} {r['ratio']:>10.2f}")
+              f"{r['native_gbps']:>11.3f} {r['ringpipe_gbps']:>13.3f} {r['ratio']:>10.2f} "
+              f"{r['ratio_min']:>5.2f}-{r['ratio_max']:<5.2f}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 
