@@ -3,7 +3,8 @@
 Every rank makes the same calls; per iteration the slowest rank's time counts. For each size,
 the communicator's native allreduce is timed with its check (one header message per doubling
 step before the payload) and inside ``comm.unchecked()``, alternating one call of each, and
-the Horovod-style ``hvd.allreduce`` (whose announcement carries the check) beside them. Medians
+the Horovod-style ``hvd.allreduce`` (whose announcement carries the check) beside them, the
+order rotated every iteration. Medians
 with the 10th-90th percentile spread are printed; the ratio is checked / unchecked.
 
     python benchmarks/check_cost.py                       # 2 ranks over gloo, 4 KiB and 4 MiB
@@ -32,7 +33,8 @@ def _work(comm, iters: int, warmup: int, variants: tuple[str, ...]) -> dict:  # 
     for size in SIZES:
         x = torch.ones(size // 4)
         for i in range(warmup + iters):
-            for v in variants:
+            k = i % len(variants)
+            for v in variants[k:] + variants[:k]:  # rotated: no variant always runs first
                 comm.barrier()
                 t = time.perf_counter()
                 if v == "unchecked":

@@ -1,8 +1,9 @@
 """How many chunks a ring message is cut into: ring allreduce at each setting against native gloo, same run.
 
 Every setting of ``ringpipe.collectives.common.MAX_CHUNKS`` (chunks of at least ``CHUNK_BYTES``)
-is timed in turn with the native gloo allreduce, interleaved, for 1-64 MiB; per iteration the
-slowest rank's time counts, and the median over iterations is printed with native/ring.
+is timed in turn with the native gloo allreduce, interleaved (the order rotated every iteration,
+after one warm-up iteration), for 1-64 MiB; per iteration the slowest rank's time counts, and
+the median over iterations is printed with native/ring.
 
     python benchmarks/chunks.py                 # 2 and 4 ranks
     python benchmarks/chunks.py --ranks 2 --iters 12
@@ -28,8 +29,9 @@ def _work(comm, iters: int) -> dict:  # noqa: ANN001 - a communicator
     out: dict = {}
     for size in SIZES:
         x = torch.ones(size // 4)
-        for _ in range(iters):
-            for v in [*VARIANTS, "native"]:
+        order = [*VARIANTS, "native"]
+        for i in range(iters + 1):  # iteration 0 warms up (first messages, allocations) and is not kept
+            for v in order[i % len(order):] + order[:i % len(order)]:  # rotated: no setting always first
                 if v != "native":
                     common.MAX_CHUNKS = v  # the same on every rank: message tags depend on it
                 comm.barrier()
@@ -38,7 +40,8 @@ def _work(comm, iters: int) -> dict:  # noqa: ANN001 - a communicator
                     comm.allreduce(x, "sum")
                 else:
                     collectives.allreduce(comm, x, "sum", algorithm="ring")
-                out.setdefault((size, v), []).append(time.perf_counter() - t)
+                if i:
+                    out.setdefault((size, v), []).append(time.perf_counter() - t)
     return out
 
 
