@@ -47,10 +47,19 @@ from ringpipe.api.basics import (
     rocm_built,
     shutdown,
     size,
+    start_timeline,
+    stop_timeline,
 )
 from ringpipe.dp.compression import Compression
 
-from .functions import allgather_object, broadcast_, broadcast_object, broadcast_variables
+from . import elastic
+from .functions import (
+    allgather_object,
+    broadcast_,
+    broadcast_object,
+    broadcast_object_fn,
+    broadcast_variables,
+)
 from .gradient_tape import DistributedGradientTape, PartialDistributedGradientTape
 from .mpi_ops import (
     allgather,
@@ -64,14 +73,17 @@ from .mpi_ops import (
     join,
     reducescatter,
 )
+from .optimizer import DistributedOptimizer
+from .queries import local_rank_op, local_size_op, process_set_included_op, rank_op, size_op
 
 __all__ = [
-    "Adasum", "Average", "Compression", "DistributedGradientTape", "HorovodInternalError", "Max", "Min",
-    "NotInitializedError", "PartialDistributedGradientTape", "ProcessSet", "Product", "Sum", "add_process_set",
-    "allgather", "allgather_object", "allreduce", "alltoall", "barrier", "broadcast", "broadcast_",
-    "broadcast_object", "broadcast_variables", "ccl_built", "cross_rank", "cross_size", "cuda_built", "ddl_built",
-    "gloo_built", "gloo_enabled", "global_process_set", "grouped_allgather", "grouped_allreduce",
-    "grouped_reducescatter", "init", "is_initialized", "join", "local_rank", "local_size", "mpi_built",
-    "mpi_enabled", "mpi_threads_supported", "nccl_built", "rank", "reducescatter", "remove_process_set",
-    "rocm_built", "shutdown", "size",
+    "Adasum", "Average", "Compression", "DistributedGradientTape", "DistributedOptimizer", "HorovodInternalError",
+    "Max", "Min", "NotInitializedError", "PartialDistributedGradientTape", "ProcessSet", "Product", "Sum",
+    "add_process_set", "allgather", "allgather_object", "allreduce", "alltoall", "barrier", "broadcast",
+    "broadcast_", "broadcast_object", "broadcast_object_fn", "broadcast_variables", "ccl_built", "cross_rank",
+    "cross_size", "cuda_built", "ddl_built", "elastic", "global_process_set", "gloo_built", "gloo_enabled",
+    "grouped_allgather", "grouped_allreduce", "grouped_reducescatter", "init", "is_initialized", "join",
+    "local_rank", "local_rank_op", "local_size", "local_size_op", "mpi_built", "mpi_enabled",
+    "mpi_threads_supported", "nccl_built", "process_set_included_op", "rank", "rank_op", "reducescatter",
+    "remove_process_set", "rocm_built", "shutdown", "size", "size_op", "start_timeline", "stop_timeline",
 ]

@@ -15,7 +15,7 @@ from ringpipe.dp.process_sets import ProcessSet, global_process_set, set_root
 
 from .bridge import run, to_tf, to_torch
 
-__all__ = ["allgather_object", "broadcast_", "broadcast_object", "broadcast_variables"]
+__all__ = ["allgather_object", "broadcast_", "broadcast_object", "broadcast_object_fn", "broadcast_variables"]
 
 
 def _broadcast_values(values: Sequence[tf.Tensor], root_rank: int, process_set: ProcessSet) -> list[tf.Tensor]:
@@ -69,3 +69,13 @@ def allgather_object(obj: Any, session: Any = None, name: str | None = None,
                      process_set: ProcessSet = global_process_set) -> list[Any]:
     """Every rank's object (pickled), in rank order of the set."""
     return _api.allgather_object(obj, name=name, process_set=process_set)
+
+
+def broadcast_object_fn(root_rank: int = 0, session: Any = None, name: str | None = None,
+                        process_set: ProcessSet = global_process_set) -> Any:
+    """A function ``fn(obj)`` that returns ``root_rank``'s object on every rank (Horovod's TF1 form, eager here)."""
+
+    def fn(obj: Any) -> Any:
+        return broadcast_object(obj, root_rank, name=name, process_set=process_set)
+
+    return fn

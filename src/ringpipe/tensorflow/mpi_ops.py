@@ -242,8 +242,8 @@ def alltoall(tensor: Any, splits: Any = None, name: str | None = None, ignore_na
     @tf.custom_gradient
     def exchange(t: tf.Tensor, s: tf.Tensor) -> Any:
         def fn(v: tf.Tensor, w: tf.Tensor) -> list[tf.Tensor]:
-            out = _api.alltoall(to_torch(v), [int(i) for i in w.numpy()] if given else None, name=name,
-                                process_set=process_set)
+            out: Any = _api.alltoall(to_torch(v), [int(i) for i in w.numpy()] if given else None, name=name,
+                                     process_set=process_set)
             if given:
                 received, rsplits = out
             else:  # the received splits of an even split
@@ -304,8 +304,11 @@ def grouped_reducescatter(tensors: Sequence[Any], device_dense: str = "", compre
 
 def barrier(process_set: ProcessSet = global_process_set) -> None:
     """Wait until every rank of the set reaches this call."""
-    run(lambda: [tf.constant(0) if _api.barrier(process_set=process_set) is None else tf.constant(0)], [],
-        [tf.int32], [[]], name="RingpipeBarrier")
+    def wait() -> list[tf.Tensor]:
+        _api.barrier(process_set=process_set)
+        return [tf.constant(0)]
+
+    run(wait, [], [tf.int32], [[]], name="RingpipeBarrier")
 
 
 def join() -> tf.Tensor:

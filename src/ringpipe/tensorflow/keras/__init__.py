@@ -1,12 +1,13 @@
 """Horovod's ``horovod.tensorflow.keras`` for Keras 3: ``import ringpipe.tensorflow.keras as hvd``.
 
 Everything of :mod:`ringpipe.tensorflow` (``init``, ``rank``, ``size``, the collectives), plus
-:func:`DistributedOptimizer`, :mod:`callbacks`, :func:`load_model` and
-:func:`broadcast_global_variables`.
+:func:`DistributedOptimizer`, :mod:`callbacks`, :mod:`elastic` (``KerasState`` and its
+callbacks), :func:`load_model` and :func:`broadcast_global_variables`.
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 import keras
@@ -16,10 +17,13 @@ from ringpipe.dp.compression import Compression
 from .. import *  # noqa: F403 - the TensorFlow face's API
 from .. import __all__ as _tf_all
 from ..functions import broadcast_variables
-from . import callbacks
-from .optimizer import DistributedOptimizer, distributed_class
+from .optimizer import DistributedOptimizer, distributed_class  # type: ignore[assignment]  # noqa: F401 - the Keras one
 
-__all__ = [*_tf_all, "DistributedOptimizer", "broadcast_global_variables", "callbacks", "load_model"]
+# The Keras modules, over the star's ``elastic`` (a plain ``from . import`` would keep the star's).
+callbacks = importlib.import_module(f"{__name__}.callbacks")
+elastic = importlib.import_module(f"{__name__}.elastic")
+
+__all__ = [*_tf_all, "broadcast_global_variables", "callbacks", "load_model"]
 
 
 def broadcast_global_variables(root_rank: int, model: Any = None) -> None:
@@ -54,7 +58,8 @@ def load_model(filepath: Any, custom_optimizers: list[type] | None = None, custo
 
 
 def _optimizer_classes(base: type) -> list[type]:
-    found = []
+    found: list[type] = []
+    cls: type
     for cls in base.__subclasses__():
         if not cls.__name__.startswith("_"):
             found.append(cls)

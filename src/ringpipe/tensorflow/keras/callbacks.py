@@ -26,6 +26,7 @@ from ..functions import broadcast_variables
 from ..mpi_ops import allreduce
 
 __all__ = [
+    "BestModelCheckpoint",
     "BroadcastGlobalVariablesCallback",
     "LearningRateScheduleCallback",
     "LearningRateWarmupCallback",
@@ -184,3 +185,36 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
 
             if rank() == 0:
                 print(f"\nEpoch {epoch + 1}: finished gradual learning rate warmup to {_lr(self.model.optimizer):g}.")
+
+
+class BestModelCheckpoint(keras.callbacks.ModelCheckpoint):
+    """Horovod's ``ModelCheckpoint`` that keeps only the best model (``save_best_only=True``).
+
+    Horovod passes no path (its Spark estimator sets ``filepath`` later); Keras 3 checks the
+    path's extension when the callback is made, so here the path is checked when it is known:
+    give ``filepath=`` (``.keras``, or ``.weights.h5`` with ``save_weights_only``) or set
+    ``callback.filepath`` before ``fit``.
+    """
+
+    def __init__(self, monitor: str = "val_loss", verbose: int = 0, save_weights_only: bool = False,
+                 mode: str = "auto", save_freq: str | int = "epoch", filepath: Any = None) -> None:
+        placeholder = "best.weights.h5" if save_weights_only else "best.keras"
+        super().__init__(filepath=placeholder, monitor=monitor, verbose=verbose, save_best_only=True,
+                         save_weights_only=save_weights_only, mode=mode, save_freq=save_freq)
+        self.filepath = None if filepath is None else str(filepath)
+        if self.filepath is not None:
+            self._check_path()
+
+    def _check_path(self) -> None:
+        if self.filepath is None:
+            raise ValueError("BestModelCheckpoint has no path: pass filepath='best.keras' or set callback.filepath "
+                             "before fit()")
+        ends = (".weights.h5",) if self.save_weights_only else (".keras", ".h5")
+        if not self.filepath.endswith(ends):
+            raise ValueError(f"BestModelCheckpoint: the filepath must end in {' or '.join(ends)} (Keras 3's model "
+                             f"format{', save_weights_only=True' if self.save_weights_only else ''}); got "
+                             f"{self.filepath!r}")
+
+    def on_train_begin(self, logs: Any = None) -> None:
+        self._check_path()
+        super().on_train_begin(logs)

@@ -66,14 +66,14 @@ class DistributedMixin:
         return out
 
     def apply(self, grads: Any, trainable_variables: Any = None) -> Any:
-        base = super()
+        base: Any = super()
         if not hasattr(self, "_rp"):
             self._rp_setup()
         grads = list(grads)
         variables = list(trainable_variables) if trainable_variables is not None else list(
             self._trainable_variables)  # type: ignore[attr-defined]
         if self._rp["passes"] == 1:
-            return base.apply(self._rp_reduce(grads, variables), trainable_variables)  # type: ignore[misc]
+            return base.apply(self._rp_reduce(grads, variables), trainable_variables)
         return self._rp_accumulate(base, grads, variables, trainable_variables)
 
     def _rp_accumulate(self, base: Any, grads: list[Any], variables: list[Any], given: Any) -> Any:
@@ -110,7 +110,8 @@ class DistributedMixin:
             return tf.constant(True)
 
         def count_only() -> tf.Tensor:
-            self.iterations.assign_add(1)  # type: ignore[attr-defined] - as Horovod: every call is an iteration
+            # as in Horovod, every call counts as an iteration
+            self.iterations.assign_add(1)  # type: ignore[attr-defined]
             return tf.constant(False)
 
         return tf.cond(tf.equal(counter, passes), reduce_and_apply, count_only)
@@ -142,7 +143,8 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name for a call that returns
     config = optimizer.get_config()
     if name is not None:
         config["name"] = name
-    opt = distributed_class(type(optimizer)).from_config(config)
+    cls: Any = distributed_class(type(optimizer))  # type: ignore[arg-type]
+    opt = cls.from_config(config)
     opt._rp_setup(compression, sparse_as_dense, gradient_predivide_factor, op, backward_passes_per_step,
                   average_aggregated_gradients, process_set, scale_local_gradients)
     return opt
