@@ -102,6 +102,15 @@ def test_a_slow_computing_rank_is_named_alone():
     assert [(f.rank, f.what) for f in found] == [(6, "rank 6 (host rp-host-c) computes slowly")]
 
 
+def test_a_host_whose_every_rank_computes_slowly_is_named_once():
+    hosts = _hosts((4, 2, 2))
+    infos = [{"compute_ms": 40.0 + r % 3} for r in range(8)]
+    infos[6]["compute_ms"], infos[7]["compute_ms"] = 90.0, 97.0
+    found = _problems(diagnose(_job(hosts, infos=infos), _links(hosts)))
+    assert [(f.rank, f.hosts, f.what) for f in found] == [(None, ("rp-host-c",),
+                                                           "the ranks of host rp-host-c compute slowly")]
+
+
 # ----------------------------------------------------------------------------- links
 
 
@@ -228,6 +237,39 @@ def test_bookkeeping_collectives_are_judged_apart_from_the_data_collectives():
     found = late_ranks(job)
     assert [f.rank for f in found] == [5]
     assert "allreduce of 104 B" in found[0].what and "last to enter in 10 of 10 calls" in found[0].evidence
+
+
+def _scattered(work_ms, reps=10, scatter_ms=100.0, seed=3):
+    """Allreduces whose ranks leave each call scattered over ``scatter_ms`` (ranks that spin while they
+    wait, on fewer cores than ranks), then work ``work_ms[r]()`` ms before the next call."""
+    rnd = random.Random(seed)
+    p = len(work_ms)
+    events = [[] for _ in range(p)]
+    left = [0.0] * p
+    for _ in range(reps):
+        start = [left[r] + work_ms[r](rnd) for r in range(p)]
+        done = max(start) + 5.0
+        left = [done + rnd.uniform(0, scatter_ms) for _ in range(p)]
+        for r in range(p):
+            events[r].append(Event("allreduce", 1 << 18, -1, int(start[r] * MS), int(left[r] * MS), 0, "world",
+                                   {"algorithm": "ring"}))
+    return _job(_hosts((4, 2, 2)), events)
+
+
+def test_a_late_rank_is_found_by_its_work_between_calls_when_finishing_times_scatter():
+    """Arrival order is noise here (rank 5 is not last in most calls); its 30-50 ms of work per call is not."""
+    work = [lambda rnd: 0.1] * 8
+    work[5] = lambda rnd: rnd.uniform(30, 50)
+    job = _scattered(work)
+    found = _problems(diagnose(job))
+    assert [(f.rank, f.hosts) for f in found] == [(5, ("rp-host-b",))], [f.text() for f in found]
+    assert "worked a median" in found[0].evidence
+
+
+def test_scattered_finishing_times_alone_accuse_nobody():
+    for seed in range(5):
+        job = _scattered([lambda rnd: rnd.uniform(0.05, 0.5)] * 8, seed=seed)
+        assert _problems(diagnose(job)) == [], seed
 
 
 def test_declared_expected_work_is_not_lateness():

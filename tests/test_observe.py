@@ -183,6 +183,36 @@ def test_profile_rows_per_operation_and_rank():
     assert "allreduce" in text and "1.0 KiB" in text and "comm %" in text
 
 
+def _user_and_internal(comm):
+    from ringpipe.comm import comm_stats
+
+    t = torch.ones(1 << 14)
+    comm.allreduce(t)  # the communicator's own allreduce: one call, checked by a header exchange
+    collectives.allreduce(comm, t, algorithm="ring")  # one call, made of messages between ranks
+    other = 1 - comm.rank
+    if comm.rank == 0:
+        comm.send(t, other, tag=3)
+    else:
+        comm.recv(t, other, tag=3)
+    mine, own = comm_stats(), comm_stats(internal=True)
+    job = collect_events(comm)
+    return mine, own, (format_profile(job) if job is not None else None)
+
+
+def test_comm_stats_and_the_profile_show_ringpipes_own_calls_apart_from_the_programs():
+    """The program made 2 allreduces and 1 send (rank 0) or recv (rank 1); everything else is ringpipe's."""
+    (mine0, own0, text), (mine1, _, _) = spawn(_user_and_internal, 2)
+    assert set(mine0) == {"allreduce", "send"} and set(mine1) == {"allreduce", "recv"}
+    assert mine0["allreduce"]["calls"] == 2 and mine0["send"]["calls"] == 1
+    assert mine0["allreduce"]["bytes"] == 2 * 4 * (1 << 14)
+    # start-up's hostname exchange, the consistency headers, the ring's messages and steps
+    assert {"allgather_object", "allreduce.header", "isend", "irecv", "allreduce.step"} <= set(own0)
+    assert "isend" not in mine0 and "allgather_object" not in mine0
+    program, _, own = text.partition("ringpipe's own calls")
+    assert own and "isend" in own and "allgather_object" in own
+    assert "isend" not in program and "allgather_object" not in program and "allreduce" in program
+
+
 def test_chrome_trace_has_a_process_per_rank_and_steps_on_their_own_row(tmp_path):
     r0 = [_ev("allreduce", 1, 4), _ev("allreduce.step", 2, 3, peer=1, step=0, cid=5)]
     r1 = [_ev("allreduce", 1.5, 4)]

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["Event", "EventLog", "default_log", "comm_stats", "add_blocked", "blocked_ns", "human_bytes", "named",
-           "name_next", "take_next_name"]
+           "name_next", "take_next_name", "internal", "split_internal"]
 
 # Field positions inside the raw event list (kept as a list so that ``end`` can be filled in
 # when an asynchronous operation completes without allocating a second object).
@@ -35,6 +35,21 @@ def named(name: str | None) -> Iterator[None]:
         yield
     finally:
         _NAMING.name = before
+
+
+@contextlib.contextmanager
+def internal() -> Iterator[None]:
+    """Events this thread begins inside the block are ringpipe's own bookkeeping, not the program's calls.
+
+    They carry ``detail["internal"]`` and are shown apart (:func:`comm_stats`, the profile):
+    the hostname exchange at start-up, the announcements of Horovod-style calls.
+    """
+    before = getattr(_NAMING, "internal", False)
+    _NAMING.internal = True
+    try:
+        yield
+    finally:
+        _NAMING.internal = before
 
 
 def name_next(name: str | None) -> None:
@@ -79,7 +94,10 @@ class EventLog:
     def begin(self, op: str, nbytes: int, peer: int, tag: int, comm: str) -> list[Any]:
         """Start an event; the caller fills in ``end`` with :meth:`end`."""
         name = getattr(_NAMING, "name", None)
-        ev = [op, nbytes, peer, time.perf_counter_ns(), 0, tag, comm, {"name": name} if name else None]
+        detail = {"name": name} if name else None
+        if getattr(_NAMING, "internal", False):
+            detail = {**(detail or {}), "internal": True}
+        ev = [op, nbytes, peer, time.perf_counter_ns(), 0, tag, comm, detail]
         self._events.append(ev)  # deque.append is atomic under the GIL
         return ev
 
@@ -103,6 +121,8 @@ class EventLog:
         name = getattr(_NAMING, "name", None)
         if name and "name" not in detail:
             detail["name"] = name
+        if getattr(_NAMING, "internal", False):
+            detail["internal"] = True
         self._events.append([op, nbytes, peer, start_ns, end_ns, tag, comm, detail or None])
 
     def events(self) -> list[Event]:
@@ -118,6 +138,29 @@ class EventLog:
 
     def __len__(self) -> int:
         return len(self._events)
+
+
+_P2P = ("send", "recv", "isend", "irecv")
+
+
+def split_internal(events: Iterable[Event]) -> tuple[list[Event], list[Event]]:
+    """(the program's own calls, ringpipe's internal ones), each in recorded order.
+
+    Internal: events marked by :func:`internal`; parts of a call (``allreduce.header``, the
+    consistency check; ``allreduce.step``, an algorithm's step); and the messages an algorithm
+    of :mod:`ringpipe.collectives` sends for a call: point-to-point operations that begin inside
+    a synchronous algorithm-run collective on the same communicator.
+    """
+    events = list(events)
+    runs: dict[str, list[tuple[int, int]]] = {}
+    for e in events:
+        if "." not in e.op and e.detail.get("algorithm") and not e.op.startswith("i") and e.op not in _P2P:
+            runs.setdefault(e.comm, []).append((e.start_ns, e.end_ns))
+    mine, theirs = [], []
+    for e in events:
+        inside = e.op in _P2P and any(a <= e.start_ns <= b for a, b in runs.get(e.comm, ()))
+        (theirs if e.detail.get("internal") or "." in e.op or inside else mine).append(e)
+    return mine, theirs
 
 
 def summarize(events: Iterable[Event]) -> dict[str, dict[str, float]]:
@@ -141,9 +184,14 @@ def default_log() -> EventLog:
     return _DEFAULT
 
 
-def comm_stats(log: EventLog | None = None) -> dict[str, dict[str, float]]:
-    """Per-operation summary (calls, bytes, time) of everything recorded so far."""
-    return summarize((log or _DEFAULT).events())
+def comm_stats(log: EventLog | None = None, internal: bool = False) -> dict[str, dict[str, float]]:
+    """Per-operation summary (calls, bytes, time) of the program's calls recorded so far.
+
+    ``internal=True``: of ringpipe's own calls instead (see :func:`split_internal`: the
+    consistency headers, start-up's hostname exchange, announcements, algorithms' messages).
+    """
+    mine, theirs = split_internal((log or _DEFAULT).events())
+    return summarize(theirs if internal else mine)
 
 
 # Nanoseconds each thread spent blocked waiting for communication (a synchronous operation, or

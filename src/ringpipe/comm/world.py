@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from ringpipe.comm import departures
 from ringpipe.comm.base import CommError, Communicator
+from ringpipe.comm.events import internal
 from ringpipe.comm.stall import StallInspector
 from ringpipe.env import EnvironmentError_, Topology, detect
 
@@ -196,7 +197,8 @@ def init_world(
         comm = TorchCommunicator(backend, topo, device=device)
 
     if topo.size > 1:
-        hosts = comm.allgather_object(socket.gethostname())
+        with internal():  # ringpipe's own bookkeeping, shown apart from the program's calls
+            hosts = comm.allgather_object(socket.gethostname())
         topo = topo.with_hostnames(hosts)
     else:
         topo = topo.with_hostnames([socket.gethostname()])

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from ringpipe.comm.base import Communicator
-from ringpipe.comm.events import Event, EventLog, default_log
+from ringpipe.comm.events import Event, EventLog, default_log, internal
 
 __all__ = ["RankEvents", "JobEvents", "collect_events", "save_events", "load_events", "clock_offsets", "member_hosts"]
 
@@ -115,7 +115,8 @@ def collect_events(
     """
     log = log or default_log()
     mine = log.events()
-    offsets = clock_offsets(comm)
+    with internal():  # ringpipe's own calls, apart from the program's in comm_stats and the profile
+        offsets = clock_offsets(comm)
     shift = offsets[comm.rank]
     payload = {
         "host": member_hosts(comm)[comm.rank],
@@ -125,7 +126,8 @@ def collect_events(
         ],
         "info": {**_rank_info(), **(info or {})},
     }
-    every = comm.allgather_object(payload) if comm.size > 1 else [payload]
+    with internal():
+        every = comm.allgather_object(payload) if comm.size > 1 else [payload]
     if comm.rank != 0:
         return None
     ranks = [

@@ -59,9 +59,10 @@ def _overlap(intervals: Sequence[tuple[int, int]], lo: int, hi: int) -> int:
 def _sequences(job: JobEvents) -> dict[tuple[str, str, int], dict[int, list[tuple[int, int]]]]:
     """Collective calls per (communicator, operation and algorithm, bytes), per rank, in call order.
 
-    Calls of different sizes are different sequences: a library's own small bookkeeping
-    collectives (an announcement before each data allreduce) are then judged apart from the
-    program's data collectives instead of diluting them.
+    Calls of different sizes are different sequences, and ringpipe's own calls (marked internal
+    at the choke point) are named as such: a library's own small bookkeeping collectives (an
+    announcement before each data allreduce) are then judged apart from the program's data
+    collectives instead of diluting them.
     """
     calls: dict[tuple[str, str, int], dict[int, list[tuple[int, int]]]] = defaultdict(dict)
     for rank_events in job.ranks:
@@ -74,6 +75,8 @@ def _sequences(job: JobEvents) -> dict[tuple[str, str, int], dict[int, list[tupl
             elif e.op in COLLECTIVE_OPS:
                 algo = e.detail.get("algorithm")
                 name = f"{e.op} ({algo})" if algo else e.op
+                if e.detail.get("internal"):
+                    name += " (ringpipe's own)"
                 start = min(e.start_ns, header.pop((e.comm, e.op), e.start_ns))
                 calls[(e.comm, name, e.nbytes)].setdefault(rank_events.rank, []).append((start, e.end_ns))
     return calls

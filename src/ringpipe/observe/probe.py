@@ -102,11 +102,13 @@ def compute_probe(reps: int = 3, n: int = 256, iters: int = 20) -> float:
     return 1e3 * min(times)
 
 
-def compute_in_turn(comm: Communicator, retries: int = 2) -> float:
+def compute_in_turn(comm: Communicator, retries: int = 4) -> float:
     """This rank's :func:`compute_probe`, each rank timed alone while the others wait quietly.
 
     A rank 1.5x slower than the median is timed again (up to ``retries`` times, best kept):
     another process that took the core for a moment is gone the next time, a slow CPU is not.
+    On a loaded machine (other jobs) one rank in eight was still slow three times running, so
+    four retries: they cost only the slow ranks' time.
     """
     mine = float("inf")
     todo = list(range(comm.size))

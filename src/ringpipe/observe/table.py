@@ -9,13 +9,15 @@ training steps, and each rank's row also gives the time its steps were blocked o
 communication: rank 0's share is the summary's ``comm_share``. Algorithm steps and consistency headers
 (``allreduce.step``, ``allreduce.header``) are part of the call that made them and are not
 counted again; overlapping asynchronous operations count once in a rank's communication time.
+ringpipe's own calls (start-up's hostname exchange, announcements, the messages of its
+algorithms: :func:`ringpipe.comm.events.split_internal`) are listed apart, below the program's.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from ringpipe.comm.events import Event, human_bytes
+from ringpipe.comm.events import Event, human_bytes, split_internal
 from ringpipe.observe.collect import JobEvents
 from ringpipe.observe.regions import EXPECTED_OP
 from ringpipe.observe.runreport import WINDOW_OP
@@ -24,8 +26,14 @@ __all__ = ["profile", "format_profile", "busy_ns"]
 
 
 def _top_level(events: list[Event]) -> list[Event]:
-    """The calls a program made (not their steps and headers, not its declared expected work)."""
+    """The operations recorded (not their steps and headers, not declared expected work)."""
     return [e for e in events if "." not in e.op and e.op != EXPECTED_OP]
+
+
+def _calls(events: list[Event], internal: bool) -> list[Event]:
+    """The program's calls, or (``internal``) ringpipe's own."""
+    mine, theirs = split_internal(_top_level(events))
+    return theirs if internal else mine
 
 
 def busy_ns(events: list[Event]) -> int:
@@ -55,11 +63,10 @@ def _wall_ns(r: Any) -> int:
     return max(e.end_ns for e in r.events) - min(e.start_ns for e in r.events)
 
 
-def profile(job: JobEvents) -> dict[str, Any]:
-    """Per-operation and per-rank figures of ``job`` (the data behind :func:`format_profile`)."""
+def _op_rows(job: JobEvents, internal: bool) -> list[dict[str, Any]]:
     ops: dict[str, dict[str, Any]] = {}
     for r in job.ranks:
-        for e in _top_level(r.events):
+        for e in _calls(r.events, internal):
             row = ops.setdefault(e.op, {"calls": 0, "bytes": 0, "time_ns": [0] * job.size})
             row["calls"] += 1
             row["bytes"] += e.nbytes
@@ -81,6 +88,15 @@ def profile(job: JobEvents) -> dict[str, Any]:
             "per_call_ms": sum(per_rank) / row["calls"] / 1e6 if row["calls"] else 0.0,
         })
     op_rows.sort(key=lambda row: -row["avg_ms"])
+    return op_rows
+
+
+def profile(job: JobEvents) -> dict[str, Any]:
+    """Per-operation and per-rank figures of ``job`` (the data behind :func:`format_profile`).
+
+    ``ops``: the program's calls; ``internal``: ringpipe's own, part of them or beside them.
+    """
+    op_rows, internal_rows = _op_rows(job, False), _op_rows(job, True)
     rank_rows = []
     for r in job.ranks:
         busy = busy_ns(_top_level(r.events))
@@ -92,14 +108,14 @@ def profile(job: JobEvents) -> dict[str, Any]:
             "wall_ms": wall / 1e6,
             "comm_ms": busy / 1e6,
             "comm_share": busy / wall if wall else 0.0,
-            "calls": len(_top_level(r.events)),
+            "calls": len(_calls(r.events, False)),
         }
         if win is not None:
             step_ns, blocked = int(win.detail.get("step_ns", 0)), int(win.detail.get("blocked_ns", 0))
             row.update(steps=int(win.detail.get("steps", 0)), step_ms=step_ns / 1e6, blocked_ms=blocked / 1e6,
                        blocked_share=blocked / step_ns if step_ns else 0.0)
         rank_rows.append(row)
-    return {"ops": op_rows, "ranks": rank_rows, "meta": job.meta}
+    return {"ops": op_rows, "internal": internal_rows, "ranks": rank_rows, "meta": job.meta}
 
 
 def format_profile(job: JobEvents) -> str:
@@ -120,12 +136,16 @@ def format_profile(job: JobEvents) -> str:
         f"{'operation':<22}{'calls':>8}{'per rank':>9}{'avg size':>11}{'total':>11}"
         f"{'total ms':>10}{'(avg)':>9}{'(max)':>9}{'max rank':>9}{'ms/call':>9}",
     ]
-    for row in p["ops"]:
-        lines.append(
-            f"{row['op']:<22}{row['calls']:>8}{row['calls_per_rank']:>9.1f}{human_bytes(row['avg_bytes']):>11}"
-            f"{human_bytes(row['total_bytes']):>11}{row['min_ms']:>10.2f}{row['avg_ms']:>9.2f}{row['max_ms']:>9.2f}"
-            f"{row['max_rank']:>9}{row['per_call_ms']:>9.3f}"
-        )
+    def op_line(row: dict[str, Any]) -> str:
+        return (f"{row['op']:<22}{row['calls']:>8}{row['calls_per_rank']:>9.1f}{human_bytes(row['avg_bytes']):>11}"
+                f"{human_bytes(row['total_bytes']):>11}{row['min_ms']:>10.2f}{row['avg_ms']:>9.2f}"
+                f"{row['max_ms']:>9.2f}{row['max_rank']:>9}{row['per_call_ms']:>9.3f}")
+
+    lines += [op_line(row) for row in p["ops"]]
+    if p["internal"]:
+        lines += ["", "ringpipe's own calls (not made by the program: start-up, consistency checks, announcements, "
+                  "the messages of its algorithms; their time is part of the calls above or beside them):"]
+        lines += [op_line(row) for row in p["internal"]]
     head = f"{'rank':>6}  {'host':<20}{'calls':>8}{'wall ms':>12}{'comm ms':>12}{'comm %':>9}"
     if steps:
         head += f"{'step ms':>12}{'blocked ms':>12}{'blocked %':>11}"
