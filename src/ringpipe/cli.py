@@ -10,14 +10,21 @@ from collections.abc import Sequence
 
 __all__ = ["main", "build_parser"]
 
-# Subcommands live next to what they drive; each module offers add_parser(subparsers).
-_SUBCOMMANDS = (
-    "ringpipe.train.cli",
-    "ringpipe.train.fetch",
-    "ringpipe.launch",
-    "ringpipe.observe.bench",
-    "ringpipe.observe.cli",
-)
+# Subcommands live next to what they drive; each module offers add_parser(subparsers). Only the
+# module of the command given is imported (several import torch, which takes seconds): the others
+# are listed from this table, whose names and lines match their parsers (checked by the tests).
+_SUBCOMMANDS = {
+    "ringpipe.train.cli": {"train": "train a model from a typed config (every mode: single, ddp, dp, pipelines)"},
+    "ringpipe.train.fetch": {"data": "get the datasets of the bundled configs (mnist, fashion-mnist, cifar10)"},
+    "ringpipe.launch": {"launch": "start N processes of a script on this machine, or on several hosts "
+                                  "(-H / --hostfile)"},
+    "ringpipe.observe.bench": {"bench": "time collectives (ringpipe's algorithms and the native ones) over a "
+                                        "size sweep"},
+    "ringpipe.observe.cli": {
+        "doctor": "explain where collectives lose time: late ranks, placement, slow links, slow CPUs",
+        "trace": "turn an events file into a Chrome timeline and print the communication profile",
+    },
+}
 
 
 def _version() -> str:
@@ -30,7 +37,14 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _command(argv: Sequence[str]) -> str | None:
+    """The subcommand named in ``argv`` (the first word that is not an option), or None."""
+    return next((a for a in argv if not a.startswith("-")), None)
+
+
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The command line's parser; given ``argv``, only the module of its subcommand is imported
+    (the other subcommands are listed, with their help line, for usage and errors)."""
     parser = argparse.ArgumentParser(
         prog="ringpipe",
         description="Distributed training on PyTorch: data parallel, pipelines, collectives, and where the time goes.",
@@ -38,7 +52,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in _SUBCOMMANDS:
+    command = _command(argv) if argv is not None else None
+    for name, commands in _SUBCOMMANDS.items():
+        if argv is not None and command not in commands:
+            for word, line in commands.items():
+                sub.add_parser(word, help=line, add_help=False)  # listed only: not the command run
+            continue
         try:
             module = importlib.import_module(name)
         except ModuleNotFoundError as exc:
@@ -50,7 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(argv)
     args, extra = parser.parse_known_args(argv)
     if extra:
         if getattr(args, "command", None) == "launch":
