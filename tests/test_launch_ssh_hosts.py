@@ -188,7 +188,9 @@ def test_a_rank_killed_on_a_remote_host_stops_every_host(tmp_path):
 
 
 @pytest.mark.timeout(400)
-def test_ctrl_c_stops_every_host_with_one_line_and_status_130(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["ctrl-c", "sigkill"])
+def test_ctrl_c_or_a_killed_launcher_stops_every_host(tmp_path, sig):
+    """Ctrl-C: one line, status 130. SIGKILL to the launcher and its group: no word, and still no orphan."""
     (tmp_path / "wait.py").write_text(WAIT)
     with sshhosts.ssh_hosts(3) as sh:
         a, b, c = sh.hosts
@@ -199,17 +201,19 @@ def test_ctrl_c_stops_every_host_with_one_line_and_status_130(tmp_path):
         reader = _Reader(proc)
         try:
             reader.wait_for(r"\]:ready rank=", 4, timeout=300)
-            os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C reaches the foreground group
+            os.killpg(proc.pid, sig)  # as a terminal's Ctrl-C reaches the foreground group
             code = proc.wait(timeout=120)
         finally:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
         text = reader.text()
         left = _nothing_left(str(tmp_path))
+    assert left == [], left
+    if sig == signal.SIGKILL:
+        return
     assert code == 130, text[-3000:]
     assert text.count("interrupted by SIGINT; every rank on every host was stopped") == 1, text[-3000:]
     assert "Traceback" not in text, text[-3000:]
-    assert left == [], left
 
 
 @pytest.mark.timeout(200)

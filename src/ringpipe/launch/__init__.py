@@ -59,6 +59,7 @@ def launch_main(args: Any) -> int:
         print(f"ringpipe launch: {exc}", file=sys.stderr)
         return 2
     if os.environ.pop(remote.STDIN_EOF, None):  # one host of a several-host launch: end with the launcher
+        opts.host_of_many = True
         remote.end_on_stdin_eof()
     if opts.placement is not None and opts.backend != "mpi":
         return remote.run_hosts(opts)

@@ -60,6 +60,7 @@ class LaunchOptions:
     start_timeout: int | None = None
     network_interface: str | None = None
     placement: Placement | None = None  # set by validate() when hosts other than this machine are named
+    host_of_many: bool = False  # this launcher runs one host's ranks for a several-host launch
     python: list[str] = field(default_factory=list)  # the interpreter's own options
     program: list[str] = field(default_factory=list)  # [script, *args] or ["-m", module, *args]
 
@@ -86,7 +87,7 @@ def _positive(name: str) -> Any:
 # (spellings, attribute, converter, metavar, help)
 _OPTIONS: list[tuple[tuple[str, ...], str, Any, str | None, str]] = [
     (("-n", "-np", "--nprocs", "--nproc-per-node", "--nproc_per_node"), "nprocs", _positive("-n"), "N",
-     "processes on this node (default 2, or the slots of -H)"),
+     "number of ranks (default 2, or every slot of -H / --hostfile); per node with --nnodes"),
     (("--backend",), "backend", str, "NAME", f"communication backend: {', '.join(BACKENDS)} (default gloo); "
      "exported as RINGPIPE_BACKEND, which ringpipe.init(), init_world(), bench and doctor follow"),
     (("--mode",), "mode", str, "MODE", "agent: torch's elastic agent (default; mpirun for --backend mpi); "
@@ -108,7 +109,7 @@ _OPTIONS: list[tuple[tuple[str, ...], str, Any, str | None, str]] = [
      "RINGPIPE_*, HOROVOD_*, NCCL_*, GLOO_*, TORCH_*, OMP_*, MKL_*, PYTHONPATH go anyway)"),
     (("--ssh-port", "-p"), "ssh_port", _positive("--ssh-port"), "PORT", "ssh port on every host"),
     (("--ssh-identity-file", "-i"), "ssh_identity_file", str, "FILE", "ssh private key to reach the hosts"),
-    (("--ssh-command", "--launch-agent"), "ssh_command", str, "CMD", "how to reach a host instead of ssh, run "
+    (("--ssh-command",), "ssh_command", str, "CMD", "how to reach a host instead of ssh, run "
      "as `CMD [ssh options] HOST COMMAND` (as Open MPI's plm_rsh_agent; default: RINGPIPE_SSH_COMMAND, else ssh)"),
     (("--start-timeout",), "start_timeout", _positive("--start-timeout"), "S", "seconds for every host to answer "
      "before anything starts (default 30, or HOROVOD_START_TIMEOUT)"),
@@ -129,7 +130,8 @@ def launch_help() -> str:
         usage="ringpipe launch [options] [python [python options]] (script.py | -m module) [args ...]",
         description=(
             "Start N ranks of a program with torch's elastic agent (gloo/nccl), mpirun (--backend mpi) or "
-            "Python multiprocessing (--mode mp). Every mode exports RANK, WORLD_SIZE, LOCAL_RANK, "
+            "Python multiprocessing (--mode mp), on this machine or, with -H/--hostfile naming other hosts, on "
+            "every host at once over ssh (each host checked first, within --start-timeout). Every mode exports RANK, WORLD_SIZE, LOCAL_RANK, "
             "LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT and horovodrun's HOROVOD_RANK, "
             "HOROVOD_SIZE, HOROVOD_LOCAL_RANK, HOROVOD_LOCAL_SIZE, HOROVOD_CROSS_RANK, HOROVOD_CROSS_SIZE, "
             "so plain torch.distributed and Horovod programs run unchanged. Output lines are prefixed with "

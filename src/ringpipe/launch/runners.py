@@ -128,7 +128,9 @@ def run_agent(opts: LaunchOptions) -> int:
     except (SignalException, KeyboardInterrupt) as exc:  # the agent stopped every rank first
         relay.close()
         sig = int(getattr(exc, "sigval", signal.SIGINT))
-        print(f"ringpipe launch: interrupted by {signal.Signals(sig).name}; every rank was stopped", file=sys.stderr)
+        if not opts.host_of_many:  # a host stopped by a several-host launcher: that launcher says why
+            print(f"ringpipe launch: interrupted by {signal.Signals(sig).name}; every rank was stopped",
+                  file=sys.stderr)
         return 128 + sig
     except Exception as exc:  # noqa: BLE001 - the agent itself failed (rendezvous, ...): say so in one line
         relay.close()
