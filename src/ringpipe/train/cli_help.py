@@ -31,7 +31,7 @@ configuration:
   an MLP on the embedded 8x8 digits, mode dp on 2 local processes, Adam, cosine schedule
   with 2 warmup epochs. Keys (sections are chosen by their `name`):
 {keys}
-  batch_size is per data-parallel replica; epochs are counted as step x global_batch / records.
+  batch_size is per data-parallel replica; epochs are counted as samples seen / records.
   optimizer.lr is the rate of one process: with optimizer.scale_lr (default true) it is multiplied
   by the number of data-parallel replicas (the rate logged), and warmup starts from the unscaled rate.
   dp.backward_passes_per_step and pipeline.microbatches split each step's batch; a step is one batch.
@@ -49,6 +49,9 @@ run directory: one run each: a new run needs a new or empty --run-dir (--resume 
 
 Ctrl-C stops at the next log window (every step on one process): checkpoint, evaluation, summary
   (stop_reason: interrupt), exit code 130; continue with --resume. A second Ctrl-C stops at once.
+  Modes single, ddp and dp resume on any number of processes (--resume --nprocs N) and in any of
+  the three: step and samples seen kept, the interrupted pass's unseen samples dealt to the new
+  ranks, the rate rescaled (scale_lr); pipeline modes resume on the world that wrote them.
 
 examples:
   ringpipe train
@@ -122,7 +125,8 @@ def _keys_help() -> str:
             rows.append((f"{name}: ", _fields_help(model)))
         else:
             rows.append((f"{name}.name: ", _variants_help(name)))
-    rows.append(("pipeline (pipeline modes): ", _fields_help(PipelineConfig, skip=ASYNC_KEYS)
+    rows.append(("pipeline (pipeline modes): ", _fields_help(PipelineConfig, skip=(*ASYNC_KEYS, "chunks"))
+                 + "; mode interleaved also: chunks (model chunks per rank, default 2)"
                  + f"; mode async also: {', '.join(ASYNC_KEYS)} (below)"))
     rows.append(("dp (mode dp): ", _fields_help(DPConfig, choices={"algorithm": dp_algorithms()})))
     lines = []

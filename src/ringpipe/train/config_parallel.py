@@ -78,6 +78,8 @@ class PipelineConfig(_Section):
 
     ``step_every``, ``mitigations``, ``ga_stages`` and ``nag_with_predictor`` are read by mode
     ``async`` only; left out, they resolve to 1, ``[stale]`` and the defaults of the chosen names.
+    ``chunks`` is read by mode ``interleaved`` only (left out: 2), and ``balance`` then gives
+    ``stages x chunks`` layer counts.
     """
 
     stages: int = Field(default=2, ge=1)
@@ -105,6 +107,11 @@ class PipelineConfig(_Section):
     nag_with_predictor: bool | None = Field(
         default=None,
         description="async with a predictor: also predict one step ahead at staleness 0 (a Nesterov look-ahead)",
+    )
+    chunks: int | None = Field(
+        default=None, ge=1,
+        description="mode interleaved only: model chunks per rank (default 2); the model is cut into "
+        "stages x chunks parts, rank r holds parts r, r+stages, ...; microbatches must be a multiple of stages",
     )
 
     @field_validator("mitigations", mode="before")

@@ -1,4 +1,4 @@
-"""Pipeline-parallel modes (seq, gpipe, 1f1b, async) as adapters over ringpipe.pipeline's PipelineTrainer.
+"""Pipeline-parallel modes (seq, gpipe, 1f1b, interleaved, zb_h1, async) as adapters over ringpipe.pipeline's PipelineTrainer.
 
 The world is ``stages x replicas``: each replica is one pipeline reading its own data shard,
 and each stage's gradients are averaged over the replicas. Every rank of a replica reads the
@@ -7,6 +7,9 @@ and accuracy are known on the last stage only (other ranks report zeros, which t
 sum over ranks ignores).
 
 The synchronous modes step once per batch, and the loop's LR schedule drives their optimizer.
+Mode ``interleaved`` cuts the model into ``stages x pipeline.chunks`` parts, ``chunks`` per
+rank (interleaved 1F1B); mode ``zb_h1`` splits each backward into an input-gradient and a
+weight-gradient pass (zero-bubble ZB-H1). Both run with ``pipeline.recompute``.
 
 Mode ``async`` streams: each batch is fed into a pipeline that does not flush between batches
 (:meth:`PipelineTrainer.stream_step`), so the micro-batches of one batch are still in flight
@@ -39,7 +42,10 @@ from ringpipe.train.schedules import build_schedule
 __all__ = ["PipelineEngine", "SCHEDULE_OF_MODE", "rate_stand_in", "async_options"]
 
 #: ringpipe.pipeline schedule behind each mode
-SCHEDULE_OF_MODE = {"seq": "seq", "gpipe": "gpipe", "1f1b": "1f1b", "async": "async_1f1b"}
+SCHEDULE_OF_MODE = {
+    "seq": "seq", "gpipe": "gpipe", "1f1b": "1f1b", "interleaved": "interleaved_1f1b", "zb_h1": "zb_h1",
+    "async": "async_1f1b",
+}
 
 
 def _accuracy(out: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
@@ -103,9 +109,22 @@ class PipelineEngine(Engine):
                 f"mode {mode!r}: the world has {size} ranks, not a multiple of pipeline.stages={pc.stages}; "
                 f"start a multiple of {pc.stages} processes or change pipeline.stages"
             )
-        if pc.balance is not None and len(pc.balance) != pc.stages:
+        if pc.chunks is not None and mode != "interleaved":
+            raise ConfigError(
+                f"pipeline.chunks={pc.chunks} is read only by mode 'interleaved', not by mode {mode!r}: "
+                "remove it or set mode=interleaved"
+            )
+        chunks = (pc.chunks or 2) if mode == "interleaved" else 1
+        parts = pc.stages * chunks
+        if mode == "interleaved" and pc.microbatches % pc.stages:
+            raise ConfigError(
+                f"mode 'interleaved': pipeline.microbatches={pc.microbatches} must be a multiple of "
+                f"pipeline.stages={pc.stages} (micro-batches go through each chunk in groups of stages)"
+            )
+        if pc.balance is not None and len(pc.balance) != parts:
+            per = f" x pipeline.chunks={chunks} = {parts} parts" if chunks > 1 else ""
             raise ValueError(
-                f"pipeline.balance={pc.balance} has {len(pc.balance)} stages but pipeline.stages={pc.stages}"
+                f"pipeline.balance={pc.balance} has {len(pc.balance)} entries but pipeline.stages={pc.stages}{per}"
             )
         replicas = size // pc.stages
         from ringpipe.pipeline.partition import as_layers
@@ -121,10 +140,10 @@ class PipelineEngine(Engine):
             balance = list(pc.balance)
         elif pc.partition == "uniform":
             n = len(layers)
-            balance = [n // pc.stages + (1 if i < n % pc.stages else 0) for i in range(pc.stages)]
+            balance = [n // parts + (1 if i < n % parts else 0) for i in range(parts)]
         else:
             balance = "params" if pc.partition == "parameters" else "time"
-        _check_stages(list(layers), balance, pc, ctx.cfg.model.name)
+        _check_stages(list(layers), balance, pc, ctx.cfg.model.name, parts)
         scales: list[float] = []
 
         def factory(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
@@ -165,6 +184,7 @@ class PipelineEngine(Engine):
             seed=ctx.cfg.seed,
             sample=_sample(ctx) if balance == "time" else None,
             device=ctx.device,
+            chunks=chunks if mode == "interleaved" else None,
             **extra,
         )
         # Under async the stage's own scheduler sets its rates; the loop's schedule gets a stand-in.
@@ -283,7 +303,7 @@ def _stage_fix(model: str) -> str:
             f"with parameters, or {more}")
 
 
-def _check_stages(layers: list[torch.nn.Module], balance: Any, pc: PipelineConfig, model: str) -> None:
+def _check_stages(layers: list[torch.nn.Module], balance: Any, pc: PipelineConfig, model: str, parts: int) -> None:
     """Refuse a split that leaves a stage without parameters (its optimizer would have nothing to train).
 
     The split is the one PipelineTrainer makes for a balance given as layer counts or by parameters;
@@ -293,7 +313,7 @@ def _check_stages(layers: list[torch.nn.Module], balance: Any, pc: PipelineConfi
 
     try:
         if balance == "params":
-            counts = balance_by_params(layers, pc.stages)
+            counts = balance_by_params(layers, parts)
         elif isinstance(balance, list):
             counts = check_balance(balance, len(layers))
         else:
@@ -303,13 +323,16 @@ def _check_stages(layers: list[torch.nn.Module], balance: Any, pc: PipelineConfi
     how = {"parameters": "by parameters", "uniform": "uniformly"}.get(pc.partition, "")
     how = f"pipeline.balance={pc.balance}" if pc.balance is not None else f"pipeline.partition={pc.partition} ({how})"
     start = 0
-    for stage, count in enumerate(counts):
-        part = layers[start:start + count]
+    held: list[list[torch.nn.Module]] = [[] for _ in range(pc.stages)]  # a rank's layers, every chunk of it
+    for index, count in enumerate(counts):
+        held[index % pc.stages] += layers[start:start + count]
         start += count
+    for stage, part in enumerate(held):
         if not any(p.numel() for layer in part for p in layer.parameters()):
             names = ", ".join(type(layer).__name__ for layer in part)
+            count = len(part)
             raise ConfigError(
-                f"pipeline stage {stage} of {len(counts)} got {count} layer{'s' if count != 1 else ''} ({names}) "
+                f"pipeline stage {stage} of {pc.stages} got {count} layer{'s' if count != 1 else ''} ({names}) "
                 f"and no parameters: {how} split the model's {len(layers)} layers as {counts}; {_stage_fix(model)}"
             )
 
@@ -327,5 +350,9 @@ def _register(mode: str, description: str) -> None:
 _register("seq", "naive model parallelism: the model cut into stages, one micro-batch at a time")
 _register("gpipe", "GPipe fill-drain pipeline over micro-batches (Huang et al. 2019)")
 _register("1f1b", "PipeDream-flush: one forward, one backward (Narayanan et al. 2021)")
+_register("interleaved", "interleaved 1F1B: pipeline.chunks model chunks per rank, a bubble pipeline.chunks "
+          "times smaller for as many more messages (Narayanan et al. 2021)")
+_register("zb_h1", "zero-bubble ZB-H1: each backward split into an input-gradient pass and a weight-gradient "
+          "pass run later, in what would be bubble; 1F1B's peak memory (Qi et al. 2024)")
 _register("async", "asynchronous PipeDream-style pipeline, no flush, a step every pipeline.step_every "
           "micro-batches, staleness mitigations (pipeline.mitigations)")
