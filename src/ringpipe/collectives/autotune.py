@@ -30,7 +30,7 @@ from ringpipe.comm.base import Communicator
 __all__ = ["MARGIN", "PROBE_SIZES", "Table", "candidates", "forget", "key", "load", "lookup", "probe"]
 
 #: Another algorithm replaces the native collective only if it is at least this much faster.
-MARGIN = 0.03
+MARGIN = 0.10
 #: The sizes the probe times by default: 4 KiB to 64 MiB by factors of 4.
 PROBE_SIZES = tuple(4096 * 4**i for i in range(9))
 
