@@ -102,6 +102,18 @@ def test_a_slow_computing_rank_is_named_alone():
     assert [(f.rank, f.what) for f in found] == [(6, "rank 6 (host rp-host-c) computes slowly")]
 
 
+def test_a_rank_that_only_waited_for_a_core_is_not_said_to_compute_slowly():
+    """Wall time 3x the others' (other processes held the core), CPU time as theirs: no accusation."""
+    hosts = _hosts((4, 2, 2))
+    infos = [{"compute_ms": 40.0 + r % 3, "compute_cpu_ms": 39.0 + r % 3} for r in range(8)]
+    infos[1]["compute_ms"] = 120.0
+    assert _problems(diagnose(_job(hosts, infos=infos), _links(hosts))) == []
+    infos[1]["compute_cpu_ms"] = 110.0  # the CPU itself is slow
+    found = _problems(diagnose(_job(hosts, infos=infos), _links(hosts)))
+    assert [(f.rank, f.what) for f in found] == [(1, "rank 1 (host rp-host-a) computes slowly")]
+    assert "CPU time" in found[0].evidence
+
+
 def test_a_host_whose_every_rank_computes_slowly_is_named_once():
     hosts = _hosts((4, 2, 2))
     infos = [{"compute_ms": 40.0 + r % 3} for r in range(8)]

@@ -1,13 +1,15 @@
 """`ringpipe doctor` on three namespace hosts joined by a bridge (seed 000's setup): real processes, real links.
 
 A fast subset of benchmarks/doctor_trials.py: host c's link shaped to 50 Mbit/s under `ringpipe launch
---nnodes 3` (the doctor names host c's link and proves the fix), and a late rank in a script's events.
+--nnodes 3` and under `mpirun` (the doctor names host c's link, nothing else, and proves the fix), and a
+late rank in a script's events.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +26,11 @@ def _env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if k not in ("MASTER_ADDR", "MASTER_PORT", "RINGPIPE_BACKEND", "WORLD_SIZE", "RANK")}
     return {**env, "OMP_NUM_THREADS": "1"}
+
+
+def _report(text):
+    """The JSON report in a launcher's output; mpirun's --tag-output prefixes every line."""
+    return json.JSONDecoder().raw_decode(text, text.index('{"ranks"'))[0]
 
 
 def _problems(report):
@@ -71,3 +78,23 @@ def test_a_late_rank_in_a_scripts_events_is_named_and_nothing_else(tmp_path):
     report = json.loads(out.stdout.strip().splitlines()[-1])
     problems = _problems(report)
     assert [(f["rank"], f["what"].split(" arrives")[0]) for f in problems] == [(5, "rank 5 (host rp-host-b)")], problems
+
+
+@pytest.mark.netns
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(REASON is not None or shutil.which("mpirun") is None, reason=REASON or "needs Open MPI's mpirun")
+def test_under_mpirun_eight_ranks_on_few_cores_accuse_no_link_but_host_cs(tmp_path):
+    """8 MPI ranks on a small machine: waiting ranks that spin must not make healthy links read slow."""
+    with netns.bridged_hosts(3, rates={2: "50mbit"}) as hosts:
+        cmd, extra = netns.mpirun_across(hosts, [sys.executable, "-m", "ringpipe.cli", "doctor", "--json", "--size",
+                                                 "256K"], tmp_path / "hostfile", (4, 2, 2))
+        out = subprocess.run(cmd, capture_output=True, text=True, env={**_env(), "RINGPIPE_BACKEND": "mpi", **extra},
+                             timeout=280)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    report = _report(out.stdout)
+    problems = _problems(report)
+    assert [f["hosts"] for f in problems] == [["rp-host-c"]], problems
+    assert problems[0]["what"].startswith("host rp-host-c's network link is slow")
+    # every link that avoids c is far faster than c's (50 Mbit/s = 0.00625 GB/s)
+    others = [x["gbps"] for x in report["links"] if x["src"] < 6 and x["dst"] < 6]
+    assert min(others) > 10 * 0.00625, sorted(others)[:5]

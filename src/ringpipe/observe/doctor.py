@@ -192,13 +192,21 @@ def late_ranks(job: JobEvents, min_calls: int = 5, min_late_ms: float = 1.0, sha
 # ----------------------------------------------------------------------------- compute
 
 
+def _timed(key: str) -> str:
+    return "CPU time, each rank timed alone" if key == "compute_cpu_ms" else "each rank timed alone"
+
+
 def compute_findings(job: JobEvents, slow_factor: float = 1.5, min_ms: float = 2.0) -> list[Finding]:
     """Ranks whose compute probe took ``slow_factor`` times the median or longer (and ``min_ms`` more).
 
-    When every rank of a host (two or more) is slow, the host is named once: its CPUs are slow
-    or busy with other work, which no rank of it can fix alone.
+    Judged on CPU time where the probe recorded it (``compute_cpu_ms``): the wall time also holds
+    the time a rank waited for a core, which on a machine busy with other processes strikes
+    ranks at random, and an innocent rank must not be named for it. When every rank of a host
+    (two or more) is slow, the host is named once: its CPUs are slow, which no rank of it can
+    fix alone.
     """
-    times = {r.rank: r.info["compute_ms"] for r in job.ranks if "compute_ms" in r.info}
+    key = "compute_cpu_ms" if all("compute_cpu_ms" in r.info for r in job.ranks) else "compute_ms"
+    times = {r.rank: r.info[key] for r in job.ranks if key in r.info}
     if len(times) < 2:
         return []
     med = statistics.median(times.values())
@@ -212,18 +220,18 @@ def compute_findings(job: JobEvents, slow_factor: float = 1.5, min_ms: float = 2
         found.append(Finding(
             "problem", f"the ranks of host {host} compute slowly",
             f"the same matrix products took {', '.join(f'{times[r]:.1f}' for r in ranks)} ms on ranks "
-            f"{ranks} against a median of {med:.1f} ms (each rank timed alone)",
-            f"{host}'s CPUs are shared with other jobs, slower or throttled (top, numactl --show on {host}); "
-            f"move the job's ranks off {host} or stop what else runs there",
+            f"{ranks} against a median of {med:.1f} ms ({_timed(key)})",
+            f"{host}'s CPUs are slower, throttled or their hyperthreads busy with other work (lscpu, top, "
+            f"numactl --show on {host}); move the job's ranks off {host} until it is fixed",
             hosts=(host,),
         ))
     return found + [
         Finding(
             "problem",
             f"rank {r} (host {job.ranks[r].host}) computes slowly",
-            f"the same matrix products took {times[r]:.1f} ms against a median of {med:.1f} ms (each rank timed alone)",
-            "its CPU is shared (other jobs), slower, throttled, or its memory is on another NUMA node "
-            "(numactl --show; bind ranks with mpirun --bind-to core --map-by socket)",
+            f"the same matrix products took {times[r]:.1f} ms against a median of {med:.1f} ms ({_timed(key)})",
+            "its CPU is slower, throttled, shares a hyperthread with other work, or its memory is on another "
+            "NUMA node (numactl --show; bind ranks with mpirun --bind-to core --map-by socket)",
             rank=r, hosts=(job.ranks[r].host,),
         )
         for r in sorted(slow)

@@ -90,40 +90,45 @@ def _pingpong(comm: Communicator, peer: int, buf: torch.Tensor, reps: int, first
     return times
 
 
-def compute_probe(reps: int = 3, n: int = 256, iters: int = 20) -> float:
-    """Best time in ms of ``iters`` ``n x n`` matrix products (the same work on every rank)."""
+def compute_probe(reps: int = 3, n: int = 256, iters: int = 20) -> tuple[float, float]:
+    """Best wall and best CPU time in ms of ``iters`` ``n x n`` matrix products (the same work on every rank).
+
+    The CPU time (this thread's) is what the work costs on this rank's CPU; the wall time also
+    holds the time the rank waited for a core while other processes ran.
+    """
     a = torch.randn(n, n, generator=torch.Generator().manual_seed(0))
-    times = []
+    walls, cpus = [], []
     for _ in range(reps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         for _ in range(iters):
             a = torch.tanh(a @ a / n)
-        times.append(time.perf_counter() - t0)
-    return 1e3 * min(times)
+        walls.append(time.perf_counter() - t0)
+        cpus.append(time.thread_time() - c0)
+    return 1e3 * min(walls), 1e3 * min(cpus)
 
 
-def compute_in_turn(comm: Communicator, retries: int = 4) -> float:
-    """This rank's :func:`compute_probe`, each rank timed alone while the others wait quietly.
+def compute_in_turn(comm: Communicator, retries: int = 4) -> tuple[float, float]:
+    """This rank's :func:`compute_probe` (wall ms, CPU ms), each rank timed alone while the others wait quietly.
 
-    A rank 1.5x slower than the median is timed again (up to ``retries`` times, best kept):
-    another process that took the core for a moment is gone the next time, a slow CPU is not.
-    On a loaded machine (other jobs) one rank in eight was still slow three times running, so
-    four retries: they cost only the slow ranks' time.
+    A rank 1.5x slower than the median in CPU time is timed again (up to ``retries`` times, best
+    kept): a moment when another process shared the core (or its hyperthread) is gone the next
+    time, a slow CPU is not.
     """
-    mine = float("inf")
+    wall, cpu = float("inf"), float("inf")
     todo = list(range(comm.size))
     for _ in range(1 + retries):
         for r in todo:
             quiet_barrier(comm)
             if comm.rank == r:
-                mine = min(mine, compute_probe())
+                w, c = compute_probe()
+                wall, cpu = min(wall, w), min(cpu, c)
         quiet_barrier(comm)
-        every = comm.allgather_object(mine) if comm.size > 1 else [mine]
+        every = comm.allgather_object(cpu) if comm.size > 1 else [cpu]
         med = statistics.median(every)
         todo = [r for r, t in enumerate(every) if t >= 1.5 * med]
         if not todo:
             break
-    return mine
+    return wall, cpu
 
 
 def _measure(comm: Communicator, a: int, b: int, small: torch.Tensor, big: torch.Tensor) -> dict[str, Any] | None:
@@ -152,14 +157,16 @@ def _suspects(hosts: list[str], links: list[dict[str, Any]], slow: float) -> lis
 
 
 def run_probe(comm: Communicator, nbytes: int = 4 << 20, all_pairs: bool | None = None,
-              retries: int = 2) -> list[dict[str, Any]]:
+              retries: int = 6) -> list[dict[str, Any]]:
     """Measure links pair by pair (one pair at a time); every rank calls it and gets all links.
 
     All pairs on up to 8 ranks, ring neighbours and one pair per two hosts above. Each link: the
     median one-way latency of 8-byte messages and the bandwidth of the best of three ``nbytes``
     ping-pongs, as seen by the lower rank of the pair. A link far slower than the others of its
-    host pair is measured again (up to ``retries`` times, best kept): a moment of contention
-    passes, a bad link stays slow.
+    host pair is measured again (up to ``retries`` times, best kept, after a pause of 50 ms so
+    that a burst of other work can pass): a moment of contention passes, a bad link stays slow.
+    On a machine with far more runnable processes than cores, a healthy pair still read ten
+    times slower than its peers three times running now and then; a shaped link never read fast.
     """
     from ringpipe.observe.links import SLOW
 
@@ -186,6 +193,7 @@ def run_probe(comm: Communicator, nbytes: int = 4 << 20, all_pairs: bool | None 
         todo = _suspects(hosts, links, SLOW)
         if not todo:
             break
+        time.sleep(0.05)
     return [best[k] for k in sorted(best)]
 
 
@@ -216,7 +224,7 @@ def doctor_job(comm: Communicator, nbytes: int, reps: int, all_pairs: bool | Non
 
     comm.log.clear()
     quiet_barrier(comm)
-    compute_ms = compute_in_turn(comm)
+    compute_ms, compute_cpu_ms = compute_in_turn(comm)
     links = run_probe(comm, nbytes, all_pairs) if comm.size > 1 else []
     hosts = member_hosts(comm)
     x = torch.ones(max(1, nbytes // 4))
@@ -247,7 +255,7 @@ def doctor_job(comm: Communicator, nbytes: int, reps: int, all_pairs: bool | Non
         b = statistics.median(max(r[0][i] for r in runs) for i in range(verify))
         a = statistics.median(max(r[1][i] for r in runs) for i in range(verify))
         verified = {"fix": fix, "runs": verify, "before_ms": 1e3 * b, "after_ms": 1e3 * a}
-    job = collect_events(comm, info={"compute_ms": compute_ms, "threads": torch.get_num_threads()})
+    job = collect_events(comm, info={"compute_ms": compute_ms, "compute_cpu_ms": compute_cpu_ms, "threads": torch.get_num_threads()})
     if job is None:
         return None
     findings = diagnose(job, links, allreduce_ms, nbytes, verified, lateness=False)
