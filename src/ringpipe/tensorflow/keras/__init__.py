@@ -41,12 +41,16 @@ def broadcast_global_variables(root_rank: int, model: Any = None) -> None:
 
 
 def load_model(filepath: Any, custom_optimizers: list[type] | None = None, custom_objects: dict[str, Any] | None = None,
-               compression: Any = Compression.none, **wrap: Any) -> Any:
+               compression: Any = Compression.none, legacy_opts: bool = False, **wrap: Any) -> Any:
     """``keras.models.load_model`` whose optimizer comes back as a :func:`DistributedOptimizer` (with its state).
 
     ``custom_optimizers``: optimizer classes of your own to wrap as well; ``wrap``: further
     arguments of :func:`DistributedOptimizer` (``op``, ``backward_passes_per_step``...).
+    ``legacy_opts=True`` (Keras 2's ``tf.keras.optimizers.legacy``) is refused: Keras 3 has none.
     """
+    if legacy_opts:
+        raise ValueError("load_model(legacy_opts=True): Keras 3 has no legacy optimizers "
+                         "(tf.keras.optimizers.legacy); save the model with a keras.optimizers optimizer")
     classes = _optimizer_classes(keras.optimizers.Optimizer) + list(custom_optimizers or [])
     objects: dict[str, Any] = {cls.__name__: distributed_class(cls) for cls in classes}
     objects.update(custom_objects or {})
