@@ -124,8 +124,10 @@ def late_ranks(job: JobEvents, min_calls: int = 5, min_late_ms: float = 1.0, sha
       is late when its work is the largest in at least 75 % of the calls, exceeds the others'
       median by ``min_late_ms`` or more and by at least half of it.
 
-    Either way the time the others waited for it must be at least ``share`` of the calls' span
-    (a millisecond of scheduling noise per call is no fault). Named once per rank, at the
+    The time the others waited for it must be at least ``share`` of the calls' span (a
+    millisecond of scheduling noise per call is no fault); for the work between calls, a fifth of
+    that: its consistency already rules noise out, and when ranks that spin make every call slow,
+    the wait for a late rank is a smaller part of a longer span. Named once per rank, at the
     sequence where it kept the others waiting longest.
     """
     expected = _expected(job)
@@ -179,7 +181,7 @@ def late_ranks(job: JobEvents, min_calls: int = 5, min_late_ms: float = 1.0, sha
             mine = statistics.median(work[r])
             theirs = statistics.median([x for q in ranks if q != r for x in work[q]])
             if (most[r] >= 0.75 * (n - 1) and mine - theirs >= max(min_late_ms, 0.5 * theirs)
-                    and worked_over[r] >= share * span):
+                    and worked_over[r] >= share / 5 * span):
                 f = _late_finding(job, r, what, comm, (
                     f"between its calls it worked a median {mine:.1f} ms outside communication against {theirs:.1f} "
                     f"ms for the other ranks (the most in {most[r]} of {n - 1} intervals); the others waited "
