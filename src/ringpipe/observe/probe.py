@@ -144,15 +144,19 @@ def _measure(comm: Communicator, a: int, b: int, small: torch.Tensor, big: torch
     return {"src": a, "dst": b, "latency_us": 1e6 * lat, "gbps": big.numel() * 4 / max(bw_t, 1e-12) / 1e9}
 
 
-def _suspects(hosts: list[str], links: list[dict[str, Any]], slow: float) -> list[tuple[int, int]]:
-    """Rank pairs below ``slow`` times the median of their host pair (worth measuring again)."""
+def _suspects(hosts: list[str], links: list[dict[str, Any]], slow: float, groups_too: bool) -> list[tuple[int, int]]:
+    """Links worth measuring again: rank pairs below ``slow`` times the median of their host pair,
+    and (``groups_too``) every pair of a host pair whose median is below ``slow`` times the
+    fastest host pair's (a burst of other work during that host pair's turn reads as a slow path)."""
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for x in links:
         groups.setdefault(tuple(sorted((hosts[x["src"]], hosts[x["dst"]]))), []).append(x)  # type: ignore[arg-type]
-    out = []
-    for group in groups.values():
-        med = statistics.median(x["gbps"] for x in group)
-        out += [(x["src"], x["dst"]) for x in group if x["gbps"] < slow * med]
+    meds = {k: statistics.median(x["gbps"] for x in group) for k, group in groups.items()}
+    out = set()
+    for k, group in groups.items():
+        out |= {(x["src"], x["dst"]) for x in group if x["gbps"] < slow * meds[k]}
+        if groups_too and meds[k] < slow * max(meds.values()):
+            out |= {(x["src"], x["dst"]) for x in group}
     return sorted(out)
 
 
@@ -164,7 +168,8 @@ def run_probe(comm: Communicator, nbytes: int = 4 << 20, all_pairs: bool | None 
     median one-way latency of 8-byte messages and the bandwidth of the best of three ``nbytes``
     ping-pongs, as seen by the lower rank of the pair. A link far slower than the others of its
     host pair is measured again (up to ``retries`` times, best kept, after a pause of 50 ms so
-    that a burst of other work can pass): a moment of contention passes, a bad link stays slow.
+    that a burst of other work can pass), and so is every link of a host pair far slower than the
+    fastest (twice): a moment of contention passes, a bad link stays slow.
     On a machine with far more runnable processes than cores, a healthy pair still read ten
     times slower than its peers three times running now and then; a shaped link never read fast.
     """
@@ -177,7 +182,7 @@ def run_probe(comm: Communicator, nbytes: int = 4 << 20, all_pairs: bool | None 
     hosts = member_hosts(comm)
     todo = probe_pairs(hosts, all_pairs)
     best: dict[tuple[int, int], dict[str, Any]] = {}
-    for _ in range(1 + retries):
+    for attempt in range(1 + retries):
         mine = []
         for a, b in todo:
             link = _measure(comm, a, b, small, big)
@@ -190,7 +195,7 @@ def run_probe(comm: Communicator, nbytes: int = 4 << 20, all_pairs: bool | None 
                 if key not in best or x["gbps"] > best[key]["gbps"]:
                     best[key] = x
         links = [best[k] for k in sorted(best)]
-        todo = _suspects(hosts, links, SLOW)
+        todo = _suspects(hosts, links, SLOW, groups_too=attempt < 2)
         if not todo:
             break
         time.sleep(0.05)
