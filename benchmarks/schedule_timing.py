@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 __all__ = ["Op", "Timing", "simulate", "ringpipe_ops", "torch_ops"]
 
-COST = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
+COST = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0, "S": 0.0}
 
 
 @dataclass(frozen=True)
@@ -43,27 +43,36 @@ class Timing:
         return 1.0 - self.busy / (self.ranks * self.makespan)
 
 
-def simulate(per_rank: Mapping[int, Sequence[Op]], num_chunks: int, chunks_per_rank: int = 1) -> Timing:
-    """List-schedule every rank's ops under the dependencies above; the makespan and busy time."""
+def simulate(per_rank: Mapping[int, Sequence[Op]], num_chunks: int, chunks_per_rank: int = 1,
+             latency: float = 0.0, step: float = 0.0, backward: float = 2.0) -> Timing:
+    """List-schedule every rank's ops under the dependencies above; the makespan and busy time.
+
+    ``latency``: added to every dependency on another rank's action (a message); ``step``: the
+    cost of an optimizer step ``S`` (ops of kind ``S``, chunk -1); ``backward``: the cost of a
+    full ``B`` (``I`` and ``W`` cost half of it each). Units: one stage forward of a micro-batch.
+    """
     share = 1.0 / chunks_per_rank
+    cost_of = {"F": 1.0, "B": backward, "I": backward / 2, "W": backward / 2, "S": step}
     done: dict[tuple[int, str, int], float] = {}
     pos = {r: 0 for r in per_rank}
     free = {r: 0.0 for r in per_rank}
     busy = 0.0
     total = sum(len(v) for v in per_rank.values())
+    owner = {op.chunk: r for r, ops in per_rank.items() for op in ops}
     while len(done) < total:
         progress = False
         for r, ops in per_rank.items():
             while pos[r] < len(ops):
                 op = ops[pos[r]]
-                deps = _deps(op, num_chunks)
+                deps = _deps(op, num_chunks) if op.kind != "S" else []
                 if any(all(d not in done for d in alt) for alt in deps):
                     break
-                start = max([free[r]] + [min(done[d] for d in alt if d in done) for alt in deps])
-                cost = COST[op.kind] * share
+                start = max([free[r]] + [min(done[d] + (latency if owner[d[0]] != r else 0.0)
+                                             for d in alt if d in done) for alt in deps])
+                cost = cost_of[op.kind] * (share if op.kind != "S" else 1.0)
                 free[r] = start + cost
                 busy += cost
-                done[(op.chunk, op.kind, op.mb)] = free[r]
+                done[(op.chunk if op.kind != "S" else -1 - r, op.kind, op.mb if op.kind != "S" else pos[r])] = free[r]
                 pos[r] += 1
                 progress = True
         if not progress:
@@ -85,7 +94,7 @@ def _deps(op: Op, num_chunks: int) -> list[tuple[tuple[int, str, int], ...]]:
     return out
 
 
-def ringpipe_ops(actions_per_stage: Sequence[Sequence[object]]) -> dict[int, list[Op]]:
+def ringpipe_ops(actions_per_stage: Sequence[Sequence[object]], steps: bool = False) -> dict[int, list[Op]]:
     """ringpipe's per-stage action lists as ops.
 
     A rank's chunk ``c`` holds part ``c * stages + stage`` of the model (interleaved 1F1B);
@@ -97,7 +106,7 @@ def ringpipe_ops(actions_per_stage: Sequence[Sequence[object]]) -> dict[int, lis
         split = any(a.kind == "W" for a in acts)  # type: ignore[attr-defined]
         out[s] = [
             Op(getattr(a, "chunk", 0) * n + s, "I" if split and a.kind == "B" else a.kind, a.mb)  # type: ignore[attr-defined]
-            for a in acts if a.kind != "S"  # type: ignore[attr-defined]
+            for a in acts if steps or a.kind != "S"  # type: ignore[attr-defined]
         ]
     return out
 
