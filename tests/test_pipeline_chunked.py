@@ -154,3 +154,50 @@ def test_bad_input_is_refused_with_the_fix():
 def test_microbatches_not_a_multiple_of_stages_is_refused_at_construction():
     with pytest.raises(Exception, match=r"multiple of stages \(2\).*use 4 micro-batches"):
         spawn(_bad, 2)
+
+
+# ---------------------------------------------------------------- the split backward, one process
+
+def _stage_layers(kind: str) -> nn.Sequential:
+    torch.manual_seed(3)
+    if kind == "inplace":  # ReLU(inplace=True) rewrites the linear layer's output: whole-graph W
+        return nn.Sequential(nn.Linear(5, 7), nn.ReLU(inplace=True), nn.Linear(7, 4))
+    if kind == "shared":  # one weight in two layers: whole-graph W
+        first = nn.Linear(5, 5)
+        return nn.Sequential(first, nn.Tanh(), first, nn.Linear(5, 4))
+    return nn.Sequential(nn.Linear(5, 7), nn.BatchNorm1d(7), nn.Tanh(), nn.Linear(7, 4))
+
+
+@pytest.mark.parametrize("kind,per_layer", [("plain", True), ("inplace", False), ("shared", False)])
+@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("last", [False, True])
+def test_b_then_w_gives_the_gradients_of_one_backward(kind, per_layer, recompute, last):
+    from ringpipe.pipeline.split_backward import SplitStageRuntime
+
+    x = torch.randn(6, 5, generator=torch.Generator().manual_seed(0))
+    g = torch.randn(6, 4, generator=torch.Generator().manual_seed(1))
+    y = torch.randint(0, 4, (6,), generator=torch.Generator().manual_seed(2))
+    plain = _stage_layers(kind)
+    xr = x.clone().requires_grad_(True)
+    out = plain(xr)
+    if last:
+        (nn.functional.cross_entropy(out, y) * 0.5).backward()
+    else:
+        out.backward(g)
+
+    stage = _stage_layers(kind)
+    # stage 1 of 2 is the last (starts from its loss), stage 1 of 3 a middle one (needs its input gradient)
+    rt = SplitStageRuntime(stage, 1, 2 if last else 3, nn.functional.cross_entropy if last else None,
+                           recompute=recompute)
+    rt.forward(0, (x,), target=y if last else None, weight=0.5)
+    grads_in = rt.backward_input(0, None if last else (g,))
+    assert all(p.grad is None for p in stage.parameters())  # B computed no weight gradient
+    assert (rt._pending[0].layers is not None) == per_layer
+    assert rt.in_flight == 1
+    rt.backward_weight(0)
+    assert rt.in_flight == 0
+    torch.testing.assert_close(grads_in[0], xr.grad)
+    for (name, p), q in zip(stage.named_parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+    for a, b in zip(stage.buffers(), plain.buffers(), strict=True):  # running statistics moved once
+        torch.testing.assert_close(a, b)
