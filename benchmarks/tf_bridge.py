@@ -20,7 +20,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
 SIZES = [4 << 10, 4 << 20, 64 << 20]
 VARIANTS = ("tf eager", "tf.function", "torch")
