@@ -506,7 +506,7 @@ def _probe_and_use(comm, path) -> dict:  # noqa: ANN001
 def test_the_probe_gives_every_rank_the_same_table_and_auto_can_run_the_native_collective(tmp_path):
     out = spawn(_probe_and_use, 2, args=(str(tmp_path / "auto.json"),))
     assert out[0]["rows"] == out[1]["rows"]
-    for b, choice, timed in out[0]["rows"]:
+    for _b, choice, timed in out[0]["rows"]:
         assert timed == ["native", "rabenseifner", "recursive_doubling", "ring"]
         assert choice in timed
     for res in out:

@@ -19,6 +19,6 @@ __all__ = ["allreduce"]
 
 def allreduce(ctx: Ctx, flat: torch.Tensor) -> None:
     """Reduce ``flat`` in place with the backend's allreduce (Average: the caller divides after the sum)."""
-    op = ReduceOp.SUM if ctx.op is ReduceOp.AVERAGE else ctx.op
+    op = ReduceOp.SUM if ctx.op in (None, ReduceOp.AVERAGE) else ctx.op
     with ctx.comm.unchecked():
         ctx.comm.allreduce(flat, op)

@@ -32,8 +32,17 @@ import torch
 from ringpipe.comm.base import Communicator, ReduceOp
 from ringpipe.dp.agreement import agree, comparable, layout_of, validate
 from ringpipe.dp.announce import Note, announce, start_exchange
+from ringpipe.dp.buckets import (
+    Bucket,
+    Slot,
+    explicit_groups,
+    groups_setting,
+    name_parameters,
+    reducer,
+    timed,
+)
 from ringpipe.dp.compression import Compression, Compressor
-from ringpipe.dp.engine import Engine, Handle
+from ringpipe.dp.engine import Engine
 
 __all__ = ["DistributedOptimizer", "DEFAULT_BUCKET_BYTES", "DEFAULT_FIRST_BUCKET_BYTES"]
 
@@ -42,69 +51,6 @@ log = logging.getLogger(__name__)
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
 DEFAULT_FIRST_BUCKET_BYTES = 1024 * 1024
 _CREATED = itertools.count()
-
-
-class _Slot:
-    """One parameter's place in a bucket."""
-
-    __slots__ = ("param", "name", "bucket", "view", "count", "used", "sparse")
-
-    def __init__(self, param: torch.nn.Parameter, name: str) -> None:
-        self.param = param
-        self.name = name
-        self.bucket: _Bucket | None = None
-        self.view: torch.Tensor | None = None
-        self.count = 0
-        self.used = False
-        self.sparse = False  # the last gradient came sparse (it is handed back sparse)
-
-
-class _Bucket:
-    """A flat buffer holding the gradients of several parameters of one dtype and device."""
-
-    __slots__ = ("index", "slots", "buffer", "numel", "pending", "handle", "wire", "bitmap", "ready")
-
-    def __init__(self, index: int, slots: list[_Slot], bitmap: int) -> None:
-        self.index = index
-        self.slots = slots
-        first = slots[0].param
-        self.numel = sum(s.param.numel() for s in slots)
-        self.bitmap = bitmap  # after the gradients: per parameter, ranks that had a gradient (last bucket)
-        self.buffer = torch.zeros(self.numel + bitmap, dtype=first.dtype, device=first.device)
-        offset = 0
-        for s in slots:
-            n = s.param.numel()
-            s.view = self.buffer[offset : offset + n].view(s.param.shape)
-            s.bucket = self
-            offset += n
-        self.pending = len(slots)
-        self.handle: Handle | None = None
-        self.wire: torch.Tensor | None = None
-        self.ready = 0.0  # when its last gradient arrived (timed steps only)
-
-
-def _name_parameters(
-    optimizer: torch.optim.Optimizer,
-    named_parameters: Iterable[tuple[str, torch.Tensor]] | None,
-) -> list[tuple[str, torch.nn.Parameter]]:
-    """The optimizer's parameters with names, in registration order."""
-    in_groups = [p for group in optimizer.param_groups for p in group["params"]]
-    if named_parameters is None:
-        return [(f"param.{i}", p) for i, p in enumerate(in_groups)]
-    named = list(named_parameters)
-    names = [n for n, _ in named]
-    dupes = sorted({n for n in names if names.count(n) > 1})
-    if dupes:
-        raise ValueError(f"named_parameters has duplicate names {dupes}; give every parameter a unique name")
-    known = {id(p) for _, p in named}
-    unnamed = [i for i, p in enumerate(in_groups) if id(p) not in known]
-    if unnamed:
-        raise ValueError(
-            f"{len(unnamed)} optimizer parameters (positions {unnamed[:5]}) are missing from named_parameters; "
-            "pass model.named_parameters() of the model whose parameters the optimizer holds"
-        )
-    wanted = {id(p) for p in in_groups}
-    return [(n, p) for n, p in named if id(p) in wanted]  # type: ignore[misc]
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -183,7 +129,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if groups is None:
                 groups = num_groups
         settings = {
-            "groups": _groups_setting(optimizer, groups),
+            "groups": groups_setting(optimizer, groups),
             "sparse_as_dense": bool(sparse_as_dense),
             "bucket_bytes": bucket_bytes,
             "first_bucket_bytes": first_bucket_bytes,
@@ -221,13 +167,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
             comm = resolve(process_set, "DistributedOptimizer")[0]
         self._local = False
         try:
-            self._reduce = _reducer(comm, algorithm)
+            self._reduce = reducer(comm, algorithm)
         except ValueError as exc:
             problem = problem or exc
         named: list[tuple[str, torch.nn.Parameter]] = []
 
         def layout() -> list[tuple[str, tuple[int, ...], str]]:
-            named.extend((n, p) for n, p in _name_parameters(optimizer, named_parameters) if p.requires_grad)
+            named.extend((n, p) for n, p in name_parameters(optimizer, named_parameters) if p.requires_grad)
             return layout_of(named)
 
         agree(comm, {k: comparable(k, v) for k, v in settings.items()}, layout, problem)
@@ -250,8 +196,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.join_support = bool(join_support)
 
         self.sparse_as_dense = bool(sparse_as_dense)
-        self._slots = [_Slot(p, n) for n, p in named]
-        self._buckets = self._make_buckets(self._slots, _explicit_groups(groups, self._slots))
+        self._slots = [Slot(p, n) for n, p in named]
+        self._buckets = self._make_buckets(self._slots, explicit_groups(groups, self._slots))
         self._next_launch = 0
         self._synchronized = False
         self._should_synchronize = True
@@ -286,7 +232,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._should_synchronize = True
         self._hooks: list[Any] = []
 
-    def _make_buckets(self, slots: list[_Slot], explicit: list[list[_Slot]] | None = None) -> list[_Bucket]:
+    def _make_buckets(self, slots: list[Slot], explicit: list[list[Slot]] | None = None) -> list[Bucket]:
         """Group parameters, last registered first, into buckets closed once they reach their cap.
 
         The first bucket's cap is small (``first_bucket_bytes``, as DDP's 1 MiB) so that the
@@ -296,15 +242,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if explicit is not None:
             split = []
             for group in reversed(explicit):
-                by_kind: dict[tuple[torch.dtype, torch.device], list[_Slot]] = {}
+                by_kind: dict[tuple[torch.dtype, torch.device], list[Slot]] = {}
                 for s in reversed(group):
                     by_kind.setdefault((s.param.dtype, s.param.device), []).append(s)
                 split.extend(by_kind.values())
             last = len(split) - 1
-            return [_Bucket(i, g, bitmap=len(slots) if i == last else 0) for i, g in enumerate(split)]
-        open_: dict[tuple[torch.dtype, torch.device], list[_Slot]] = {}
+            return [Bucket(i, g, bitmap=len(slots) if i == last else 0) for i, g in enumerate(split)]
+        open_: dict[tuple[torch.dtype, torch.device], list[Slot]] = {}
         sizes: dict[tuple[torch.dtype, torch.device], int] = {}
-        groups: list[list[_Slot]] = []
+        groups: list[list[Slot]] = []
         for s in reversed(slots):  # backward produces the last parameters' gradients first
             key = (s.param.dtype, s.param.device)
             current = open_.get(key)
@@ -318,9 +264,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if sizes[key] >= cap:
                 del open_[key]
         last = len(groups) - 1
-        return [_Bucket(i, g, bitmap=len(slots) if i == last else 0) for i, g in enumerate(groups)]
+        return [Bucket(i, g, bitmap=len(slots) if i == last else 0) for i, g in enumerate(groups)]
 
-    def _make_hook(self, slot: _Slot) -> Callable[[torch.Tensor], None]:
+    def _make_hook(self, slot: Slot) -> Callable[[torch.Tensor], None]:
         passes = self.backward_passes_per_step
 
         def hook(param: torch.Tensor) -> None:
@@ -355,7 +301,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------ buckets
 
     @staticmethod
-    def _take_grad(slot: _Slot) -> None:
+    def _take_grad(slot: Slot) -> None:
         """Make ``param.grad`` the bucket view holding the gradient (copy it in if needed)."""
         param, view = slot.param, slot.view
         assert view is not None
@@ -377,7 +323,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._launch(buckets[self._next_launch])
             self._next_launch += 1
 
-    def _launch(self, bucket: _Bucket, contribute: bool = True) -> None:
+    def _launch(self, bucket: Bucket, contribute: bool = True) -> None:
         # Average divides before the sum, on the engine thread while backward continues:
         # by the predivide factor, and by the world size too when there is no predivide factor.
         average = self.op is ReduceOp.AVERAGE
@@ -433,12 +379,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 if scale != 1.0:
                     buffer[: bucket.numel].mul_(scale)
 
-        clock = self.clock
-        if clock is not None:
-            task, then = _timed(clock, bucket, task, then)
+        run: Callable[[], Any] = task
+        finish: Callable[[Any], None] = then
+        if self.clock is not None:
+            run, finish = timed(self.clock, bucket, task, then)
         # The last bucket is launched when backward is over: nothing is left to overlap with.
         last = bucket.index == len(self._buckets) - 1
-        bucket.handle = self.engine.submit(task, then, name=f"bucket{bucket.index}", inline=last)
+        bucket.handle = self.engine.submit(run, finish, name=f"bucket{bucket.index}", inline=last)
 
     def _launch_all(self, contribute: bool = True) -> None:
         """Launch every bucket not launched yet, with zeros for parameters that got no gradient."""
@@ -636,88 +583,3 @@ class DistributedOptimizer(torch.optim.Optimizer):
             )
         for group, theirs in zip(self.param_groups, groups, strict=True):
             group.update({k: v for k, v in theirs.items() if k != "params"})
-
-
-def _timed(clock: dict[str, float], bucket: _Bucket, task: Callable[[], Any],
-           then: Callable[[Any], None]) -> tuple[Callable[[], Any], Callable[[Any], None]]:
-    """``task`` and ``then`` that add their durations to ``clock`` (see ``DistributedOptimizer.clock``)."""
-
-    def timed_task() -> Any:
-        t0 = time.perf_counter()
-        if bucket.ready:
-            clock["ready_to_sent"] = clock.get("ready_to_sent", 0.0) + t0 - bucket.ready
-            bucket.ready = 0.0
-        out = task()
-        clock["engine"] = clock.get("engine", 0.0) + time.perf_counter() - t0
-        return out
-
-    def timed_then(value: Any) -> None:
-        t0 = time.perf_counter()
-        then(value)
-        clock["copy_out"] = clock.get("copy_out", 0.0) + time.perf_counter() - t0
-
-    return timed_task, timed_then
-
-
-def _reducer(comm: Communicator, algorithm: str) -> Callable[[torch.Tensor], Any]:
-    """The sum-allreduce used for buckets: returns a Work (native) or the reduced tensor."""
-    if algorithm == "native":
-        return lambda t: comm.iallreduce(t, ReduceOp.SUM)
-    try:
-        from ringpipe import collectives
-    except ImportError:
-        raise ValueError(
-            f"algorithm={algorithm!r} needs ringpipe.collectives, which is not available in this installation; "
-            "use algorithm='native'"
-        ) from None
-    valid = tuple(getattr(collectives, "SUPPORTED", {}).get("allreduce", getattr(collectives, "ALGORITHMS", ())))
-    valid = tuple(a for a in valid if a != "native")
-    if algorithm not in valid:
-        raise ValueError(f"unknown allreduce algorithm {algorithm!r}; valid: native, {', '.join(valid)}")
-
-    def reduce(t: torch.Tensor) -> torch.Tensor:
-        out = collectives.allreduce(comm, t, ReduceOp.SUM, algorithm=algorithm)
-        if isinstance(out, torch.Tensor) and out is not t:
-            t.copy_(out)
-        return t
-
-    return reduce
-
-
-def _groups_setting(optimizer: torch.optim.Optimizer, groups: Any) -> Any:
-    """``groups`` as a value every rank can compare: an integer, or the parameters' positions."""
-    if groups is None or isinstance(groups, bool):
-        return groups if groups is None else repr(groups)
-    if isinstance(groups, int):
-        return groups
-    if not isinstance(groups, list):
-        return f"invalid: {type(groups).__name__}"
-    index = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
-    return [[index.get(id(p), -1) if isinstance(p, torch.Tensor) else repr(p) for p in g] for g in groups]
-
-
-def _explicit_groups(groups: Any, slots: list[_Slot]) -> list[list[_Slot]] | None:
-    """Horovod's ``groups``: validated, as lists of slots (parameters outside any group alone)."""
-    if groups is None:
-        return None
-    if isinstance(groups, bool) or not (isinstance(groups, list) or (isinstance(groups, int) and groups > 0)):
-        raise ValueError("groups should be a non-negative integer or a list of list of torch.Tensor.")
-    if isinstance(groups, int):
-        n = min(groups, len(slots)) or 1
-        d, r = divmod(len(slots), n)  # Horovod's split_list: n nearly even runs in registration order
-        return [slots[i * d + min(i, r) : (i + 1) * d + min(i + 1, r)] for i in range(n)]
-    by_id = {id(s.param): s for s in slots}
-    seen: set[int] = set()
-    out = []
-    for group in groups:
-        if not isinstance(group, (list, tuple)) or any(not isinstance(p, torch.Tensor) for p in group):
-            raise ValueError("groups must consist of torch.Tensor.")
-        for p in group:
-            if id(p) in seen:
-                raise ValueError("A parameter can only appear once in groups.")
-            seen.add(id(p))
-        members = [by_id[id(p)] for p in group if id(p) in by_id]
-        if members:
-            out.append(members)
-    out.extend([s] for s in slots if id(s.param) not in seen)
-    return out
