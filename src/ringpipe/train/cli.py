@@ -61,6 +61,11 @@ def add_train_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="where outputs go (default: runs/<timestamp>-<mode>; with --resume: the newest run in runs/)")
     p.add_argument("--resume", action="store_true",
                    help="continue from the newest good checkpoint of --run-dir with its saved config (--set still applies)")
+    p.add_argument("--eval-only", action="store_true",
+                   help="evaluate the newest good checkpoint of --run-dir (or --checkpoint) on the test and training "
+                        "sets, without training; writes eval-step-N.json there (the training outputs stay as they are)")
+    p.add_argument("--checkpoint", metavar="FILE|best", default=None,
+                   help="with --eval-only: the checkpoint to evaluate (a file, or best: the kept best one)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace the run in a non-empty --run-dir (a new run is otherwise refused there)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
@@ -109,48 +114,10 @@ def _build_config(args: argparse.Namespace, run_dir: Path | None, header: dict[s
     if env_backend and args.backend is None and "backend" not in raw:
         raw = {**raw, "backend": env_backend}
     if header is not None:
-        _check_resume_world(header, raw)
+        from ringpipe.train.resume_checks import check_resume_world
+
+        check_resume_world(header, raw)
     return validate(raw)
-
-
-def _check_resume_world(header: dict[str, Any], raw: dict[str, Any]) -> None:
-    """Refuse to resume a checkpoint in a mode or on a number of processes it cannot continue on."""
-    from ringpipe.train.checkpoint import CheckpointError
-    from ringpipe.train.resize import resume_refusal
-
-    mode = raw.get("mode", TrainConfig.model_fields["mode"].default)
-    nprocs = raw.get("nprocs", TrainConfig.model_fields["nprocs"].default)
-    if not isinstance(mode, str) or not isinstance(nprocs, int):
-        return  # validation names the bad value
-    world = _resume_world(mode, nprocs)
-    error = resume_refusal(header["path"], header, mode, world)
-    if error:
-        raise CheckpointError(error)
-
-
-def _nothing_left(header: dict[str, Any], cfg: TrainConfig, run_dir: Path) -> str:
-    """Why resuming checkpoint ``header`` with ``cfg`` would train no step ("" if it would)."""
-    from ringpipe.train.loop import nothing_to_resume
-    from ringpipe.train.resize import DATA_PARALLEL_MODES, samples_seen, total_steps_from
-
-    records, replicas = header.get("records"), header.get("replicas")
-    if not records or not replicas:
-        return ""  # a checkpoint that does not say: the ranks check it after loading the data
-    step, samples = int(header["step"]), samples_seen(header, replicas)
-    if cfg.mode in DATA_PARALLEL_MODES:  # continued on the replicas of this run (see ringpipe.train.resize)
-        replicas = _resume_world(cfg.mode, cfg.nprocs)
-    total = total_steps_from(cfg.epochs, records, cfg.batch_size * replicas, step, samples)
-    if samples == step * cfg.batch_size * replicas:
-        total = cfg.total_steps(records, replicas)
-    return nothing_to_resume(run_dir, step, total, cfg.max_steps)
-
-
-def _resume_world(mode: str, nprocs: int) -> int:
-    """The number of ranks this run will have: the launcher's world, else 1 for mode single, else nprocs."""
-    from ringpipe.env import detect
-
-    topology = detect()
-    return topology.size if topology.launcher != "single" else 1 if mode == "single" else nprocs
 
 
 def _world_fits(cfg: TrainConfig) -> str:
@@ -165,7 +132,7 @@ def _world_fits(cfg: TrainConfig) -> str:
 
 
 def _worker(comm: Any, raw: dict[str, Any], run_dir: str, resume: bool, progress: bool, verbose: bool,
-            overwrite: bool = False) -> Any:
+            overwrite: bool = False, evaluate: tuple[bool, str | None] = (False, None)) -> Any:
     """Entry point on every rank (spawned, or under a launcher): rank 0's summary, the others' stop reason."""
     import torch
 
@@ -175,10 +142,11 @@ def _worker(comm: Any, raw: dict[str, Any], run_dir: str, resume: bool, progress
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1") or 1))
     configure_rank_logging(comm.rank, comm.size, verbose)
     try:
-        summary = train(comm, validate(raw), Path(run_dir), resume=resume, progress=progress, overwrite=overwrite)
+        summary = train(comm, validate(raw), Path(run_dir), resume=resume, progress=progress, overwrite=overwrite,
+                        eval_only=evaluate[0], checkpoint=evaluate[1])
     except NothingToResume as exc:  # raised alike on every rank, before any of them trains
         return {"nothing_to_resume": str(exc)}
-    return summary if comm.rank == 0 else {"stop_reason": summary["stop_reason"]}
+    return summary if comm.rank == 0 else {"stop_reason": summary.get("stop_reason", "")}
 
 
 def _forward_stop() -> StopRequest:
@@ -257,24 +225,42 @@ def run_train(args: argparse.Namespace) -> int:
 def _run_train(args: argparse.Namespace) -> int:
     verbose = bool(getattr(args, "verbose", False))
     from ringpipe.env import EnvironmentError_
-    from ringpipe.train.checkpoint import CheckpointError, find_resumable
+    from ringpipe.train.checkpoint import CheckpointError, find_resumable, load_checkpoint
 
     header: dict[str, Any] | None = None
     from ringpipe.train.runstate import after_restart
 
+    evaluate = (bool(getattr(args, "eval_only", False)), getattr(args, "checkpoint", None))
+    if evaluate[1] is not None and not evaluate[0]:
+        print("ringpipe train: --checkpoint names the checkpoint of --eval-only; add --eval-only "
+              "(--resume continues from the newest good checkpoint)", file=sys.stderr)
+        return 2
+    if evaluate[0] and args.overwrite:
+        print("ringpipe train: --eval-only changes nothing in the run directory; drop --overwrite", file=sys.stderr)
+        return 2
+    args.resume = args.resume or evaluate[0]  # the run's own config and checkpoint, as for --resume
     args.resume, args.overwrite = after_restart(args.run_dir, args.resume, args.overwrite)
     try:
         pre_dir = resolve_run_dir(args.run_dir, "x", args.resume) if (args.run_dir or args.resume) else None
         if args.resume and pre_dir is not None and not args.print_config:
-            found = find_resumable(pre_dir)  # the ranks move newer unusable ones aside, and say so
-            header = {k: v for k, v in found.checkpoint.items() if k not in ("engine", "ranks")}
-            header["path"] = found.path
+            from ringpipe.train.evaluate import resolve_checkpoint
+
+            chosen = resolve_checkpoint(pre_dir, evaluate[1]) if evaluate[0] else None
+            if chosen is not None:
+                evaluate = (True, str(chosen))
+                found_path, checkpoint = chosen, load_checkpoint(chosen)
+            else:
+                found = find_resumable(pre_dir)  # the ranks move newer unusable ones aside, and say so
+                found_path, checkpoint = found.path, found.checkpoint
+            header = {k: v for k, v in checkpoint.items() if k not in ("engine", "ranks")}
+            header["path"] = found_path
         cfg = _build_config(args, pre_dir, header)
     except (ConfigError, EnvironmentError_) as exc:
         print(f"ringpipe train: {exc}", file=sys.stderr)
         return 2
     except CheckpointError as exc:
-        print(f"ringpipe train: {exc}", file=sys.stderr)
+        print(f"ringpipe train: {str(exc).replace('--resume: ', '--eval-only: ' if evaluate[0] else '--resume: ')}",
+              file=sys.stderr)
         return 1
     if args.print_config:
         import yaml
@@ -289,9 +275,11 @@ def _run_train(args: argparse.Namespace) -> int:
     if problem:
         print(f"ringpipe train: {problem}", file=sys.stderr)
         return 2
-    if header is not None:
+    if header is not None and not evaluate[0]:
         assert pre_dir is not None
-        done = _nothing_left(header, cfg, pre_dir)
+        from ringpipe.train.resume_checks import nothing_left
+
+        done = nothing_left(header, cfg, pre_dir)
         if done:
             print(f"ringpipe train: {done}", file=sys.stderr)
             return 0
@@ -304,7 +292,7 @@ def _run_train(args: argparse.Namespace) -> int:
         print(f"ringpipe train: {exc}", file=sys.stderr)
         return 2
     if launched:
-        return _run_in_world(cfg, raw, args, progress, verbose)  # rank 0 names the run directory
+        return _run_in_world(cfg, raw, args, progress, verbose, evaluate)  # rank 0 names the run directory
     error = _world_fits(cfg)
     if error:
         print(f"ringpipe train: {error}", file=sys.stderr)
@@ -326,7 +314,7 @@ def _run_train(args: argparse.Namespace) -> int:
 
             comm = init_world(cfg.backend)
             try:
-                summary = _worker(comm, raw, str(run_dir), args.resume, progress, verbose, args.overwrite)
+                summary = _worker(comm, raw, str(run_dir), args.resume, progress, verbose, args.overwrite, evaluate)
             finally:
                 shutdown_world()
         else:
@@ -335,7 +323,7 @@ def _run_train(args: argparse.Namespace) -> int:
             log.info("starting %d local processes (%s, mode %s) -> %s", cfg.nprocs, cfg.backend, cfg.mode, run_dir)
             with _forward_stop().installed():
                 summary = spawn(_worker, cfg.nprocs, backend=cfg.backend,
-                                args=(raw, str(run_dir), args.resume, progress, verbose, args.overwrite),
+                                args=(raw, str(run_dir), args.resume, progress, verbose, args.overwrite, evaluate),
                                 env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})[0]
     except KeyboardInterrupt:  # a second Ctrl-C: stop at once, keep the newest checkpoint
         _stop_children()
@@ -358,7 +346,7 @@ def _finish(summary: dict[str, Any] | None, run_dir: Path) -> int:
 
 
 def _run_in_world(cfg: TrainConfig, raw: dict[str, Any], args: argparse.Namespace, progress: bool,
-                  verbose: bool) -> int:
+                  verbose: bool, evaluate: tuple[bool, str | None] = (False, None)) -> int:
     from ringpipe.comm import init_world, shutdown_world
 
     comm = init_world(cfg.backend)
@@ -369,7 +357,7 @@ def _run_in_world(cfg: TrainConfig, raw: dict[str, Any], args: argparse.Namespac
         # Rank 0 names the run directory, so that every rank writes to the same place.
         name = str(resolve_run_dir(args.run_dir, cfg.mode, args.resume)) if comm.rank == 0 else None
         run_dir = comm.broadcast_object(name) if comm.size > 1 else name
-        summary = _worker(comm, raw, str(run_dir), args.resume, progress, verbose, args.overwrite)
+        summary = _worker(comm, raw, str(run_dir), args.resume, progress, verbose, args.overwrite, evaluate)
     except KeyboardInterrupt:  # a second Ctrl-C: stop at once, keep the newest checkpoint
         if comm.rank == 0 and run_dir is not None:
             return _interrupted(Path(run_dir))
@@ -394,7 +382,10 @@ def _reexec_mpirun(cfg: TrainConfig, run_dir: Path, args: argparse.Namespace) ->
     for item in args.overrides:
         argv += ["--set", item]
     argv += [f for f, on in (("--resume", args.resume), ("--overwrite", args.overwrite),
-                             ("--no-progress", args.no_progress)) if on]
+                             ("--no-progress", args.no_progress), ("--eval-only", getattr(args, "eval_only", False)))
+             if on]
+    if getattr(args, "checkpoint", None):
+        argv += ["--checkpoint", str(args.checkpoint)]
     cmd = mpirun_command(cfg.nprocs, [sys.executable, "-m", "ringpipe.cli", *argv])
     log.info("starting %d ranks under mpirun: %s", cfg.nprocs, " ".join(cmd))
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
@@ -405,4 +396,9 @@ def _report(summary: dict[str, Any], run_dir: Path) -> None:
     from ringpipe.train.metrics import format_summary
 
     print(format_summary(summary))
-    print(f"run directory: {run_dir}")
+    if summary.get("eval_only"):
+        from ringpipe.train.evaluate import eval_path
+
+        print(f"evaluation written to {eval_path(run_dir, summary['step'])}")
+    else:
+        print(f"run directory: {run_dir}")

@@ -77,7 +77,7 @@ class _Run(Checkpointing):
     """The state of one run on one rank."""
 
     def __init__(self, comm: Communicator, cfg: TrainConfig, run_dir: Path, progress: bool,
-                 stop: StopRequest | None = None, given: Given | None = None) -> None:
+                 stop: StopRequest | None = None, given: Given | None = None, writes: bool = True) -> None:
         self.comm, self.cfg, self.run_dir, self.progress = comm, cfg, run_dir, progress
         self.stop = stop or StopRequest()
         self.is_root = comm.rank == 0
@@ -110,7 +110,7 @@ class _Run(Checkpointing):
         self.resizes: list[dict[str, Any]] = []  # changes of mode or replicas at resumes (runstate.py)
         self.window = Tally()
         self.epoch_tally = Tally()
-        self.metrics = MetricsWriter(run_dir, self.is_root, cfg.logger)
+        self.metrics = MetricsWriter(run_dir, self.is_root and writes, cfg.logger)
         self.train_time = 0.0
         self.wall_before = 0.0  # wall time of the run's earlier parts (resumed runs)
         self.wall_start: float | None = None  # when this part's loop started
@@ -142,9 +142,9 @@ class _Run(Checkpointing):
 
     # ------------------------------------------------------------------ evaluation
 
-    def evaluate(self) -> tuple[float, float]:
+    def evaluate(self, split: Any = None) -> tuple[float, float]:
         t = Tally()
-        test = self.data.test
+        test = self.data.test if split is None else split
         for idx in eval_indices(len(test), self.engine.replicas, self.engine.replica_rank, self.cfg.batch_size):
             t.add(self.engine.eval_step(*test.batch(idx)))
         loss, acc, _ = t.reduce(self.comm)
@@ -361,8 +361,13 @@ def train(
     progress: bool = True,
     overwrite: bool = False,
     given: Given | None = None,
+    eval_only: bool = False,
+    checkpoint: str | Path | None = None,
 ) -> dict[str, Any]:
     """Train ``cfg`` on this rank of ``comm``; rank 0 writes the run directory. Returns the summary.
+
+    ``eval_only``: evaluate ``checkpoint`` (default: the newest good one) instead, see
+    :mod:`ringpipe.train.evaluate`; returns the evaluation.
 
     ``given``: the model, data, loss or optimizer factory handed to :func:`ringpipe.train.fit`.
 
@@ -370,6 +375,11 @@ def train(
     ``--resume`` of a run with no step left raises :class:`NothingToResume` before writing anything;
     ``overwrite`` removes an earlier run's outputs from ``run_dir`` first.
     """
+    if eval_only:
+        from ringpipe.train.evaluate import evaluate_checkpoint
+
+        return evaluate_checkpoint(comm, cfg, Path(run_dir), checkpoint, lambda **kw: _Run(comm, cfg, Path(run_dir),
+                                   False, given=given, writes=False, **kw))
     with StopRequest().installed() as stop:
         return _train(comm, cfg, Path(run_dir), resume, progress, stop, overwrite, given)
 

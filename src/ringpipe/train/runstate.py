@@ -26,6 +26,7 @@ from ringpipe.train.checkpoint import (
     CheckpointError,
     Resumable,
     find_resumable,
+    load_checkpoint,
     remove_stale_temporaries,
     save_checkpoint,
     set_aside,
@@ -148,6 +149,8 @@ class Checkpointing:
     last_eval: dict[str, Any]
     last_train: dict[str, Any]
     drained: tuple[int, dict[str, Any] | None] | None
+    evaluating = False
+    resumed_from = ""
 
     def epoch_at(self, step: int) -> float:
         raise NotImplementedError
@@ -229,24 +232,35 @@ class Checkpointing:
         if self.comm.size > 1:
             self.comm.barrier()
 
-    def resume(self) -> None:
+    def resume(self, checkpoint: str | Path | None = None, evaluating: bool = False) -> None:
+        """Continue from the newest good checkpoint (or ``checkpoint``); ``evaluating``: only load
+        it (``--eval-only``), changing nothing in the run directory."""
         ckpt: dict[str, Any] | None = None
         error, path = "", ""
+        self.evaluating = evaluating
         if self.is_root:
             try:
-                found = self._find_resumable()
-                path, ckpt = str(found.path), found.checkpoint
-                error = resume_refusal(found.path, ckpt, self.cfg.mode, self.comm.size)
+                if checkpoint is not None:
+                    path, ckpt = str(checkpoint), load_checkpoint(checkpoint)
+                else:
+                    found = find_resumable(self.run_dir) if evaluating else self._find_resumable()
+                    path, ckpt = str(found.path), found.checkpoint
+                    for bad, reason in found.skipped if evaluating else []:
+                        log.warning("skipped %s: %s", bad, reason)
+                error = resume_refusal(path, ckpt, self.cfg.mode, self.comm.size)
             except CheckpointError as exc:
                 error = str(exc)
+            if evaluating:
+                error = error.replace("--resume: ", "--eval-only: ")
             if not error:
                 assert ckpt is not None
-                log.info("resuming from %s (step %d)", path, ckpt["step"])
+                log.info("%s %s (step %d)", "evaluating" if evaluating else "resuming from", path, ckpt["step"])
         if self.comm.size > 1:
             error, path, ckpt = self.comm.broadcast_object((error, path, ckpt if not error else None))
         if error:
             raise CheckpointError(error)
         assert ckpt is not None
+        self.resumed_from = path
         old_replicas = replicas_of(ckpt, self.engine.replicas)
         step, samples = int(ckpt["step"]), samples_seen(ckpt, old_replicas)
         self.base_step, self.base_samples = step, samples
@@ -254,7 +268,7 @@ class Checkpointing:
         if samples != step * self.global_batch:  # another global batch before (resized now or earlier)
             self.total_steps = total_steps_from(self.cfg.epochs, self.records, self.global_batch, step, samples)
             self.stop_step = min(self.total_steps, self.cfg.max_steps or self.total_steps)
-        done = nothing_to_resume(self.run_dir, step, self.total_steps, self.cfg.max_steps)
+        done = "" if evaluating else nothing_to_resume(self.run_dir, step, self.total_steps, self.cfg.max_steps)
         if done:
             raise NothingToResume(done)  # before anything in the run directory changes
         self.resizes = list(ckpt.get("resizes", []))
@@ -276,7 +290,8 @@ class Checkpointing:
         self.train_time = float(ckpt["train_time"])
         self.wall_before = float(ckpt.get("wall_time", self.train_time))
         self.last_eval, self.last_train = dict(ckpt["last_eval"]), dict(ckpt["last_train"])
-        self.metrics.truncate_after(self.step)
+        if not evaluating:
+            self.metrics.truncate_after(self.step)
 
     def _resume_resized(self, ckpt: dict[str, Any], path: str, old_replicas: int) -> None:
         """Continue a data-parallel checkpoint on another number of replicas (:mod:`ringpipe.train.resize`)."""
@@ -311,6 +326,8 @@ class Checkpointing:
             f"{self.engine.lr_scale:g}, lr {old_lr:.4g} -> {lrs[0]:.4g}; {data}"))
 
     def _note_resize(self, ckpt: dict[str, Any], old_replicas: int, line: str) -> None:
+        if self.evaluating:
+            return
         self.resizes.append({"step": self.base_step, "samples": self.base_samples, "from_mode": ckpt["mode"],
                              "from_replicas": old_replicas, "mode": self.cfg.mode,
                              "replicas": self.engine.replicas})
