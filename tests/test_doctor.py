@@ -337,3 +337,12 @@ def test_the_fix_is_the_one_the_timings_favour_at_the_probed_size():
     verified = recommend(job, {"ring": 10.0, "native": 4.0}, 4 << 20, [],
                          {"fix": "native", "runs": 5, "before_ms": 10.5, "after_ms": 4.2})
     assert "verified with 5 more interleaved runs: 10.50 ms before, 4.20 ms after (2.5x)" in verified[0].evidence
+
+
+def test_a_busy_machine_is_said_as_information_and_accuses_nobody():
+    hosts = _hosts((4, 2, 2))
+    infos = [{"loadavg": 30.0, "cpu_count": 2, "machine": "m"} for _ in hosts]
+    found = diagnose(_job(hosts, infos=infos), _links(hosts))
+    assert _problems(found) == []
+    busy = [f for f in found if "busy: load average 30.0 on 2 CPUs" in f.what]
+    assert len(busy) == 1 and busy[0].severity == "info" and busy[0].hosts == ("rp-host-a", "rp-host-b", "rp-host-c")

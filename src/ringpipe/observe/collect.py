@@ -102,6 +102,8 @@ def _rank_info() -> dict[str, Any]:
     info: dict[str, Any] = {"pid": os.getpid(), "cpus": cpus, "cpu_count": os.cpu_count() or 1}
     with contextlib.suppress(OSError):  # one id per booted kernel: containers and namespaces of a machine share it
         info["machine"] = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    with contextlib.suppress(OSError, AttributeError):  # runnable processes, averaged over the last minute
+        info["loadavg"] = os.getloadavg()[0]
     return info
 
 

@@ -186,9 +186,29 @@ def _cores(job: JobEvents) -> list[Finding]:
     return findings
 
 
+def _load(job: JobEvents, busy: float = 2.0) -> list[Finding]:
+    """Machines whose load average was ``busy`` times their CPUs or more when the events were gathered."""
+    findings = []
+    for ranks in _machines(job).values():
+        infos = [job.ranks[r].info for r in ranks]
+        loads = [float(i["loadavg"]) for i in infos if "loadavg" in i]
+        cpus = max((int(i.get("cpu_count", 0) or 0) for i in infos), default=0)
+        if loads and cpus and max(loads) >= busy * cpus:
+            hosts = list(dict.fromkeys(job.ranks[r].host for r in ranks))
+            findings.append(Finding(
+                "info", f"{'hosts ' + ', '.join(hosts) + ' were' if len(hosts) > 1 else 'host ' + hosts[0] + ' was'} "
+                f"busy: load average {max(loads):.1f} on {cpus} CPUs",
+                "processes waited for a core while they were measured: times are longer and noisier than the links "
+                "and CPUs alone would give; what is compared within this job still is (links to links, ranks to "
+                "ranks, each measured again when it looked slow)",
+                hosts=tuple(hosts),
+            ))
+    return findings
+
+
 def placement(job: JobEvents, links: Sequence[dict[str, Any]] = ()) -> list[Finding]:
-    """The placement's cost for a ring (modelled from ``links`` when given), oversubscribed and shared cores."""
-    return _ring_placement(job, links) + _cores(job)
+    """The placement's cost for a ring (modelled from ``links`` when given), oversubscribed and shared cores, load."""
+    return _ring_placement(job, links) + _cores(job) + _load(job)
 
 
 def busy_hosts(findings: Sequence[Finding]) -> list[str]:
