@@ -50,6 +50,7 @@ BEAT_S = 1.0  # how often a rank refreshes its record
 LOOK_S = 0.25  # how often it looks for a new last call to publish
 GRACE_S = 2.0  # under MPI: how long a call may still wait after a peer left before the job is aborted
 SILENT_S = 3.5  # a rank whose beat has not changed for this long (and wrote nothing) is taken for dead
+LINGER_S = 1.0  # rank 0, which usually serves the store, waits this long at most for the others' departures
 PREFIX = "ringpipe/rank"
 ORDER_KEY = "ringpipe/departures"
 
@@ -138,6 +139,23 @@ class Departures:
             self._write(how)
         except Exception:  # noqa: BLE001 - the store may be gone already (rank 0 left first)
             log.debug("departures: cannot record the departure", exc_info=True)
+            return
+        if self.rank == 0:
+            self._linger()
+
+    def _linger(self) -> None:
+        """Wait (at most ``LINGER_S``) until every other rank has written its departure.
+
+        Rank 0 serves the job's store under MPI and under ``ringpipe launch``: when it leaves first,
+        the others' last writes meet a closed server and the store's client logs every failed call
+        with a traceback, on a run that ended well. A rank still working after that is left to it.
+        """
+        deadline = time.monotonic() + LINGER_S
+        while time.monotonic() < deadline:
+            recs = self.records()
+            if len(recs) == self.size - 1 and all(rec.get("state") != "running" for rec in recs.values()):
+                return
+            time.sleep(0.02)
 
     def start(self) -> Departures:
         self._thread = threading.Thread(target=self._loop, name="ringpipe-departures", daemon=True)
