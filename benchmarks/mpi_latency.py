@@ -4,7 +4,9 @@
 raw mpi4py, ringpipe's communicator (argument checks, the event record, the handle) with
 Python's garbage collector on and off, then a 4 KiB allreduce: ringpipe's checked recursive
 doubling, the same with ``check=False``, the communicator's native ``MPI_Allreduce`` and raw
-mpi4py ``Allreduce``. Rank 0 prints the mean time per call of every round.
+mpi4py ``Allreduce``. Every round runs every case once (the order rotated from round to round,
+so drift of a shared machine falls on all of them); rank 0 prints, per case, the median over
+rounds of the mean time per call and the range.
 
     python benchmarks/mpi_latency.py            # starts 2 ranks under mpirun
 """
@@ -13,10 +15,11 @@ from __future__ import annotations
 
 import gc
 import os
+import statistics
 import sys
 import time
 
-ROUNDS, CALLS = 4, 5000
+ROUNDS, CALLS = 6, 3000
 
 
 def worker() -> None:
@@ -54,18 +57,21 @@ def worker() -> None:
         ("communicator allreduce (MPI_Allreduce)", lambda: comm.allreduce(x), True),
         ("mpi4py Allreduce", lambda: world.Allreduce(MPI.IN_PLACE, a, MPI.SUM), True),
     ]
-    for name, fn, collect in cases:
-        (gc.enable if collect else gc.disable)()
-        rounds = []
-        for _ in range(ROUNDS):
+    rounds: dict[str, list[float]] = {name: [] for name, _, _ in cases}
+    for r in range(ROUNDS):
+        k = r % len(cases)
+        for name, fn, collect in cases[k:] + cases[:k]:  # every case once per round, the order rotated
+            (gc.enable if collect else gc.disable)()
             world.Barrier()
             t = time.perf_counter()
             for _ in range(CALLS):
                 fn()
-            rounds.append((time.perf_counter() - t) / CALLS * 1e6)
-        if comm.rank == 0:
-            print(f"{name:40s} " + "  ".join(f"{us:7.2f}" for us in rounds) + "  us per call (rounds)", flush=True)
-    gc.enable()
+            rounds[name].append((time.perf_counter() - t) / CALLS * 1e6)
+        gc.enable()
+    if comm.rank == 0:
+        print(f"{'':40s} {'median':>7}  {'min-max':>15}  us per call over {ROUNDS} rounds", flush=True)
+        for name, us in rounds.items():
+            print(f"{name:40s} {statistics.median(us):7.2f}  {min(us):7.2f}-{max(us):<7.2f}", flush=True)
 
 
 def main() -> int:
