@@ -134,7 +134,11 @@ class ActivationMeter:
                     del meter.refs[ptr]
                     meter.live -= n
 
-        return Held(t if inner is None else inner(t))
+        # A saved *output* held as itself would close a cycle through its own grad_fn (node ->
+        # saved hook object -> tensor -> node) that Python's collector cannot see: a node that no
+        # backward ever executes (zero-bubble weight passes skip the activation nodes) would then
+        # never be freed. A detached alias holds the same storage without the cycle.
+        return Held(t.detach() if inner is None else inner(t))
 
     def hooks(self) -> Any:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda h: h.v)
