@@ -27,10 +27,9 @@ ALGOS = ["ring", "rabenseifner", "recursive_doubling", "hierarchical", "auto", "
 def worker(args: argparse.Namespace) -> None:
     import torch
 
+    from ringpipe.collectives import autotune
     from ringpipe.comm import init_world, shutdown_world
     from ringpipe.observe.bench import parse_size, run_bench
-
-    from ringpipe.collectives import autotune
 
     torch.set_num_threads(1)
     comm = init_world(args.backend)
