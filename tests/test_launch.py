@@ -93,6 +93,31 @@ def test_ringpipe_launch_mpi_backend():
     assert_ok(out, 2, "openmpi")
 
 
+REINIT = """
+import torch, ringpipe as hvd
+for round_ in range(3):
+    hvd.init()
+    t = torch.full((2,), float(hvd.rank() + 1))
+    total = hvd.allreduce(t, op=hvd.Sum)
+    names = hvd.allgather_object(hvd.rank())
+    print(f"round {round_} rank {hvd.rank()} sum {total.tolist()} ranks {names}", flush=True)
+    hvd.shutdown()
+"""
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("mode", ["agent", "mp"])
+def test_a_world_made_again_in_one_process_is_a_new_world(tmp_path, mode):
+    """shutdown() then init(), as an elastic reset does: the new world must not read the old one's keys."""
+    script = tmp_path / "reinit.py"
+    script.write_text(REINIT)
+    out = run([*RINGPIPE, "launch", "--mode", mode, "-n", "2", str(script)], timeout=200)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    for round_ in range(3):
+        for r in range(2):
+            assert f"round {round_} rank {r} sum [3.0, 3.0] ranks [0, 1]" in out.stdout, out.stdout
+
+
 @pytest.mark.timeout(120)
 def test_world_left_open_is_destroyed_at_exit():
     """A script that ends without shutdown_world: ringpipe's exit handler destroys the gloo group

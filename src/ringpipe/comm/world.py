@@ -24,6 +24,21 @@ __all__ = ["BACKENDS", "init_world", "shutdown_world", "pin_device", "free_port"
 log = logging.getLogger(__name__)
 
 BACKENDS = ("gloo", "nccl", "mpi")
+_WORLDS_MADE = [0]  # worlds this process joined on a job's store (each under keys of its own)
+_JOB_STORES: dict[tuple[str, int, bool], Any] = {}  # the job's store, kept for the process's life
+
+
+def _job_store(addr: str, port: int, size: int, serve: bool, timeout: datetime.timedelta) -> Any:
+    """The job's key-value store at ``addr:port`` (served here when ``serve``), opened once per process.
+
+    Kept open across worlds: were rank 0's server closed with one world, a rank joining the next
+    could still reach the closing server and fail (``Connection was likely closed``).
+    """
+    key = (addr, port, serve)
+    if key not in _JOB_STORES:
+        _JOB_STORES[key] = dist.TCPStore(addr, port, world_size=size, is_master=serve, timeout=timeout,
+                                         multi_tenant=serve)
+    return _JOB_STORES[key]
 
 
 def free_port(host: str = "") -> int:
@@ -178,22 +193,22 @@ def init_world(
                 # (TORCHELASTIC_USE_AGENT_STORE): join it instead of binding the port again, under a
                 # prefix of this restart's number: the agent keeps its store across restarts
                 # (--max-restarts), and the keys of the ranks that failed would otherwise be read
-                # as this attempt's (a rank connecting to a dead peer's address).
+                # as this attempt's (a rank connecting to a dead peer's address). Otherwise rank 0
+                # serves the store, as ``init_method="tcp://..."`` would. Either way a world made
+                # again in one process (``shutdown()`` then ``init()``, as an elastic reset does)
+                # meets the same store (the agent's, or rank 0's, which c10d keeps per port): its
+                # keys go under this process's count of worlds, or the new group would read the
+                # old one's addresses and departures and wait for ever.
+                _WORLDS_MADE[0] += 1
                 if topo.launcher == "torchrun" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
                     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-                    client = dist.TCPStore(addr, port, world_size=topo.size, is_master=False, timeout=timeout)
-                    dist.init_process_group(
-                        backend,
-                        store=dist.PrefixStore(f"/ringpipe/attempt_{attempt}", client),
-                        rank=topo.rank,
-                        world_size=topo.size,
-                        timeout=timeout,
-                    )
+                    client = _job_store(addr, port, topo.size, False, timeout)
+                    prefix = f"/ringpipe/attempt_{attempt}/world_{_WORLDS_MADE[0]}"
                 else:
-                    dist.init_process_group(
-                        backend, init_method=f"tcp://{addr}:{port}", rank=topo.rank, world_size=topo.size,
-                        timeout=timeout,
-                    )
+                    client = _job_store(addr, port, topo.size, topo.rank == 0, timeout)
+                    prefix = f"/ringpipe/world_{_WORLDS_MADE[0]}"
+                dist.init_process_group(backend, store=dist.PrefixStore(prefix, client), rank=topo.rank,
+                                        world_size=topo.size, timeout=timeout)
         comm = TorchCommunicator(backend, topo, device=device)
 
     if topo.size > 1:
@@ -219,9 +234,15 @@ def _shutdown_at_exit() -> None:
     interpreter is intact; :func:`shutdown_world` is idempotent, so an explicit call stays free.
     Registered once however often a world is created.
     """
-    atexit.unregister(shutdown_world)
-    atexit.register(shutdown_world)
+    atexit.unregister(_shutdown_at_end)
+    atexit.register(_shutdown_at_end)
     _leave_at_exit()
+
+
+def _shutdown_at_end() -> None:
+    """At exit: the world, then the job's store kept across worlds (its threads end with it)."""
+    shutdown_world()
+    _JOB_STORES.clear()
 
 
 def _leave_at_exit() -> None:
