@@ -62,13 +62,7 @@ def more(request, tmp_path_factory):
     return _run("tf_more.py", n, tmp_path_factory.mktemp(f"tf_more_{backend}"), backend == "mpi")
 
 
-# In-process re-initialisation (shutdown() then init(), which hvd.elastic.run does after a failure) of a
-# gloo world under ``ringpipe launch`` races: the second process group reuses the first one's store keys,
-# and a rank may connect to its peer's old address. Under MPI the world is re-wrapped, not rebuilt.
-REINIT_RACE = "gloo re-init in one process races on the launcher's store (comm/world.py), so elastic.run's reset fails at times"
-
-
-@pytest.fixture(scope="module", params=[pytest.param(("gloo", 2), id="gloo-2", marks=pytest.mark.skip(reason=REINIT_RACE)),
+@pytest.fixture(scope="module", params=[pytest.param(("gloo", 2), id="gloo-2"),
                                         pytest.param(("mpi", 2), id="mpi-2", marks=[needs_mpi, pytest.mark.mpi])])
 def elastic_run(request, tmp_path_factory):
     backend, n = request.param
