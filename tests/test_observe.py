@@ -213,6 +213,28 @@ def test_comm_stats_and_the_profile_show_ringpipes_own_calls_apart_from_the_prog
     assert "isend" not in program and "allgather_object" not in program and "allreduce" in program
 
 
+HOROVOD_STYLE = """
+import torch, ringpipe as hvd
+from ringpipe.comm import comm_stats
+hvd.init()
+hvd.allreduce(torch.ones(1000), op=hvd.Sum)
+mine, own = comm_stats(), comm_stats(internal=True)
+print("stats", hvd.rank(), {k: [v["calls"], v["bytes"]] for k, v in mine.items()}, sorted(own), flush=True)
+"""
+
+
+@pytest.mark.timeout(180)
+def test_a_horovod_style_calls_announcement_is_listed_as_ringpipes_own(tmp_path):
+    """hvd.allreduce agrees on the call with a small header allreduce first: that one is not the program's."""
+    (tmp_path / "prog.py").write_text(HOROVOD_STYLE)
+    out = subprocess.run([sys.executable, "-m", "ringpipe.cli", "launch", "-n", "2", "prog.py"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=170)
+    assert out.returncode == 0, out.stderr[-3000:]
+    for r in range(2):
+        assert f"stats {r} {{'allreduce': [1, 4000]}}" in out.stdout, out.stdout
+    assert "'allreduce'" in out.stdout.split("stats 0", 1)[1].split("\n", 1)[0].split("}", 1)[1]
+
+
 def test_chrome_trace_has_a_process_per_rank_and_steps_on_their_own_row(tmp_path):
     r0 = [_ev("allreduce", 1, 4), _ev("allreduce.step", 2, 3, peer=1, step=0, cid=5)]
     r1 = [_ev("allreduce", 1.5, 4)]

@@ -29,6 +29,7 @@ import torch
 
 from ringpipe.comm.base import CommError, Communicator, ReduceOp
 from ringpipe.comm.consistency import disagreement
+from ringpipe.comm.events import internal
 from ringpipe.comm.header import InvalidCallError, MismatchError, fingerprint
 from ringpipe.dp.engine import Engine, EngineError
 
@@ -114,7 +115,8 @@ def exchange(
     :class:`MismatchError` or :class:`InvalidCallError` before any data moves.
     """
     wire, fields = _header(comm, op, tensor, reduce_op, detail, problem)
-    comm.allreduce(wire, ReduceOp.SUM)
+    with internal():  # ringpipe's bookkeeping: listed apart from the program's calls
+        comm.allreduce(wire, ReduceOp.SUM)
     return _read(comm, wire.cpu().tolist(), fields, problem)
 
 
@@ -141,7 +143,9 @@ def start_exchange(comm: Communicator, op: str, behind: torch.Tensor) -> Pending
     that allreduce with zeros (the header says its length), then every rank raises as usual.
     """
     wire, fields = _header(comm, op, None, None, None, None, behind)
-    return Pending(comm, wire, comm.iallreduce(wire, ReduceOp.SUM), fields)
+    with internal():
+        work = comm.iallreduce(wire, ReduceOp.SUM)
+    return Pending(comm, wire, work, fields)
 
 
 _CONSTANT: dict[tuple[Any, ...], torch.Tensor] = {}
