@@ -120,6 +120,9 @@ class Topology:
 
 _BRACKET = re.compile(r"\[([^\]]*)\]")
 
+#: Set to "1" by ``ringpipe launch --mode mp`` on its ranks, which otherwise read as torchrun's.
+MP_MARKER = "RINGPIPE_LAUNCH_MP"
+
 
 def _split_top_level(text: str) -> list[str]:
     """Split on commas that are not inside brackets."""
@@ -273,7 +276,8 @@ def detect(
             local_size=lsize,
             node_rank=grp,
             num_nodes=nnodes,
-            launcher=n,
+            # ``ringpipe launch --mode mp`` sets torchrun's variables for its own processes
+            launcher="ringpipe-mp" if env.get(MP_MARKER) == "1" else n,
             master_addr=addr,
             master_port=port,
         )

@@ -19,6 +19,7 @@ import sys
 from collections.abc import Iterable
 from typing import Any
 
+from ringpipe.env import MP_MARKER
 from ringpipe.launch import bootstrap
 from ringpipe.launch.options import LaunchOptions
 from ringpipe.launch.relay import Failure, OutputRelay, last_error, lost_peer, report_failures
@@ -322,7 +323,7 @@ def run_mp(opts: LaunchOptions) -> int:
     nproc = int(opts.nprocs or 1)
     relay = OutputRelay(nproc)
     env = _common_env(opts, relay)
-    env.update({"WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0",
+    env.update({"WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", MP_MARKER: "1",
                 "MASTER_ADDR": opts.master_addr or "127.0.0.1",
                 "MASTER_PORT": str(opts.master_port or free_port())})
     start = "fork" if sys.platform == "linux" else "spawn"
