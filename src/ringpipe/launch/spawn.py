@@ -20,6 +20,7 @@ import torch
 import torch.multiprocessing as tmp
 
 from ringpipe.comm.base import Communicator
+from ringpipe.comm.events import default_log
 from ringpipe.comm.world import BACKENDS, free_port, init_world, shutdown_world
 from ringpipe.launch.bootstrap import die_with_parent, rank_environment
 from ringpipe.launch.relay import PEER_LOST
@@ -67,6 +68,9 @@ def _worker(
     import torch
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    # A forked rank starts with a copy of its parent's communication record: the rank's own
+    # record (comm_stats, the profile, the timeline) begins here.
+    default_log().clear()
     comm = init_world(backend)
     try:
         out = fn(comm, *args)
