@@ -183,9 +183,29 @@ def test_horovodrun_picks_mpi_when_usable_as_horovod_does(monkeypatch):
     assert translate(["-np", "2", "python", "t.py"])[0][:4] == ["-np", "2", "--backend", "gloo"]
 
 
-def test_horovodrun_is_installed_under_its_own_name():
+def test_horovodrun_is_installed_under_its_own_name_and_horovodrun_itself_is_opt_in(tmp_path):
+    """``horovodrun`` never shadows a real Horovod's: ringpipe writes it only when asked, never over another's."""
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts["horovodrun"] == scripts["ringpipe-horovodrun"] == "ringpipe.launch.horovodrun:main"
+    assert scripts["ringpipe-horovodrun"] == "ringpipe.launch.horovodrun:main" and "horovodrun" not in scripts
+    cli = [sys.executable, "-m", "ringpipe.launch.horovodrun"]
+
+    def run(*args):
+        return subprocess.run([*cli, *args, "--bin-dir", str(tmp_path)], capture_output=True, text=True, timeout=60)
+
+    other = tmp_path / "horovodrun"
+    other.write_text("#!/bin/sh\n# Horovod's own\n")
+    refused = run("--install-alias")
+    assert refused.returncode == 1 and "not written by ringpipe" in refused.stderr and "--force" in refused.stderr
+    assert "Horovod's own" in other.read_text()
+    assert run("--remove-alias").returncode == 1 and other.exists()  # never removes another's either
+    other.unlink()
+    made = run("--install-alias")
+    assert made.returncode == 0, made.stderr
+    usage = subprocess.run([str(other), "--no-such-option"], capture_output=True, text=True, timeout=60)
+    assert usage.returncode == 2 and "horovodrun (ringpipe)" in usage.stderr  # it is ringpipe's horovodrun
+    assert run("--install-alias").returncode == 0  # rewriting its own is fine
+    assert run("--remove-alias").returncode == 0 and not other.exists()
+    assert run("--install-alias", "--bogus").returncode == 2
 
 
 @pytest.mark.timeout(120)

@@ -1,7 +1,8 @@
 """``horovodrun`` on ringpipe: Horovod's launcher command line mapped onto ``ringpipe launch``.
 
-Installed as the console scripts ``horovodrun`` and ``ringpipe-horovodrun`` (see pyproject.toml
-for why both). Options map as horovodrun defines them (horovod/runner/launch.py,
+Installed as the console script ``ringpipe-horovodrun``; ``ringpipe-horovodrun --install-alias``
+adds ``horovodrun`` itself, opt-in, so that it never shadows a real Horovod's
+(:mod:`ringpipe.launch.horovodrun_alias`). Options map as horovodrun defines them (horovod/runner/launch.py,
 horovod/runner/common/util/config_parser.py): ``-np``, ``-H``, ``--hostfile``, ``-p``/``--ssh-port``,
 ``-i``/``--ssh-identity-file``, ``--start-timeout``, ``--network-interface(s)`` and ``--gloo`` /
 ``--mpi`` become the launch's own options; the tuning, timeline, stall and logging options become
@@ -176,13 +177,43 @@ def main(argv: Sequence[str] | None = None) -> int:
     """The ``horovodrun`` console script."""
     from ringpipe.launch import launch_main
 
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("--install-alias", "--remove-alias"):
+        return _alias(argv)
     try:
-        args, env = translate(sys.argv[1:] if argv is None else argv)
+        args, env = translate(argv)
     except HorovodrunUsageError as exc:
         print(f"horovodrun (ringpipe): {exc}", file=sys.stderr)
         return 2
     os.environ.update(env)
     return int(launch_main(SimpleNamespace(argv=args)))
+
+
+def _alias(argv: list[str]) -> int:
+    """``--install-alias [--force] [--bin-dir DIR]`` / ``--remove-alias [--bin-dir DIR]``."""
+    from ringpipe.launch.horovodrun_alias import AliasError, install_alias, remove_alias
+
+    rest, force, bin_dir = argv[1:], False, None
+    while rest:
+        tok = rest.pop(0)
+        if tok == "--force" and argv[0] == "--install-alias":
+            force = True
+        elif tok == "--bin-dir" and rest:
+            bin_dir = rest.pop(0)
+        else:
+            print(f"horovodrun (ringpipe): {argv[0]} does not take {tok!r} "
+                  f"(usage: ringpipe-horovodrun {argv[0]}{' [--force]' if argv[0] == '--install-alias' else ''} "
+                  "[--bin-dir DIR])", file=sys.stderr)
+            return 2
+    try:
+        if argv[0] == "--install-alias":
+            print(f"horovodrun (ringpipe): wrote {install_alias(bin_dir, force)}")
+        else:
+            print(f"horovodrun (ringpipe): removed {remove_alias(bin_dir)}")
+    except AliasError as exc:
+        print(f"horovodrun (ringpipe): {exc}", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
