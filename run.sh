@@ -45,6 +45,12 @@ setup_tests() {
   if ! command -v ip >/dev/null && command -v apt-get >/dev/null; then
     as_root apt-get install -y -qq iproute2 >/dev/null || true
   fi
+  # OpenSSH (client and sshd) for the several-host launch tests, whose hosts run their own sshd.
+  if { ! command -v ssh >/dev/null || { ! command -v sshd >/dev/null && [ ! -x /usr/sbin/sshd ]; }; } \
+      && command -v apt-get >/dev/null; then
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openssh-client openssh-server >/dev/null \
+      || echo "run.sh: could not install OpenSSH; the several-host launch tests will be skipped" >&2
+  fi
   local vpy="$VENV/bin/python"
   if ! "$vpy" -c "import pytest, pytest_timeout, hypothesis" 2>/dev/null; then
     echo "run.sh: installing the test tools (first run only)" >&2

@@ -22,6 +22,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import netns
+
 SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
 PORT = 2222
 
@@ -55,23 +57,18 @@ class SshHosts:
 
 def can_run() -> str | None:
     """None when ssh hosts can be made here, else the reason why not."""
-    if os.geteuid() != 0:
-        return "needs root to create network namespaces and run sshd"
-    for tool in ("ip", "unshare", "ssh", "ssh-keygen"):
+    reason = netns.can_create()
+    if reason is not None:
+        return reason
+    for tool in ("ssh", "ssh-keygen"):
         if shutil.which(tool) is None:
             return f"needs the {tool} command"
     if not os.path.exists(SSHD):
         return "needs OpenSSH's sshd (apt-get install openssh-server)"
-    probe = f"rpl-probe-{os.getpid()}"
-    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
-    if made.returncode != 0:
-        return f"cannot create network namespaces here: {made.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
     return None
 
 
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+_ip = netns._ip
 
 
 def _sshd_config(work: Path, host: Host, port: int) -> Path:
