@@ -12,8 +12,8 @@ trial of each, then the next round), each appended to ``--log`` as a JSON line a
 prints a markdown table; for the shaped link, also the allreduce time with and without host c
 that the doctor measured (the fix it recommends, proven in the same run).
 
-    python benchmarks/doctor_trials.py --trials 10 [--launchers launch,mpirun] [--size 256K] [--log FILE]
-    python benchmarks/doctor_trials.py --table FILE     # the table of a log
+    python benchmarks/doctor_accuracy.py --trials 10 [--launchers launch,mpirun] [--size 256K] [--log FILE]
+    python benchmarks/doctor_accuracy.py --table FILE     # the table of a log
 """
 
 from __future__ import annotations
@@ -204,14 +204,14 @@ def main() -> int:
         return 0
     reason = netns.can_create()
     if reason:
-        print(f"doctor_trials: {reason}", file=sys.stderr)
+        print(f"doctor_accuracy: {reason}", file=sys.stderr)
         return 2
     launchers = [x for x in args.launchers.split(",") if x]
     if "mpirun" in launchers and shutil.which("mpirun") is None:
         launchers.remove("mpirun")
     rows: list[dict[str, Any]] = []
     port = 29700
-    with tempfile.TemporaryDirectory(prefix="rp-doctor-trials-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="rp-doctor-accuracy-") as tmp:
         for trial in range(args.trials):
             for name, sc in SCENARIOS.items():
                 if args.only and args.only not in name:
