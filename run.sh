@@ -65,6 +65,12 @@ setup_tests() {
     echo "run.sh: installing tensorflow-cpu==2.21.0 (first run only)" >&2
     "$vpy" -m pip install --progress-bar on "tensorflow-cpu==2.21.0"
   fi
+  # tf-keras (Keras 2, for TF_USE_LEGACY_KERAS=1) without its dependencies: it requires the full
+  # `tensorflow`, which pulls CUDA; tensorflow-cpu provides the same modules.
+  if ! "$vpy" -c "import tf_keras" 2>/dev/null; then
+    echo "run.sh: installing tf-keras==2.21.0 without dependencies (first run only)" >&2
+    "$vpy" -m pip install --progress-bar on --no-deps "tf-keras==2.21.0"
+  fi
 }
 
 cmd="${1:-train}"
