@@ -1,8 +1,9 @@
-"""Horovod's ``horovod.tensorflow.keras`` for Keras 3: ``import ringpipe.tensorflow.keras as hvd``.
+"""Horovod's ``horovod.tensorflow.keras``: ``import ringpipe.tensorflow.keras as hvd``.
 
 Everything of :mod:`ringpipe.tensorflow` (``init``, ``rank``, ``size``, the collectives), plus
 :func:`DistributedOptimizer`, :mod:`callbacks`, :mod:`elastic` (``KerasState`` and its
-callbacks), :func:`load_model` and :func:`broadcast_global_variables`.
+callbacks), :func:`load_model` and :func:`broadcast_global_variables`. It serves the Keras that
+``tf.keras`` is: Keras 3, or tf-keras (Keras 2) when ``TF_USE_LEGACY_KERAS=1`` (:mod:`._which`).
 """
 
 from __future__ import annotations
@@ -10,13 +11,14 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-import keras
+import tensorflow as tf
 
 from ringpipe.dp.compression import Compression
 
 from .. import *  # noqa: F403 - the TensorFlow face's API
 from .. import __all__ as _tf_all
 from ..functions import broadcast_variables
+from ._which import KERAS2, keras
 from .optimizer import DistributedOptimizer, distributed_class  # type: ignore[assignment]  # noqa: F401 - the Keras one
 
 # The Keras modules, over the star's ``elastic`` (a plain ``from . import`` would keep the star's).
@@ -26,33 +28,52 @@ elastic = importlib.import_module(f"{__name__}.elastic")
 __all__ = [*_tf_all, "broadcast_global_variables", "callbacks", "load_model"]
 
 
-def broadcast_global_variables(root_rank: int, model: Any = None) -> None:
+def broadcast_global_variables(root_rank: int, model: Any = None) -> Any:
     """Give every rank ``root_rank``'s values of ``model``'s and its optimizer's variables.
 
-    Keras 3 has no global variable collection, so the model is named (Horovod's Keras 2 form
-    took none).
+    Eager Keras has no global variable collection, so the model is named (Horovod's Keras 2 form
+    took none, and raised in eager mode); in a ``tf.compat.v1`` graph with no model, the graph's
+    global variables are broadcast (an op to run, as in Horovod).
     """
+    from .callbacks import optimizer_variables
+
     if model is None:
-        raise ValueError("broadcast_global_variables(root_rank, model): Keras 3 has no global variables; pass the "
-                         "model, or use hvd.callbacks.BroadcastGlobalVariablesCallback(root_rank)")
+        if not tf.executing_eagerly():
+            from ..hooks import broadcast_global_variables as graph_broadcast
+
+            return graph_broadcast(root_rank)
+        raise ValueError("broadcast_global_variables(root_rank, model): eager Keras has no global variables; pass "
+                         "the model, or use hvd.callbacks.BroadcastGlobalVariablesCallback(root_rank)")
     broadcast_variables(model.variables, root_rank)
     if getattr(model, "optimizer", None) is not None:
-        broadcast_variables(list(model.optimizer.variables), root_rank)
+        broadcast_variables(optimizer_variables(model.optimizer), root_rank)
+    return None
 
 
 def load_model(filepath: Any, custom_optimizers: list[type] | None = None, custom_objects: dict[str, Any] | None = None,
                compression: Any = Compression.none, legacy_opts: bool = False, **wrap: Any) -> Any:
-    """``keras.models.load_model`` whose optimizer comes back as a :func:`DistributedOptimizer` (with its state).
+    """``tf.keras.models.load_model`` whose optimizer comes back as a :func:`DistributedOptimizer` (with its state).
 
     ``custom_optimizers``: optimizer classes of your own to wrap as well; ``wrap``: further
     arguments of :func:`DistributedOptimizer` (``op``, ``backward_passes_per_step``...).
-    ``legacy_opts=True`` (Keras 2's ``tf.keras.optimizers.legacy``) is refused: Keras 3 has none.
+    ``legacy_opts=True``: the model was saved with a ``tf.keras.optimizers.legacy`` optimizer
+    (tf-keras only; Keras 3 has none).
     """
-    if legacy_opts:
+    if legacy_opts and not KERAS2:
         raise ValueError("load_model(legacy_opts=True): Keras 3 has no legacy optimizers "
-                         "(tf.keras.optimizers.legacy); save the model with a keras.optimizers optimizer")
-    classes = _optimizer_classes(keras.optimizers.Optimizer) + list(custom_optimizers or [])
-    objects: dict[str, Any] = {cls.__name__: distributed_class(cls) for cls in classes}
+                         "(tf.keras.optimizers.legacy); save the model with a keras.optimizers optimizer, or run "
+                         "with TF_USE_LEGACY_KERAS=1 (tf-keras)")
+    if KERAS2:
+        from .optimizer_keras2 import distributed_class_keras2 as wrap_class
+
+        base = keras.optimizers.legacy.Optimizer if legacy_opts else keras.optimizers.Optimizer
+    else:
+        wrap_class, base = distributed_class, keras.optimizers.Optimizer
+    classes = _optimizer_classes(base) + list(custom_optimizers or [])
+    objects: dict[str, Any] = {}
+    for cls in classes:
+        # Keras 2 looks optimizers up by the lower-case name too (Horovod registers that one)
+        objects[cls.__name__] = objects[cls.__name__.lower()] = wrap_class(cls)
     objects.update(custom_objects or {})
     model = keras.models.load_model(filepath, custom_objects=objects)
     optimizer = getattr(model, "optimizer", None)

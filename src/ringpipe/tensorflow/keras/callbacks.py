@@ -1,4 +1,8 @@
-"""Horovod's Keras callbacks for Keras 3: broadcast at the start, metric averages, learning-rate warmup and schedule.
+"""Horovod's Keras callbacks: broadcast at the start, metric averages, learning-rate warmup and schedule.
+
+They are callbacks of the Keras ``tf.keras`` is (Keras 3, or tf-keras with
+``TF_USE_LEGACY_KERAS=1``; :mod:`._which`), and read and set the learning rate and momentum
+buffers of either kind of optimizer (Keras 3's, tf-keras's and ``tf.keras.optimizers.legacy``).
 
 The schedule callbacks follow Horovod's formulas per batch: the learning rate is
 ``initial_lr * multiplier(epoch)`` with ``epoch`` fractional (``epoch + batch / steps_per_epoch``)
@@ -15,7 +19,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import keras
 import numpy as np
 import tensorflow as tf
 
@@ -24,6 +27,7 @@ from ringpipe.dp.process_sets import global_process_set
 
 from ..functions import broadcast_variables
 from ..mpi_ops import allreduce
+from ._which import KERAS2, keras
 
 __all__ = [
     "BestModelCheckpoint",
@@ -59,15 +63,15 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         broadcast_variables(model_vars, self.root_rank, process_set=self.process_set)
         optimizer = getattr(self.model, "optimizer", None)
         if optimizer is not None:
-            broadcast_variables(list(optimizer.variables), self.root_rank, process_set=self.process_set)
+            broadcast_variables(optimizer_variables(optimizer), self.root_rank, process_set=self.process_set)
         self.broadcast_done = True
 
     def on_train_begin(self, logs: Any = None) -> None:
         optimizer = getattr(self.model, "optimizer", None)
         if not self.model.built:
             return
-        if optimizer is not None and not optimizer.built:
-            optimizer.build(self.model.trainable_variables)
+        if optimizer is not None:
+            build_optimizer(optimizer, self.model.trainable_variables)
         self._broadcast()
 
     def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
@@ -92,8 +96,37 @@ class MetricAverageCallback(keras.callbacks.Callback):
             logs[metric] = float(allreduce(tf.constant(value)).numpy())
 
 
+def optimizer_variables(optimizer: Any) -> list[Any]:
+    """An optimizer's variables: a list in Keras 3 and tf-keras, a method of legacy optimizers."""
+    found = optimizer.variables
+    return list(found() if callable(found) else found)
+
+
+def build_optimizer(optimizer: Any, variables: list[Any]) -> None:
+    """Make the optimizer's variables for ``variables`` now, as its first step would."""
+    if hasattr(optimizer, "_create_all_weights"):  # tf.keras.optimizers.legacy
+        optimizer._create_all_weights(variables)
+    elif not getattr(optimizer, "built", getattr(optimizer, "_built", False)):
+        optimizer.build(variables)
+
+
+def _value(x: Any) -> float:
+    return float(np.asarray(tf.convert_to_tensor(x)))
+
+
 def _lr(optimizer: Any) -> float:
-    return float(keras.ops.convert_to_numpy(optimizer.learning_rate))
+    # read as a tensor, not through a Keras backend: Keras 3's cannot read a tf-keras variable
+    return _value(optimizer.learning_rate)
+
+
+def _momentum_buffers(optimizer: Any, variables: list[Any]) -> list[Any]:
+    """The SGD momentum buffers: ``momentums`` (Keras 3, tf-keras), or the legacy optimizers' ``momentum`` slots."""
+    buffers = getattr(optimizer, "momentums", None)
+    if buffers is not None:
+        return list(buffers)
+    if hasattr(optimizer, "get_slot_names") and "momentum" in optimizer.get_slot_names():
+        return [optimizer.get_slot(v, "momentum") for v in variables]
+    return []
 
 
 class LearningRateScheduleCallback(keras.callbacks.Callback):
@@ -134,12 +167,13 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
         old_lr = _lr(optimizer)
         new_lr = self.initial_lr * self.multiplier(epoch)
         optimizer.learning_rate = new_lr
-        momentum = getattr(optimizer, "momentum", 0.0)
-        buffers = getattr(optimizer, "momentums", None)
-        if self.momentum_correction and momentum and buffers and old_lr and new_lr != old_lr:
-            ratio = new_lr / old_lr
-            for m in buffers:
-                m.assign(m * ratio)
+        momentum = getattr(optimizer, "momentum", None)
+        if not (self.momentum_correction and momentum is not None and _value(momentum) and old_lr
+                and new_lr != old_lr):
+            return
+        ratio = new_lr / old_lr
+        for m in _momentum_buffers(optimizer, self.model.trainable_variables):
+            m.assign(m * ratio)
 
     def on_train_begin(self, logs: Any = None) -> None:
         if not self.staircase and not self.steps_per_epoch:
@@ -210,7 +244,7 @@ class BestModelCheckpoint(keras.callbacks.ModelCheckpoint):
             raise ValueError("BestModelCheckpoint has no path: pass filepath='best.keras' or set callback.filepath "
                              "before fit()")
         ends = (".weights.h5",) if self.save_weights_only else (".keras", ".h5")
-        if not self.filepath.endswith(ends):
+        if not KERAS2 and not self.filepath.endswith(ends):  # Keras 2 also saves SavedModel folders
             raise ValueError(f"BestModelCheckpoint: the filepath must end in {' or '.join(ends)} (Keras 3's model "
                              f"format{', save_weights_only=True' if self.save_weights_only else ''}); got "
                              f"{self.filepath!r}")

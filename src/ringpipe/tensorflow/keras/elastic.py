@@ -1,4 +1,4 @@
-"""Horovod's elastic Keras API for Keras 3: ``KerasState`` and the commit / batch / epoch callbacks.
+"""Horovod's elastic Keras API (Keras 3, or tf-keras with ``TF_USE_LEGACY_KERAS=1``): ``KerasState`` and the commit / batch / epoch callbacks.
 
 ``hvd.elastic.run`` and the states are :mod:`ringpipe.tensorflow.elastic`'s (which reuses the
 torch face's machinery); the callbacks follow ``horovod/_keras/elastic.py``: commit every
@@ -10,9 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-import keras
-
 from ..elastic import ObjectState, State, TensorFlowKerasState, TensorFlowState, run
+from ._which import keras
 
 __all__ = [
     "CommitStateCallback",

@@ -1,4 +1,4 @@
-"""``DistributedOptimizer`` for Keras 3: any Keras optimizer whose ``apply`` first averages the gradients over ranks.
+"""``DistributedOptimizer`` for Keras 3 (and tf-keras, by :mod:`.optimizer_keras2`): any Keras optimizer whose ``apply`` first averages the gradients over ranks.
 
 Why a subclass of the wrapped optimizer's class, made per class: Keras saves an optimizer by its
 class's module and name, so a model saved during distributed training must name the wrapped class
@@ -25,8 +25,8 @@ from ..gradient_tape import _key, reduce_gradients
 __all__ = ["DistributedMixin", "DistributedOptimizer", "distributed_class"]
 
 
-class DistributedMixin:
-    """The distributed ``apply``: reduce the gradients, every ``backward_passes_per_step`` calls."""
+class Reducing:
+    """What the Keras 3 and the Keras 2 (tf-keras) wrappers share: the settings, the reduction, the local sums."""
 
     _rp: dict[str, Any]
 
@@ -65,27 +65,18 @@ class DistributedMixin:
                    for g, v in zip(out, variables, strict=True)]
         return out
 
-    def apply(self, grads: Any, trainable_variables: Any = None) -> Any:
-        base: Any = super()
-        if not hasattr(self, "_rp"):
-            self._rp_setup()
-        grads = list(grads)
-        variables = list(trainable_variables) if trainable_variables is not None else list(
-            self._trainable_variables)  # type: ignore[attr-defined]
-        if self._rp["passes"] == 1:
-            return base.apply(self._rp_reduce(grads, variables), trainable_variables)
-        return self._rp_accumulate(base, grads, variables, trainable_variables)
+    def _rp_accumulate(self, apply: Any, grads: list[Any], variables: list[Any]) -> Any:
+        """Horovod's local aggregation: sum ``passes`` gradients, then reduce and ``apply(reduced)`` once.
 
-    def _rp_accumulate(self, base: Any, grads: list[Any], variables: list[Any], given: Any) -> Any:
-        """Horovod's local aggregation: sum ``passes`` gradients, then reduce and apply once."""
+        The optimizer's own variables are made first (not inside the ``tf.cond`` branch).
+        """
         cfg = self._rp
         if any(isinstance(g, tf.IndexedSlices) for g in grads):
             if not cfg["sparse_as_dense"]:
                 raise ValueError("IndexedSlices are not supported when `backward_passes_per_step` > 1 and "
                                  "`sparse_as_dense` is False.")
             grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
-        if not self.built:  # type: ignore[attr-defined]
-            self.build(variables)  # type: ignore[attr-defined]
+        self._rp_build(variables)
         if cfg["sums"] is None:
             with tf.init_scope():
                 cfg["sums"] = [None if g is None else tf.Variable(tf.zeros(g.shape, g.dtype), trainable=False)
@@ -102,7 +93,7 @@ class DistributedMixin:
             reduced = self._rp_reduce(total, variables)
             if cfg["average_aggregated"]:
                 reduced = [None if g is None else g / passes for g in reduced]
-            base.apply(reduced, given)
+            apply(reduced)
             for s in sums:
                 if s is not None:
                     s.assign(tf.zeros_like(s))
@@ -115,6 +106,29 @@ class DistributedMixin:
             return tf.constant(False)
 
         return tf.cond(tf.equal(counter, passes), reduce_and_apply, count_only)
+
+    def _rp_build(self, variables: list[Any]) -> None:
+        raise NotImplementedError
+
+
+class DistributedMixin(Reducing):
+    """The distributed ``apply`` of a Keras 3 optimizer: reduce the gradients, every ``backward_passes_per_step`` calls."""
+
+    def _rp_build(self, variables: list[Any]) -> None:
+        if not self.built:  # type: ignore[attr-defined]
+            self.build(variables)  # type: ignore[attr-defined]
+
+    def apply(self, grads: Any, trainable_variables: Any = None) -> Any:
+        base: Any = super()
+        if not hasattr(self, "_rp"):
+            self._rp_setup()
+        grads = list(grads)
+        variables = list(trainable_variables) if trainable_variables is not None else list(
+            self._trainable_variables)  # type: ignore[attr-defined]
+        if self._rp["passes"] == 1:
+            return base.apply(self._rp_reduce(grads, variables), trainable_variables)
+        return self._rp_accumulate(lambda reduced: base.apply(reduced, trainable_variables), grads, variables)
+
 
 
 @functools.cache
@@ -134,16 +148,26 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name for a call that returns
 ) -> Any:
     """A new optimizer like ``optimizer`` (its config) whose ``apply`` averages the gradients over ranks.
 
-    Wrap before ``compile``, as in Horovod. ``backward_passes_per_step`` ``k``: gradients are
+    Keras 3 optimizers reduce in ``apply``; tf-keras (Keras 2) ones where Horovod's Keras 2
+    wrapper does (:mod:`.optimizer_keras2`). Wrap before ``compile``, as in Horovod. ``backward_passes_per_step`` ``k``: gradients are
     summed locally over ``k`` calls and reduced and applied on the ``k``-th (divided by ``k`` with
     ``average_aggregated_gradients``); every call counts as an optimizer iteration, as in Horovod.
     """
-    if not isinstance(optimizer, keras.optimizers.Optimizer):
-        raise TypeError(f"DistributedOptimizer wraps a keras.optimizers.Optimizer, got {type(optimizer).__name__}")
+    from ._which import is_keras2_optimizer
+
+    cls: Any
+    if isinstance(optimizer, keras.optimizers.Optimizer):
+        cls = distributed_class(type(optimizer))
+    elif is_keras2_optimizer(optimizer):  # tf-keras: TF_USE_LEGACY_KERAS=1
+        from .optimizer_keras2 import distributed_class_keras2
+
+        cls = distributed_class_keras2(type(optimizer))
+    else:
+        raise TypeError(f"DistributedOptimizer wraps a Keras optimizer (keras.optimizers, or tf-keras's "
+                        f"tf.keras.optimizers / tf.keras.optimizers.legacy), got {type(optimizer).__name__}")
     config = optimizer.get_config()
     if name is not None:
         config["name"] = name
-    cls: Any = distributed_class(type(optimizer))  # type: ignore[arg-type]
     opt = cls.from_config(config)
     opt._rp_setup(compression, sparse_as_dense, gradient_predivide_factor, op, backward_passes_per_step,
                   average_aggregated_gradients, process_set, scale_local_gradients)

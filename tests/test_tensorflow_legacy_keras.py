@@ -1,0 +1,150 @@
+"""``ringpipe.tensorflow.keras`` on Keras 2 (tf-keras, ``TF_USE_LEGACY_KERAS=1``) holds Horovod's Keras 2 semantics.
+
+Two real ranks run ``tests/scripts/tf_legacy_keras.py`` under ``ringpipe launch`` with
+``TF_USE_LEGACY_KERAS=1``. The expected values are written here with plain TensorFlow (no Keras):
+training from one process on the global batch (the mean squared error's gradient and the SGD
+update written out), the warmup rates from Horovod's formula, the metric average from the ranks'
+own losses. Skipped when tf-keras is not installed (``pip install --no-deps tf-keras==2.21.0``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from importlib.util import find_spec
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+tf = pytest.importorskip("tensorflow")
+
+pytestmark = [
+    pytest.mark.skipif(find_spec("tf_keras") is None,
+                       reason="tf-keras is not installed (pip install --no-deps tf-keras==2.21.0)"),
+    pytest.mark.timeout(900),
+    pytest.mark.slow,
+]
+
+SCRIPTS = Path(__file__).parent / "scripts"
+ENV = dict(os.environ, TF_USE_LEGACY_KERAS="1", TF_CPP_MIN_LOG_LEVEL="3", OMP_NUM_THREADS="1",
+           TF_NUM_INTRAOP_THREADS="1", TF_NUM_INTEROP_THREADS="2", PYTHONPATH=str(SCRIPTS.parent))
+GLOBAL_BATCH, STEPS, LR, MOMENTUM, SIZE = 8, 4, 0.05, 0.9, 2
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tf_legacy_keras")
+    proc = subprocess.run([sys.executable, "-m", "ringpipe.cli", "launch", "-n", str(SIZE),
+                           str(SCRIPTS / "tf_legacy_keras.py"), str(out)],
+                          env=ENV, capture_output=True, text=True, timeout=840)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(SIZE)]
+
+
+# ----------------------------------------------------------------------------- one process on the global batch
+
+def _data():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(GLOBAL_BATCH * STEPS, 4)).astype("float32")
+    y = (x @ np.array([1.0, -2.0, 0.5, 3.0], dtype="float32") + 0.1)[:, None]
+    return x, y
+
+
+def _initial(seed):
+    """The rank script's starting weights for ``seed`` (Dense(3, tanh) then Dense(1))."""
+    rng = np.random.default_rng(seed)
+    return [rng.normal(scale=0.5, size=s).astype("float32").astype("float64") for s in ((4, 3), (3,), (3, 1), (1,))]
+
+
+def _grad(weights, x, y):
+    """The mean squared error's gradient on one global batch, plain TensorFlow."""
+    ws = [tf.Variable(w) for w in weights]
+    with tf.GradientTape() as tape:
+        h = tf.tanh(x.astype("float64") @ ws[0] + ws[1])
+        loss = tf.reduce_mean(tf.square(h @ ws[2] + ws[3] - y.astype("float64")))
+    return [g.numpy() for g in tape.gradient(loss, ws)]
+
+
+def _batch(k):
+    return slice(k * GLOBAL_BATCH, (k + 1) * GLOBAL_BATCH)
+
+
+def _sgd(weights, moments, grads, lr, momentum):
+    """Keras 2's SGD with momentum (both kinds): m = momentum * m - lr * g; w = w + m."""
+    moments = [momentum * m - lr * g for m, g in zip(moments, grads, strict=True)]
+    return [w + m for w, m in zip(weights, moments, strict=True)], moments
+
+
+def _warmup_lr(initial_lr, epoch, batch, steps, warmup_epochs, size):
+    """Horovod's LearningRateWarmupCallback for a batch: lr / size * (e * (size - 1) / warmup + 1)."""
+    e = epoch + batch / steps + 1.0 / steps
+    return initial_lr / size * (e * (size - 1) / warmup_epochs + 1)
+
+
+def _fit_reference(seed):
+    """Two epochs, the first one warming up, with Horovod's momentum correction where the rate changes."""
+    x, y = _data()
+    peak = LR * SIZE
+    weights, moments, lr, rates = _initial(seed), [0.0] * 4, peak, []
+    for epoch in range(2):
+        for k in range(STEPS):
+            new = _warmup_lr(peak, epoch, k, STEPS, 1, SIZE) if epoch < 1 else lr
+            momentum = MOMENTUM * new / lr
+            lr = new
+            rates.append(lr)
+            weights, moments = _sgd(weights, moments, _grad(weights, x[_batch(k)], y[_batch(k)]), lr, momentum)
+    return weights, moments, rates, lr
+
+
+def _close(got, want):
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(np.array(g), w, rtol=2e-4, atol=2e-5)
+
+
+# ----------------------------------------------------------------------------- the checks
+
+def test_the_ranks_ran_tf_keras(ranks):
+    for t in ranks:
+        assert t["keras2"] is True and t["keras"].startswith("tf_keras")
+
+
+@pytest.mark.parametrize("key, seed", [("fit", 200), ("fit_legacy", 400)], ids=["optimizers", "optimizers.legacy"])
+def test_fit_with_distributed_optimizer_and_callbacks_equals_one_process(ranks, key, seed):
+    weights, _, rates, _ = _fit_reference(seed)  # rank 0's weights, broadcast before the first step
+    raw = [t[key]["seen"]["raw"] for t in ranks]
+    for t in ranks:
+        _close(t[key]["weights"], weights)
+        np.testing.assert_allclose(t[key]["seen"]["lr"], rates, rtol=1e-6)  # the warmup, per batch
+        np.testing.assert_allclose(t[key]["seen"]["averaged"], np.mean(raw, axis=0), rtol=1e-6)
+        assert t[key]["class"][0] == "SGD" and t[key]["class"][1].startswith("tf_keras.")
+
+
+def test_load_model_rewraps_the_optimizer_with_its_state(ranks):
+    weights, moments, _, lr = _fit_reference(200)
+    x, y = _data()
+    after, _ = _sgd(weights, moments, _grad(weights, x[_batch(0)], y[_batch(0)]), lr, MOMENTUM)
+    for t in ranks:
+        state = {"distributed": True, "class": "SGD", "iterations": 2 * STEPS, "same_weights": True}
+        assert t["loaded"] == {"new": state, "legacy": state}
+        _close(t["loaded_after_step"], after)  # one more averaged step, with the saved momentum buffers
+
+
+@pytest.mark.parametrize("key", ["accumulated", "accumulated_legacy"])
+def test_backward_passes_per_step_sums_locally_then_averages(ranks, key):
+    x, y = _data()
+    weights = _initial(300)
+    for k in (0, 2):  # applied on the 2nd and 4th step, with the mean of two global batches' gradients
+        a, b = (_grad(weights, x[_batch(j)], y[_batch(j)]) for j in (k, k + 1))
+        weights = [w - LR * (ga + gb) / 2 for w, ga, gb in zip(weights, a, b, strict=True)]
+    for t in ranks:
+        _close(t[key]["weights"], weights)
+        assert t[key]["iterations"] == STEPS  # every step counts, as in Horovod
+
+
+def test_broadcast_global_variables_takes_the_model(ranks):
+    for t in ranks:
+        _close(t["broadcast_global_variables"], _initial(501))  # rank 1's weights
+        assert "pass the model" in t["broadcast_without_model"]
