@@ -43,6 +43,7 @@ __all__ = [
     "gloo_enabled",
     "global_process_set",
     "init",
+    "is_homogeneous",
     "is_initialized",
     "local_rank",
     "local_size",
@@ -238,6 +239,20 @@ def cross_rank() -> int:
 def cross_size() -> int:
     """The number of nodes."""
     return _world().comm.topology.num_nodes
+
+
+def is_homogeneous() -> bool:
+    """True if every node runs the same number of ranks (Horovod's ``is_homogeneous``)."""
+    topology = _world().comm.topology
+    return is_homogeneous_placement(topology.hostnames or ("",) * topology.size)
+
+
+def is_homogeneous_placement(hostnames: Sequence[str]) -> bool:
+    """Whether ranks placed on ``hostnames`` (one per rank) give every host the same number of ranks."""
+    counts: dict[str, int] = {}
+    for host in hostnames:
+        counts[host] = counts.get(host, 0) + 1
+    return len(set(counts.values())) <= 1
 
 
 def mpi_enabled() -> bool:
