@@ -13,6 +13,16 @@ gives medians over blocks, in milliseconds per optimizer step. ``--check-bookkee
 times the stage's forward + backward with and without the asynchronous schedule's live-weight
 hooks in one process (the pure bookkeeping cost per micro-batch, apart from compute).
 
+A second table gives each rank's CPU per micro-batch by thread CPU time (forward, backward, its
+share of the optimizer step, message calls, the executor's other work, gloo's threads), which
+the load of a shared machine disturbs far less than wall time, and from those costs the time
+per step that 1F1B and the asynchronous stream can at best reach on this split (each stage
+busy with exactly what it was measured to do, messages free or 0.25 ms): the bound that
+async / 1F1B is to be read against. It differs from the 1.25x of equal stages: the last stage
+also computes the input gradient of its first layer and the head and loss, so it is the
+slower one, and in the asynchronous steady state its optimizer step lies on the critical path
+(in 1F1B it overlaps the first stage's last backward).
+
     python benchmarks/pipeline_timeline.py --steps 20 --repeats 5
 """
 
@@ -39,17 +49,33 @@ from pipeline_vs_torch import Split, data, make_layers  # noqa: E402
 
 __all__ = ["main", "breakdown"]
 
-Event = tuple[str, int, float, float]  # kind, micro-batch, start, end
+Event = tuple[str, int, float, float, float]  # kind, micro-batch, start, end, thread CPU seconds
 
 
 def stamped(log: list[Event], kind: str, fn: Callable[..., Any], mb: bool = True) -> Callable[..., Any]:
     def call(*a: Any, **k: Any) -> Any:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         try:
             return fn(*a, **k)
         finally:
-            log.append((kind, a[0] if mb and a else -1, t0, time.perf_counter()))
+            log.append((kind, a[0] if mb and a else -1, t0, time.perf_counter(), time.thread_time() - c0))
     return call
+
+
+def threads_cpu() -> dict[str, float]:
+    """CPU seconds of each of this process's threads, by thread id and name (Linux ``/proc``)."""
+    out: dict[str, float] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    try:
+        for tid in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                raw = f.read()
+            name = raw[raw.index("(") + 1: raw.rindex(")")]
+            fields = raw[raw.rindex(")") + 2:].split()
+            out[f"{name}:{tid}"] = (int(fields[11]) + int(fields[12])) / tick
+    except OSError:
+        pass
+    return out
 
 
 def run(comm: Any, args: argparse.Namespace, schedule: str) -> dict[str, Any]:
@@ -82,11 +108,15 @@ def run(comm: Any, args: argparse.Namespace, schedule: str) -> dict[str, Any]:
             name = "get" if kind == "R" else "send"
             setattr(ch, name, stamped(log, kind, getattr(ch, name), mb=False))
     comm.barrier()
-    t0 = time.perf_counter()
+    th0 = threads_cpu()
+    t0, c0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
     steps(args.steps)
-    t1 = time.perf_counter()
+    t1, c1, p1 = time.perf_counter(), time.thread_time(), time.process_time()
+    th1 = threads_cpu()
     comm.barrier()
-    return {"events": log, "start": t0, "end": t1}
+    per_thread = {k: v - th0.get(k, 0.0) for k, v in th1.items() if v - th0.get(k, 0.0) > 0}
+    return {"events": log, "start": t0, "end": t1, "thread_cpu": c1 - c0, "process_cpu": p1 - p0,
+            "per_thread": per_thread}
 
 
 def worker(comm: Any, args: argparse.Namespace, names: list[str]) -> dict[str, list[dict]]:
@@ -105,14 +135,14 @@ def breakdown(ranks: list[dict[str, Any]], steps: int) -> list[dict[str, float]]
     finished the action it depends on, and as *recv* overhead after that (the transfer and
     the call's own cost). Gaps between actions outside receive and send calls are *other*.
     """
-    end_of = [{(k, m): e for k, m, _, e in r["events"] if k in ("F", "B")} for r in ranks]
+    end_of = [{(k, m): e for k, m, _, e, _ in r["events"] if k in ("F", "B")} for r in ranks]
     n = len(ranks)
     out = []
     for r, res in enumerate(ranks):
         acc = dict.fromkeys(("F", "B", "S", "wait", "recv", "send", "other", "tail"), 0.0)
         prev, in_calls = res["start"], 0.0
         recvs: list[tuple[float, float]] = []
-        for kind, mb, s, e in res["events"]:
+        for kind, mb, s, e, _ in res["events"]:
             if kind == "R":
                 recvs.append((s, e))
                 in_calls += e - s
@@ -137,6 +167,71 @@ def breakdown(ranks: list[dict[str, Any]], steps: int) -> list[dict[str, float]]
         acc["wall"] = res["end"] - res["start"]
         out.append({k: 1e3 * v / steps for k, v in acc.items()})
     return out
+
+
+def cpu_profile(res: dict[str, Any], steps: int, m: int) -> dict[str, float]:
+    """One rank's CPU per micro-batch (ms): F, B, S (a step's share), the message calls, the rest of the
+    main thread (executor bookkeeping), other threads (gloo's I/O), and the main thread's idle time.
+
+    Thread CPU time is what the load disturbs least: a preempted thread is not charged for it.
+    """
+    acc = dict.fromkeys(("F", "B", "S", "R", "X"), 0.0)
+    for kind, _, _, _, cpu in res["events"]:
+        acc[kind] += cpu
+    n = steps * m
+    out = {k: 1e3 * v / n for k, v in acc.items()}
+    out["msg"] = out.pop("R") + out.pop("X")
+    out["other"] = 1e3 * (res["thread_cpu"] - sum(acc.values())) / n
+    out["threads"] = 1e3 * (res["process_cpu"] - res["thread_cpu"]) / n
+    out["idle"] = 1e3 * (res["end"] - res["start"] - res["thread_cpu"]) / n
+    return out
+
+
+def predict(costs: list[dict[str, float]], m: int, steps: int, latency: float = 0.0) -> dict[str, float]:
+    """ms per step of 1F1B and of the asynchronous stream, 2 stages, from measured per-stage costs.
+
+    Each stage's forward costs its F plus its bookkeeping (``other``), a backward its B plus its
+    message calls, a step its S (per step); a message takes ``latency`` ms. The stages run their
+    action lists (ringpipe's own) as soon as the neighbour's message is there: the bound that
+    the measured compute alone allows, against which the measured wall time can be read.
+    """
+    from ringpipe.pipeline.schedules import async_1f1b, one_f_one_b
+
+    def run(lists: list[list[Any]]) -> float:
+        cost = [{"F": c["F"] + c["other"], "B": c["B"] + c["msg"], "S": c["S"] * m} for c in costs]
+        free, pos, act, grad = [0.0, 0.0], [0, 0], {}, {}
+        seen = [{"F": 0, "B": 0}, {"F": 0, "B": 0}]
+        while pos[0] < len(lists[0]) or pos[1] < len(lists[1]):
+            moved = False
+            for s in (0, 1):
+                while pos[s] < len(lists[s]):
+                    kind = lists[s][pos[s]].kind
+                    k = seen[s].get(kind, 0)
+                    start = free[s]
+                    if kind == "F" and s == 1:
+                        if k not in act:
+                            break
+                        start = max(start, act[k] + latency)
+                    if kind == "B" and s == 0:
+                        if k not in grad:
+                            break
+                        start = max(start, grad[k] + latency)
+                    free[s] = start + cost[s][kind]
+                    if kind in ("F", "B"):
+                        seen[s][kind] = k + 1
+                        if kind == "F" and s == 0:
+                            act[k] = free[s]
+                        if kind == "B" and s == 1:
+                            grad[k] = free[s]
+                    pos[s] += 1
+                    moved = True
+            if not moved:
+                raise RuntimeError("the schedules deadlock")
+        return max(free)
+
+    sync = run([one_f_one_b(2, m, s) * steps for s in (0, 1)])
+    stream = run([async_1f1b(2, m * steps, s, m) for s in (0, 1)])
+    return {"1f1b": sync / steps, "async": stream / steps}
 
 
 def bookkeeping(width: int, rows: int, reps: int = 200) -> dict[str, float]:
@@ -182,6 +277,35 @@ def main() -> None:
             print(f"| {n} | {r} | {med['wall']:.1f} | {med['F']:.1f} | {med['B']:.1f} | {med['S']:.1f} | "
                   f"{med['wait']:.1f} | {med['recv']:.1f} | {med['send']:.1f} | "
                   f"{med['other']:.1f} | {med['tail']:.1f} |")
+    m = args.microbatches
+    print(f"\nCPU per micro-batch (ms, thread CPU time; medians of {args.repeats} blocks): F, B, S = its share "
+          "of the step, msg = send/receive calls, other = the rest of the main thread, threads = other "
+          "threads (gloo I/O), idle = main thread off CPU (waiting, or preempted under load)")
+    print("| schedule | rank | F | B | S | msg | other | threads | idle | wall |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    costs: dict[str, list[dict[str, float]]] = {}
+    for n in names:
+        costs[n] = []
+        for r in range(2):
+            per_block = [cpu_profile(res[r][n][b], args.steps, m) for b in range(args.repeats)]
+            med = {k: statistics.median(pb[k] for pb in per_block) for k in per_block[0]}
+            walls = [1e3 * (res[r][n][b]["end"] - res[r][n][b]["start"]) / (args.steps * m) for b in range(args.repeats)]
+            costs[n].append(med)
+            print(f"| {n} | {r} | {med['F']:.2f} | {med['B']:.2f} | {med['S']:.2f} | {med['msg']:.2f} | "
+                  f"{med['other']:.2f} | {med['threads']:.2f} | {med['idle']:.2f} | {statistics.median(walls):.2f} |")
+    if "1f1b" in costs and "async" in costs:
+        base = costs["1f1b"]  # the same compute for both: the flush is the only difference the bound shows
+        for lat in (0.0, 0.25):
+            pr = predict(base, m, args.steps, latency=lat)
+            print(f"# from 1f1b's measured per-stage costs, message latency {lat} ms: 1f1b {pr['1f1b']:.1f} ms/step, "
+                  f"async {pr['async']:.1f} ms/step, bound async/1f1b {pr['1f1b'] / pr['async']:.3f}x")
+        bare = [{**c, "msg": 0.0, "other": 0.0} for c in base]
+        pr = predict(bare, m, args.steps)
+        print(f"# compute alone (F, B, S; no message or bookkeeping CPU): 1f1b {pr['1f1b']:.1f} ms/step, "
+              f"async {pr['async']:.1f} ms/step, bound async/1f1b {pr['1f1b'] / pr['async']:.3f}x")
+        pa = predict(costs["async"], m, args.steps)
+        print(f"# from async's own measured costs: async {pa['async']:.1f} ms/step (stage CPU bound; "
+              "the measured wall time above includes waiting and preemption)")
     if args.check_bookkeeping:
         for width, rows in ((8, 4), (args.width, args.batch // args.microbatches)):
             bk = bookkeeping(width, rows)
