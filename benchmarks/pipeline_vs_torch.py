@@ -182,6 +182,11 @@ def ringpipe_run(comm: Any, args: argparse.Namespace, schedule: str, recompute: 
     )
     rt = t.runtime
     mods = [r.module for r in getattr(t, "runtimes", [rt])]
+    cpu_log: dict[str, list[float]] = {}
+    for r in getattr(t, "runtimes", [rt]):
+        for method, kind in (("forward", "F"), ("backward", "B"), ("backward_input", "I"), ("backward_weight", "W")):
+            if hasattr(r, method):
+                setattr(r, method, cpu_timed(getattr(r, method), cpu_log, f"{r.stage}:{kind}"))
     x, y = data(args)
     feed = (x if t.is_first else None, y if t.is_last else None)
     meter = ActivationMeter([p for m in mods for p in m.parameters()])
@@ -207,7 +212,22 @@ def ringpipe_run(comm: Any, args: argparse.Namespace, schedule: str, recompute: 
     finally:
         stage_mod.live_weights = orig_live  # type: ignore[assignment]
     return {"samples_per_s": args.steps * args.batch / dt, "cpu_ms_per_step": 1e3 * cpu / args.steps,
-            "peak_act_mib": meter.peak / 2**20, **describe(mods, layers)}
+            "peak_act_mib": meter.peak / 2**20, "costs": medians(cpu_log), **describe(mods, layers)}
+
+
+def cpu_timed(fn: Callable[..., Any], log: dict[str, list[float]], key: str) -> Callable[..., Any]:
+    """``fn``, appending the thread CPU seconds of each call to ``log[key]``."""
+    def call(*a: Any, **k: Any) -> Any:
+        c0 = time.thread_time()
+        try:
+            return fn(*a, **k)
+        finally:
+            log.setdefault(key, []).append(time.thread_time() - c0)
+    return call
+
+
+def medians(log: dict[str, list[float]]) -> dict[str, float]:
+    return {k: statistics.median(v) for k, v in log.items() if v}
 
 
 def torch_run(comm: Any, args: argparse.Namespace, name: str) -> dict[str, Any]:
@@ -220,8 +240,9 @@ def torch_run(comm: Any, args: argparse.Namespace, name: str) -> dict[str, Any]:
     stages = [pp.PipelineStage(m, c, len(split.chunks), torch.device("cpu"), group=dist.group.WORLD)
               for m, c in zip(mods, split.chunks_of(comm.rank), strict=True)]
     log: list[tuple[int, str, int]] = []  # what this rank really runs (torch's pipeline_order is for display)
+    cpu_log: dict[str, list[float]] = {}
     for st in stages:
-        record(st, log)
+        record(st, log, cpu_log)
     cls = getattr(pp, cls_name)
     sched = cls(stages[0] if layout == "flat" else stages, args.microbatches, loss_fn=nn.functional.cross_entropy)
     params = [p for m in mods for p in m.parameters()]
@@ -241,25 +262,27 @@ def torch_run(comm: Any, args: argparse.Namespace, name: str) -> dict[str, Any]:
         dt, cpu = timed(comm, lambda: [step() for _ in range(args.warmup)],  # type: ignore[func-returns-value]
                    lambda: [step() for _ in range(args.steps)])  # type: ignore[func-returns-value]
     return {"samples_per_s": args.steps * args.batch / dt, "cpu_ms_per_step": 1e3 * cpu / args.steps,
-            "peak_act_mib": meter.peak / 2**20, "ops": list(log),
+            "peak_act_mib": meter.peak / 2**20, "ops": list(log), "costs": medians(cpu_log),
             "chunks": len(split.chunks), **describe(mods, layers)}
 
 
-def record(stage: Any, log: list[tuple[int, str, int]]) -> None:
-    """Log ``(stage, F/B/I/W, micro-batch)`` for every compute call of a torch ``PipelineStage``."""
+def record(stage: Any, log: list[tuple[int, str, int]], cpu_log: dict[str, list[float]]) -> None:
+    """Log ``(stage, F/B/I/W, micro-batch)`` for every compute call of a torch ``PipelineStage``,
+    and each call's thread CPU seconds in ``cpu_log["stage:kind"]``."""
     fwd, bwd, wgt, s = stage.forward_one_chunk, stage.backward_one_chunk, stage.backward_weight_one_chunk, stage.stage_index
 
     def forward(mb: int, *a: Any, **k: Any) -> Any:
         log.append((s, "F", mb))
-        return fwd(mb, *a, **k)
+        return cpu_timed(fwd, cpu_log, f"{s}:F")(mb, *a, **k)
 
     def backward(mb: int, loss: Any = None, full_backward: bool = True, **k: Any) -> Any:
-        log.append((s, "B" if full_backward else "I", mb))
-        return bwd(mb, loss, full_backward, **k)
+        kind = "B" if full_backward else "I"
+        log.append((s, kind, mb))
+        return cpu_timed(bwd, cpu_log, f"{s}:{kind}")(mb, loss, full_backward, **k)
 
     def weight(mb: int, *a: Any, **k: Any) -> Any:
         log.append((s, "W", mb))
-        return wgt(mb, *a, **k)
+        return cpu_timed(wgt, cpu_log, f"{s}:W")(mb, *a, **k)
 
     stage.forward_one_chunk, stage.backward_one_chunk, stage.backward_weight_one_chunk = forward, backward, weight
 
@@ -311,26 +334,38 @@ def probe_torch(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
     return ok, failed
 
 
-def theory(args: argparse.Namespace, r0: dict[str, list[dict]], r1: dict[str, list[dict]]) -> dict[str, tuple[float, float]]:
-    """(bubble fraction, time per step in units of one stage's forward of the whole batch) per variant."""
+def theory(args: argparse.Namespace, r0: dict[str, list[dict]], r1: dict[str, list[dict]]) -> dict[str, tuple[float, float, float]]:
+    """Per variant: bubble fraction and time per step (units of one stage's forward of a
+    micro-batch) that the schedule implies with F = 1, B = 2, I = W = 1 per stage, and the ms per
+    step it implies with the variant's own measured CPU costs per chunk and kind of action
+    (medians over blocks of the median call; messages and optimizer step not counted)."""
     m, t = args.microbatches, args.steps
-    out: dict[str, tuple[float, float]] = {}
+    out: dict[str, tuple[float, float, float]] = {}
     for name, reps in r0.items():
         sched = name.split()[1].split("+")[0]
+        costs: dict[tuple[int, str], float] = {}
+        for res in (r0, r1):
+            keys = {k for rep in res[name] for k in rep.get("costs", {})}
+            for k in keys:
+                chunk, kind = k.split(":")
+                costs[(int(chunk), kind)] = 1e3 * statistics.median(
+                    rep["costs"][k] for rep in res[name] if k in rep.get("costs", {}))
         if name.startswith("torch"):
             per = {r: [Op(*o) for o in res[name][0]["ops"]] for r, res in enumerate((r0, r1))}
-            tm = simulate(per, reps[0]["chunks"], chunks_per_rank=reps[0]["chunks"] // 2)
+            kw: dict[str, Any] = {"num_chunks": reps[0]["chunks"], "chunks_per_rank": reps[0]["chunks"] // 2}
             steps = 1
         elif sched == "async_1f1b":
-            tm = simulate(ringpipe_ops([async_1f1b(2, m * t, s, m) for s in range(2)]), 2)
-            steps = t
+            per = ringpipe_ops([async_1f1b(2, m * t, s, m) for s in range(2)])
+            kw, steps = {"num_chunks": 2}, t
         elif sched == "interleaved_1f1b":
-            tm = simulate(ringpipe_ops([get_schedule(sched)(2, m, s, 2) for s in range(2)]), 4, chunks_per_rank=2)
-            steps = 1
+            per = ringpipe_ops([get_schedule(sched)(2, m, s, 2) for s in range(2)])
+            kw, steps = {"num_chunks": 4, "chunks_per_rank": 2}, 1
         else:
-            tm = simulate(ringpipe_ops([get_schedule(sched)(2, m, s) for s in range(2)]), 2)
-            steps = 1
-        out[name] = (tm.bubble, tm.makespan / steps / m)
+            per = ringpipe_ops([get_schedule(sched)(2, m, s) for s in range(2)])
+            kw, steps = {"num_chunks": 2}, 1
+        tm = simulate(per, **kw)
+        measured = simulate(per, **kw, costs=costs).makespan / steps if costs else float("nan")
+        out[name] = (tm.bubble, tm.makespan / steps / m, measured)
     return out
 
 
@@ -359,15 +394,16 @@ def report(args: argparse.Namespace, r0: dict[str, list[dict]], r1: dict[str, li
     th = theory(args, r0, r1)
     med = {n: statistics.median(r["samples_per_s"] for r in v) for n, v in r0.items()}
     print("\n| variant | samples/s median | spread (min-max) | CPU ms/step rank 0 / 1 | bubble (schedule) "
-          "| time/step (schedule, units) | peak act. MiB rank 0 / 1 |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+          "| time/step (schedule, units) | ms/step (schedule x measured costs) | peak act. MiB rank 0 / 1 |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for n, v in r0.items():
         xs = [r["samples_per_s"] for r in v]
-        b, per_step = th.get(n, (float("nan"), float("nan")))
+        b, per_step, per_step_ms = th.get(n, (float("nan"), float("nan"), float("nan")))
         cpu = [statistics.median(r["cpu_ms_per_step"] for r in res[n]) for res in (r0, r1)]
         print(f"| {n} | {med[n]:.0f} | {min(xs):.0f}-{max(xs):.0f} ({(max(xs) - min(xs)) / med[n]:.0%}) | "
               f"{cpu[0]:.0f} / {cpu[1]:.0f} | "
-              f"{b:.3f} | {per_step:.2f} | {v[0]['peak_act_mib']:.2f} / {r1[n][0]['peak_act_mib']:.2f} |")
+              f"{b:.3f} | {per_step:.2f} | {per_step_ms:.1f} | "
+              f"{v[0]['peak_act_mib']:.2f} / {r1[n][0]['peak_act_mib']:.2f} |")
     for name, why in failed.items():
         print(f"| torch {name} | failed: {why} | | | | |")
 
@@ -376,8 +412,10 @@ def report(args: argparse.Namespace, r0: dict[str, list[dict]], r1: dict[str, li
             return f"{a} / {b}: REFUSED, the ranks do not hold the same layers and parameters"
         per_block = [x["samples_per_s"] / y["samples_per_s"] for x, y in zip(r0[a], r0[b], strict=True)]
         pred = th[b][1] / th[a][1] if a in th and b in th else float("nan")
+        pred_ms = th[b][2] / th[a][2] if a in th and b in th else float("nan")
         return (f"{a} / {b}: {statistics.median(per_block):.3f}x median of per-block ratios "
-                f"(range {min(per_block):.3f}-{max(per_block):.3f}); schedules alone predict {pred:.3f}x")
+                f"(range {min(per_block):.3f}-{max(per_block):.3f}); schedules alone predict {pred:.3f}x, "
+                f"with each side's measured CPU per action {pred_ms:.3f}x")
 
     sync_r = [n for n in r0 if n.startswith("ringpipe") and "async" not in n and "+" not in n]
     sync_t = [n for n in r0 if n.startswith("torch")]

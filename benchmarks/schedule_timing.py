@@ -44,12 +44,16 @@ class Timing:
 
 
 def simulate(per_rank: Mapping[int, Sequence[Op]], num_chunks: int, chunks_per_rank: int = 1,
-             latency: float = 0.0, step: float = 0.0, backward: float = 2.0) -> Timing:
+             latency: float = 0.0, step: float = 0.0, backward: float = 2.0,
+             costs: Mapping[tuple[int, str], float] | None = None) -> Timing:
     """List-schedule every rank's ops under the dependencies above; the makespan and busy time.
 
     ``latency``: added to every dependency on another rank's action (a message); ``step``: the
     cost of an optimizer step ``S`` (ops of kind ``S``, chunk -1); ``backward``: the cost of a
     full ``B`` (``I`` and ``W`` cost half of it each). Units: one stage forward of a micro-batch.
+    ``costs``: measured cost of each ``(chunk, kind)`` (any unit), replacing the model above for
+    the ops it names; a missing ``B`` is taken as ``I + W`` and a missing ``I`` or ``W`` as half
+    the chunk's ``B``, when those were measured.
     """
     share = 1.0 / chunks_per_rank
     cost_of = {"F": 1.0, "B": backward, "I": backward / 2, "W": backward / 2, "S": step}
@@ -69,7 +73,9 @@ def simulate(per_rank: Mapping[int, Sequence[Op]], num_chunks: int, chunks_per_r
                     break
                 start = max([free[r]] + [min(done[d] + (latency if owner[d[0]] != r else 0.0)
                                              for d in alt if d in done) for alt in deps])
-                cost = cost_of[op.kind] * (share if op.kind != "S" else 1.0)
+                cost = _measured(costs, op) if costs else None
+                if cost is None:
+                    cost = cost_of[op.kind] * (share if op.kind != "S" else 1.0)
                 free[r] = start + cost
                 busy += cost
                 done[(op.chunk if op.kind != "S" else -1 - r, op.kind, op.mb if op.kind != "S" else pos[r])] = free[r]
@@ -79,6 +85,17 @@ def simulate(per_rank: Mapping[int, Sequence[Op]], num_chunks: int, chunks_per_r
             stuck = {r: ops[pos[r]] for r, ops in per_rank.items() if pos[r] < len(ops)}
             raise ValueError(f"the schedule deadlocks at {stuck}")
     return Timing(max(free.values()), busy, len(per_rank))
+
+
+def _measured(costs: Mapping[tuple[int, str], float], op: Op) -> float | None:
+    c, k = op.chunk, op.kind
+    if (c, k) in costs:
+        return costs[(c, k)]
+    if k == "B" and (c, "I") in costs and (c, "W") in costs:
+        return costs[(c, "I")] + costs[(c, "W")]
+    if k in ("I", "W") and (c, "B") in costs:
+        return costs[(c, "B")] / 2
+    return None
 
 
 def _deps(op: Op, num_chunks: int) -> list[tuple[tuple[int, str, int], ...]]:
