@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from ringpipe.dp import Compression, DistributedOptimizer
+from ringpipe.dp.announce import announcement_bytes
 from ringpipe.launch import mpirun_command, spawn
 
 HERE = Path(__file__).parent
@@ -302,10 +303,11 @@ def _overlap(comm):
     nn.functional.mse_loss(model(x), y).backward()
     backward_end = time.perf_counter_ns()
     opt.step()
-    # announcements (small headers) are allreduces too: count those of the buckets' sizes only
-    sizes = {b.buffer.numel() * b.buffer.element_size() for b in opt._buckets}
-    starts = sorted(e.start_ns for e in log.events()
-                    if e.op == "allreduce" and e.comm == comm.name and e.nbytes in sizes)
+    # The first bucket rides in the step's announcement; later buckets are allreduces of their own size.
+    sizes = {b.buffer.numel() * b.buffer.element_size() for b in opt._buckets[1:]}
+    events = [e for e in log.events() if e.op == "allreduce" and e.comm == comm.name]
+    first = [e.start_ns for e in events if e.nbytes == announcement_bytes(comm)]
+    starts = sorted(first[:1] + [e.start_ns for e in events if e.nbytes in sizes])
     return len(opt._buckets), starts, _Pause.marks, backward_end
 
 

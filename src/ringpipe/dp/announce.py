@@ -15,23 +15,37 @@ Average still divides by the full size, as in Horovod), in barriers and in optim
 Other collectives raise :class:`JoinError` on the ranks that called them, as in Horovod, while
 the joined ranks go on waiting.
 
+An optimizer step costs no message of its own: its header rides in front of the first
+gradients. Every announcement on a communicator is one float32 message of the same length,
+the header (each int64 word as six 12-bit digits, exact in float32 sums over up to 4096 ranks)
+followed by a payload area of :attr:`Engine.ride <ringpipe.dp.engine.Engine>` elements. An
+optimizer step's first message fills that area with the start of its first bucket
+(:func:`start_exchange`); every other announcement leaves it zero, and so does a joined rank,
+which cannot know which of them comes next but always posts a message of the right length and
+contributes zeros (the sum's identity) to the gradients. The area's length is set when a
+``DistributedOptimizer`` with join support is built (collectively, so it is the same on every
+rank): the whole first bucket of a small model (up to :data:`RIDE_CAP` elements), so that its
+step is a single allreduce, as with join support off.
+
 Collectives called directly on a communicator, outside ``ringpipe.dp`` and ``ringpipe.api``,
 are not announced and must not be used while a rank is joined.
 """
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 import torch
 
-from ringpipe.comm.base import CommError, Communicator, ReduceOp
+from ringpipe.comm.base import CommError, Communicator, ReduceOp, Work
 from ringpipe.comm.consistency import disagreement
 from ringpipe.comm.events import internal
 from ringpipe.comm.header import InvalidCallError, MismatchError, fingerprint
-from ringpipe.dp.engine import Engine, EngineError
+from ringpipe.dp.engine import Engine, EngineError, EngineInvalidCallError, EngineMismatchError
 
 __all__ = [
     "OPS",
@@ -39,12 +53,15 @@ __all__ = [
     "JoinError",
     "Note",
     "Pending",
+    "RIDE_CAP",
     "announce",
+    "announcement_bytes",
     "checks",
     "device_of",
     "exchange",
     "identity",
     "run_announced",
+    "settle",
     "start_exchange",
 ]
 
@@ -60,6 +77,11 @@ _FIELDS = 5  # operation, reduce op, dtype, element count, on a GPU (then: inval
 # After them: the element count and dtype of data posted right behind the header (an optimizer
 # step's first bucket), so that on a disagreement the other ranks can complete that allreduce.
 _TAIL = 3
+#: The most gradient elements an optimizer step's header carries (128 KiB of float32): larger
+#: first buckets send the rest right behind it; every announcement carries this many at most.
+RIDE_CAP = 32768
+_DIGIT_BITS, _DIGITS = 12, 6  # an int64 word (at most 72 bits) as six float32 digits
+_SHIFTS = torch.arange(_DIGITS, dtype=torch.int64) * _DIGIT_BITS
 
 
 class JoinError(EngineError):
@@ -77,6 +99,8 @@ class Note:
     dtype: torch.dtype | None = None
     numel: int = 0
     cuda: bool = False
+    #: The summed payload area of the message (a joined rank's share of a step's first gradients).
+    payload: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
     @property
     def count(self) -> int:
@@ -114,38 +138,137 @@ def exchange(
     (``problem``); if the ranks with data differ, or one is invalid, every rank raises the same
     :class:`MismatchError` or :class:`InvalidCallError` before any data moves.
     """
-    wire, fields = _header(comm, op, tensor, reduce_op, detail, problem)
+    settle(comm)
+    digits, fields = _header(comm, op, tensor, reduce_op, detail, problem)
+    message = _message(comm, digits, None, 0)
     with internal():  # ringpipe's bookkeeping: listed apart from the program's calls
-        comm.allreduce(wire, ReduceOp.SUM)
-    return _read(comm, wire.cpu().tolist(), fields, problem)
+        comm.allreduce(message, ReduceOp.SUM)
+    note = _read(comm, _decode(message, digits.numel()), fields, problem)
+    return _with_payload(note, message[digits.numel():])
 
 
 class Pending:
-    """A header exchange in flight (:func:`start_exchange`); :meth:`note` waits for it and reads it."""
+    """A step's first message in flight (:func:`start_exchange`); :meth:`note` waits for it and reads it once.
 
-    __slots__ = ("comm", "wire", "work", "fields")
+    Reading it copies the summed first gradients back into the bucket and calls ``on_note``;
+    later calls return the same note or raise the same error.
+    """
 
-    def __init__(self, comm: Communicator, wire: torch.Tensor, work: Any, fields: dict[str, Any] | None) -> None:
-        self.comm, self.wire, self.work, self.fields = comm, wire, work, fields
+    __slots__ = ("comm", "message", "work", "fields", "size", "target", "on_note", "behind", "_lock", "_note",
+                 "_error")
+
+    def __init__(self, comm: Communicator, message: torch.Tensor, work: Work | None, fields: dict[str, Any] | None,
+                 size: int, target: torch.Tensor | None, on_note: Callable[[Note], None] | None,
+                 behind: bool) -> None:
+        self.comm, self.message, self.work, self.fields = comm, message, work, fields
+        self.size, self.target, self.on_note, self.behind = size, target, on_note, behind
+        self._lock = threading.Lock()
+        self._note: Note | None = None
+        self._error: BaseException | None = None
 
     def note(self) -> Note:
-        self.work.wait()
-        return _read(self.comm, self.wire.cpu().tolist(), self.fields, None, behind=True)
+        with self._lock:
+            if self._note is None and self._error is None:
+                if _UNREAD.get(self.comm) is self:
+                    del _UNREAD[self.comm]
+                try:
+                    if self.work is not None:
+                        self.work.wait()
+                    self._note = _read(self.comm, _decode(self.message, self.size), self.fields, None, self.behind)
+                    if self.target is not None:
+                        self.target.copy_(self.message[self.size : self.size + self.target.numel()])
+                    if self.on_note is not None:
+                        self.on_note(self._note)
+                except BaseException as exc:  # noqa: BLE001 - raised again to every reader
+                    self._error = exc
+            if self._error is not None:
+                raise self._error
+            assert self._note is not None
+            return self._note
+
+    def wait(self) -> Note:
+        """:meth:`note`, its cross-rank errors raised as the engine's (as a failed engine task raises them)."""
+        try:
+            return self.note()
+        except InvalidCallError as exc:
+            raise EngineInvalidCallError(str(exc)) from exc
+        except MismatchError as exc:
+            raise EngineMismatchError(str(exc)) from exc
 
 
-def start_exchange(comm: Communicator, op: str, behind: torch.Tensor) -> Pending:
-    """Post the header of ``op`` (a call without tensor or problem, such as an optimizer step) without waiting.
+# The step's first message each communicator has in flight and not read yet: read before the next
+# collective is posted, since on a disagreement reading it runs the exchange that raises the error.
+_UNREAD: weakref.WeakKeyDictionary[Communicator, Pending] = weakref.WeakKeyDictionary()
 
-    For a thread-safe backend: the caller posts the sum-allreduce of ``behind`` right after the
-    header, so the two round trips overlap instead of following each other. The order of
-    collectives is the one of :func:`exchange` followed by the data, so a joined rank serves it
-    the same way. If the ranks' calls differ, the ranks that made another call first complete
-    that allreduce with zeros (the header says its length), then every rank raises as usual.
+
+def settle(comm: Communicator) -> None:
+    """Read the step's first message still in flight on ``comm`` (call on the engine thread before posting)."""
+    pending = _UNREAD.get(comm)
+    if pending is not None:
+        pending.note()
+
+
+def start_exchange(comm: Communicator, op: str, wire: torch.Tensor, ride: int, behind: int,
+                   on_note: Callable[[Note], None] | None = None, blocking: bool = False) -> Pending:
+    """Post the header of ``op`` with the first ``ride`` elements of ``wire`` in its payload area.
+
+    ``behind``: elements of ``wire`` the caller posts as a sum-allreduce right behind, without
+    reading the header first (a thread-safe backend's overlap); if the ranks' calls differ, the
+    ranks that made another call complete that allreduce with zeros (the header says its
+    length), then every rank raises as usual. ``blocking`` (MPI, whose blocking and
+    non-blocking collectives do not match): a blocking allreduce, as a joined rank's.
+    Nothing is read until :meth:`Pending.note` (or :func:`settle` before the next collective).
     """
-    wire, fields = _header(comm, op, None, None, None, None, behind)
+    settle(comm)
+    tail = wire[behind:] if behind else None
+    digits, fields = _header(comm, op, None, None, None, None, tail)
+    message = _message(comm, digits, wire, ride)
     with internal():
-        work = comm.iallreduce(wire, ReduceOp.SUM)
-    return Pending(comm, wire, work, fields)
+        if blocking:
+            comm.allreduce(message, ReduceOp.SUM)
+            work = None
+        else:
+            work = comm.iallreduce(message, ReduceOp.SUM)
+    pending = Pending(comm, message, work, fields, digits.numel(), wire[:ride] if ride else None, on_note, bool(behind))
+    _UNREAD[comm] = pending
+    return pending
+
+
+def announcement_bytes(comm: Communicator) -> int:
+    """The length in bytes of every announcement on ``comm`` (the header's digits and the payload area)."""
+    return 4 * (_DIGITS * (2 * comm.size + _FIELDS + _TAIL) + Engine.of(comm).ride)
+
+
+def _with_payload(note: Note, payload: torch.Tensor) -> Note:
+    if not payload.numel():
+        return note
+    return Note(note.op, note.have_data, note.joined, note.reduce_op, note.dtype, note.numel, note.cuda, payload)
+
+
+def _message(comm: Communicator, digits: torch.Tensor, wire: torch.Tensor | None, ride: int) -> torch.Tensor:
+    """The header's digits, then the payload area: ``wire[:ride]``, zeros after it."""
+    area = Engine.of(comm).ride
+    if ride > area:
+        raise RuntimeError(f"{ride} elements cannot ride in an announcement of {area} on {comm.name}")
+    d = digits.numel()
+    message = torch.empty(d + area, dtype=torch.float32, device=comm._object_device())
+    message[:d] = digits
+    if ride:
+        assert wire is not None
+        message[d : d + ride] = wire[:ride]
+    message[d + ride :].zero_()
+    return message
+
+
+def _encode(header: torch.Tensor) -> torch.Tensor:
+    """Each non-negative int64 word as six 12-bit digits in float32 (sums stay exact up to 4096 ranks)."""
+    return ((header.unsqueeze(1) >> _SHIFTS) & ((1 << _DIGIT_BITS) - 1)).flatten().to(torch.float32)
+
+
+def _decode(message: torch.Tensor, size: int) -> list[int]:
+    """The summed int64 words of a summed header (its first ``size`` digits)."""
+    digits = [round(v) for v in message[:size].cpu().tolist()]
+    return [sum(digits[i + j] << (_DIGIT_BITS * j) for j in range(_DIGITS)) for i in range(0, size, _DIGITS)]
 
 
 _CONSTANT: dict[tuple[Any, ...], torch.Tensor] = {}
@@ -154,13 +277,13 @@ _CONSTANT: dict[tuple[Any, ...], torch.Tensor] = {}
 def _header(comm: Communicator, op: str | None, tensor: torch.Tensor | None, reduce_op: ReduceOp | None,
             detail: dict[str, Any] | None, problem: BaseException | None,
             behind: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, Any] | None]:
-    """This rank's header (a fresh tensor on the communicator's object device) and the fields it fingerprints."""
+    """This rank's header as digits (:func:`_encode`) and the fields it fingerprints."""
     size = comm.size
     fields = None if op is None else _fields(op, tensor, reduce_op, detail)
-    constant = op is not None and tensor is None and reduce_op is None and not detail and problem is None
+    constant = tensor is None and reduce_op is None and not detail and problem is None
     key = (op or "", comm.rank, size, None if behind is None else (behind.numel(), behind.dtype))
-    if constant and key in _CONSTANT:  # an optimizer step's header never changes: build it once
-        return _CONSTANT[key].clone(), fields
+    if constant and key in _CONSTANT:  # a joined rank's and an optimizer step's header never change
+        return _CONSTANT[key], fields
     header = torch.zeros(2 * size + _FIELDS + _TAIL, dtype=torch.int64)
     if op is not None:
         header[comm.rank] = 1 if behind is None else 2  # 2: data follows the header without waiting for it
@@ -176,10 +299,10 @@ def _header(comm: Communicator, op: str | None, tensor: torch.Tensor | None, red
             header[2 * size + 3] = tensor.numel()
             header[2 * size + 4] = int(tensor.device.type == "cuda")
         header[2 * size + _FIELDS] = int(problem is not None)
-    wire = header.to(comm._object_device())
-    if constant and wire.device.type == "cpu":
-        _CONSTANT[key] = wire.clone()
-    return wire, fields
+    digits = _encode(header)
+    if constant:
+        _CONSTANT[key] = digits
+    return digits, fields
 
 
 def _read(comm: Communicator, values: list[int], fields: dict[str, Any] | None,

@@ -136,6 +136,9 @@ class Engine:
         self._thread = threading.Thread(target=self._loop, name=f"ringpipe-engine-{comm.name}", daemon=True)
         self._closed = False
         self.optimizers: weakref.WeakSet[Any] = weakref.WeakSet()
+        #: Elements after the header in every announcement on this communicator
+        #: (:mod:`ringpipe.dp.announce`); set on this thread, in order, by optimizers with join support.
+        self.ride = 0
         # Tasks submitted and not yet executed, and the lock held while one executes: a task
         # may run inline on the caller's thread only while the engine has nothing before it.
         self._pending = 0

@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 
-from ringpipe.comm.base import Communicator, ReduceOp
+from ringpipe.comm.base import Communicator, ReduceOp, Work
 from ringpipe.dp.agreement import agree, comparable, layout_of, validate
-from ringpipe.dp.announce import Note, announce, start_exchange
+from ringpipe.dp.announce import RIDE_CAP, Note, announce, settle, start_exchange
 from ringpipe.dp.buckets import (
     Bucket,
     Slot,
@@ -207,6 +207,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # Adasum combines parameter updates in step(), not gradients in backward (Horovod's delta optimizer)
         self._adasum = rop is ReduceOp.ADASUM and comm.size > 1
         self._overlap_header = algorithm == "native" and not self.engine.complete_in_engine
+        self._ride = self._ride_of(self._buckets[0]) if self._buckets and self.join_support and not self._adasum else 0
+        if self._ride:
+            engine = self.engine  # every rank builds its optimizers in the same order: the same length
+            engine.run(lambda: setattr(engine, "ride", max(engine.ride, self._ride)), name="ride")
+        self._served: Any = None  # a joined rank: the summed start of the first bucket of the step it serves
         self._hooks = [] if self._adasum else [
             s.param.register_post_accumulate_grad_hook(self._make_hook(s)) for s in self._slots
         ]
@@ -265,6 +270,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 del open_[key]
         last = len(groups) - 1
         return [Bucket(i, g, bitmap=len(slots) if i == last else 0) for i, g in enumerate(groups)]
+
+    def _ride_of(self, bucket: Bucket) -> int:
+        """How many elements of the first bucket ride in the step's header (float32 wires only)."""
+        wire = self.compression.wire_dtype if self.compression.applies_to(bucket.buffer.dtype) else bucket.buffer.dtype
+        return min(RIDE_CAP, bucket.buffer.numel()) if wire == torch.float32 else 0
 
     def _make_hook(self, slot: Slot) -> Callable[[torch.Tensor], None]:
         passes = self.backward_passes_per_step
@@ -353,18 +363,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 buffer.mul_(prescale)
             if used is not None:
                 wire[bucket.numel : bucket.numel + bucket.bitmap] = used
-            if contribute and self.join_support:  # a joined rank learnt of this bucket from join's announcement
-                if bucket.index == 0 and overlap:
-                    # The step's header and the first bucket go out back to back: their round
-                    # trips overlap, and the collectives are the ones a joined rank expects.
-                    pending = start_exchange(self.comm, "step", wire)
-                    work = reduce(wire)
-                    self._active = float(pending.note().count)
-                    return work
-                if bucket.index == 0:
-                    self._active = float(announce(self.comm, "step").count)
-                elif self._active < size:
-                    announce(self.comm, "bucket")
+            if not self.join_support:
+                return reduce(wire)
+            if bucket.index == 0 and contribute:
+                return self._first_bucket(wire, overlap)
+            settle(self.comm)  # the step's header, read before anything else is posted
+            if bucket.index == 0:  # a joined rank: its zeros for the first elements went out with join's header
+                ride, served, self._served = self._ride, self._served, None
+                if ride:
+                    wire[:ride] = served[:ride]
+                return _whole(reduce(wire[ride:]), wire) if ride < wire.numel() else wire
+            if contribute and self._active < size:
+                announce(self.comm, "bucket")
             return reduce(wire)
 
         def then(wire: torch.Tensor) -> None:
@@ -386,6 +396,40 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # The last bucket is launched when backward is over: nothing is left to overlap with.
         last = bucket.index == len(self._buckets) - 1
         bucket.handle = self.engine.submit(run, finish, name=f"bucket{bucket.index}", inline=last)
+
+    def _first_bucket(self, wire: torch.Tensor, overlap: bool) -> Any:
+        """The step's first bucket (engine thread): its first elements ride in the step's header.
+
+        With ``overlap`` (a thread-safe backend, the native allreduce) the rest of the bucket goes
+        out right behind the header and the header is read only when it is needed: by the next
+        collective posted on the communicator (:func:`~ringpipe.dp.announce.settle`) or by
+        ``step()``; so a one-bucket step is one allreduce, as without join support.
+        """
+        ride = self._ride
+        rest = wire.numel() - ride
+
+        def on_note(note: Note) -> None:
+            self._active = float(note.count)
+
+        if overlap:
+            pending = start_exchange(self.comm, "step", wire, ride, rest, on_note)
+            behind = self._reduce(wire[ride:]) if rest else None
+            first = pending.work
+            assert first is not None
+
+            def wait() -> None:
+                pending.wait()
+                if behind is not None:
+                    behind.wait()
+
+            def test() -> bool:
+                done = first.is_completed() and (behind is None or behind.is_completed())
+                return done and pending.wait() is not None
+
+            return Work(wait, test, result=wire)
+        pending = start_exchange(self.comm, "step", wire, ride, 0, on_note, blocking=self.engine.complete_in_engine)
+        pending.note()
+        return _whole(self._reduce(wire[ride:]), wire) if rest else wire
 
     def _launch_all(self, contribute: bool = True) -> None:
         """Launch every bucket not launched yet, with zeros for parameters that got no gradient."""
@@ -539,6 +583,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             bucket.pending = 0
         self._active = float(note.count)
         self._next_launch = 0
+        self._served = note.payload
         self._serve_bucket()
 
     def _serve_bucket(self) -> None:
@@ -583,3 +628,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             )
         for group, theirs in zip(self.param_groups, groups, strict=True):
             group.update({k: v for k, v in theirs.items() if k != "params"})
+
+
+def _whole(part: Any, wire: torch.Tensor) -> Any:
+    """The reduction of part of ``wire`` (a Work, or done), as one of the whole ``wire``."""
+    return Work(part.wait, part.is_completed, result=wire) if isinstance(part, Work) else wire
