@@ -35,6 +35,7 @@ from ringpipe.api.basics import (
     gloo_built,
     gloo_enabled,
     init,
+    is_homogeneous,
     is_initialized,
     local_rank,
     local_size,
@@ -61,6 +62,7 @@ from .functions import (
     broadcast_variables,
 )
 from .gradient_tape import DistributedGradientTape, PartialDistributedGradientTape
+from .hooks import BroadcastGlobalVariablesHook, broadcast_global_variables
 from .mpi_ops import (
     allgather,
     allreduce,
@@ -75,6 +77,7 @@ from .mpi_ops import (
 )
 from .optimizer import DistributedOptimizer
 from .queries import local_rank_op, local_size_op, process_set_included_op, rank_op, size_op
+from .sync_batch_norm import SyncBatchNormalization
 
 __all__ = [
     "Adasum", "Average", "Compression", "DistributedGradientTape", "DistributedOptimizer", "HorovodInternalError",
@@ -86,4 +89,5 @@ __all__ = [
     "local_rank", "local_rank_op", "local_size", "local_size_op", "mpi_built", "mpi_enabled",
     "mpi_threads_supported", "nccl_built", "process_set_included_op", "rank", "rank_op", "reducescatter",
     "remove_process_set", "rocm_built", "shutdown", "size", "size_op", "start_timeline", "stop_timeline",
+    "BroadcastGlobalVariablesHook", "SyncBatchNormalization", "broadcast_global_variables", "is_homogeneous",
 ]
