@@ -25,8 +25,10 @@ def _np(t: torch.Tensor):
     return t.detach().clone().numpy()
 
 
-def _model() -> nn.Module:
+def _model(wide: bool = False) -> nn.Module:
     torch.manual_seed(0)
+    if wide:  # 41,251 parameters: one bucket longer than what rides in a step's announcement (RIDE_CAP)
+        return nn.Sequential(nn.Linear(6, 64), nn.Tanh(), nn.Linear(64, 600), nn.Tanh(), nn.Linear(600, 3))
     return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
 
 
@@ -47,10 +49,10 @@ def _mine(rank: int, batches: tuple[int, ...]) -> list[int]:
     return [k * n + rank for k in range(batches[rank])]
 
 
-def _uneven_with_schedule(comm, batches, kind):
-    model = _model()
+def _uneven_with_schedule(comm, batches, kind, wide=False):
+    model = _model(wide)
     opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9),
-                               model.named_parameters(), bucket_bytes=100, comm=comm)
+                               model.named_parameters(), bucket_bytes=None if wide else 100, comm=comm)
     sched = _scheduler(kind, opt)
     xs, ys = _batches()
     for i in _mine(comm.rank, batches):
@@ -62,10 +64,10 @@ def _uneven_with_schedule(comm, batches, kind):
     return last, [_np(p) for p in model.parameters()], opt.param_groups[0]["lr"]
 
 
-def _schedule_reference(batches, kind):
+def _schedule_reference(batches, kind, wide=False):
     """One process: step k sums the losses of the ranks that still had data at step k and divides by
     the number of ranks (Horovod's Average: joined ranks contribute zeros, the size stays)."""
-    model = _model()
+    model = _model(wide)
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     sched = _scheduler(kind, opt)
     xs, ys = _batches()
@@ -85,8 +87,19 @@ def test_join_serves_steps_with_the_learning_rate_of_the_ranks_with_data(batches
     _check_schedule(spawn(_uneven_with_schedule, len(batches), args=(batches, kind)), batches, kind)
 
 
-def _check_schedule(results, batches, kind):
-    ref, ref_lr = _schedule_reference(batches, kind)
+@pytest.mark.timeout(90)
+def test_join_serves_steps_whose_first_bucket_is_longer_than_the_announcement_carries():
+    """One bucket of 41,251 gradients: its start rides in the step's announcement, the rest follows it."""
+    from ringpipe.dp.announce import RIDE_CAP
+
+    assert sum(p.numel() for p in _model(wide=True).parameters()) > RIDE_CAP
+    batches = (3, 1)
+    results = spawn(_uneven_with_schedule, len(batches), args=(batches, "step", True))
+    _check_schedule(results, batches, "step", wide=True)
+
+
+def _check_schedule(results, batches, kind, wide=False):
+    ref, ref_lr = _schedule_reference(batches, kind, wide)
     longest = max(range(len(batches)), key=lambda r: (batches[r], r))
     for rank, (last, params, lr) in enumerate(results):
         assert last == longest

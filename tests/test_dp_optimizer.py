@@ -320,3 +320,29 @@ def test_buckets_are_reduced_while_backward_runs():
         assert starts[0] < starts[3] < pause_end < starts[4]
         assert starts[3] < backward_end
         assert pause_end - pause_start >= PAUSE_S * 1e9
+
+
+def _messages_per_step(comm, join_support):
+    from ringpipe.comm.events import default_log
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), comm=comm,
+                               join_support=join_support)
+    x, y = data(B)
+    counts = []
+    for _ in range(3):
+        default_log().clear()
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        counts.append(sum(1 for e in default_log().events() if e.comm == comm.name and e.op == "allreduce"))
+    return counts
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("join_support", [True, False])
+def test_a_one_bucket_step_is_one_allreduce_with_or_without_join_support(join_support):
+    """Join support costs no message of its own: the step's announcement carries the gradients."""
+    for counts in spawn(_messages_per_step, 2, args=(join_support,)):
+        assert counts == [1, 1, 1]
