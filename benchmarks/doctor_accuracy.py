@@ -37,6 +37,7 @@ sys.path.insert(0, str(HERE.parent / "tests"))
 import netns  # noqa: E402
 
 LATE = str(HERE.parent / "tests" / "scripts" / "doctor_late_rank.py")
+CLOCK = str(HERE.parent / "tests" / "scripts" / "doctor_clock.py")
 
 
 B, C = "rp-host-b", "rp-host-c"
@@ -106,6 +107,25 @@ def compute_worker(out: str, slow: int, reps: int = 10, nbytes: int = 256 << 10)
     shutdown_world()
 
 
+def clock_table(launchers: list[str], blocks: int, port: int, work: Path) -> str:
+    """``clock_offsets`` under each launcher (4-2-2, no fault), alternated in blocks; ms per call."""
+    got: dict[str, list[float]] = {x: [] for x in launchers}
+    with netns.bridged_hosts(3) as hosts:
+        for b in range(blocks):
+            for launcher in (launchers if b % 2 == 0 else launchers[::-1]):
+                port += 1
+                argv = [CLOCK, "5"]
+                out = (_launch(hosts, argv, port, (4, 2, 2)) if launcher == "launch" else
+                       _mpirun(hosts, [sys.executable, *argv], work, (4, 2, 2)))
+                line = next(x for x in out.splitlines() if "CLOCK " in x)
+                got[launcher] += json.loads(line.split("CLOCK ", 1)[1])["ms"]
+                print(f"  clock block {b} / {launcher}: {got[launcher][-5:]} (load {os.getloadavg()[0]:.1f})",
+                      file=sys.stderr, flush=True)
+    rows = ["| launcher | calls | ms per clock_offsets (median) | min-max |", "|---|---|---|---|"]
+    rows += [f"| {k} | {len(v)} | {statistics.median(v):.1f} | {min(v):.1f}-{max(v):.1f} |" for k, v in got.items() if v]
+    return "\n".join(rows)
+
+
 def _mpirun(hosts: tuple[Any, ...], argv: list[str], work: Path, shape: tuple[int, ...]) -> str:
     cmd, extra = netns.mpirun_across(hosts, argv, work / "hostfile", shape)
     out = subprocess.run(cmd, capture_output=True, text=True, env=_env(RINGPIPE_BACKEND="mpi", **extra), timeout=300)
@@ -139,7 +159,7 @@ def run_trial(sc: Scenario, launcher: str, size: str, port: int, work: Path) -> 
                     _mpirun(hosts, [sys.executable, *argv], work, sc.shape)
                 done = subprocess.run([sys.executable, "-m", "ringpipe.cli", "doctor", "--json", str(events)],
                                       capture_output=True, text=True, env=_env(), timeout=120)
-                return report_of(done.stdout)
+                return {**report_of(done.stdout), "events_file": str(events)}
             args = ["-m", "ringpipe.cli", "doctor", "--json", "--size", size, "--verify", "3"]
             if launcher == "launch":
                 return report_of(_launch(hosts, args, port, sc.shape))
@@ -165,6 +185,15 @@ def _gain(report: dict[str, Any], sc: Scenario) -> float | None:
     if sc.expected and "placement" in sc.expected[0] and ms:
         return ms["ring"] / min(v for k, v in ms.items() if not k.startswith("without"))
     return None
+
+
+def _keep(where: Path, tag: str, report: dict[str, Any]) -> None:
+    """Save a missed trial's report (and its events, for an events scenario) to read later."""
+    where.mkdir(parents=True, exist_ok=True)
+    (where / f"{tag}.report.json").write_text(json.dumps(report, indent=1))
+    if report.get("events_file"):
+        shutil.copy(report["events_file"], where / f"{tag}.events.json")
+    print(f"  kept in {where / tag}.*", file=sys.stderr)
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -196,6 +225,9 @@ def main() -> int:
     ap.add_argument("--size", default="256K", help="probe message size (doctor --size)")
     ap.add_argument("--only", default=None, help="run the scenarios whose name contains this text")
     ap.add_argument("--log", default=None, help="append each trial to this file as a JSON line")
+    ap.add_argument("--keep", default=None, metavar="DIR", help="save the report (and events) of every missed trial here")
+    ap.add_argument("--clock", type=int, default=0, metavar="BLOCKS",
+                    help="only time the clock-offset estimation under each launcher, BLOCKS alternated blocks")
     ap.add_argument("--table", default=None, metavar="LOG", help="print the table of a log and exit")
     args = ap.parse_args()
     if args.table:
@@ -209,6 +241,10 @@ def main() -> int:
     launchers = [x for x in args.launchers.split(",") if x]
     if "mpirun" in launchers and shutil.which("mpirun") is None:
         launchers.remove("mpirun")
+    if args.clock:
+        with tempfile.TemporaryDirectory(prefix="rp-doctor-clock-") as tmp:
+            print(clock_table(launchers, args.clock, 29650, Path(tmp)))
+        return 0
     rows: list[dict[str, Any]] = []
     port = 29700
     with tempfile.TemporaryDirectory(prefix="rp-doctor-accuracy-") as tmp:
@@ -223,6 +259,8 @@ def main() -> int:
                         report = run_trial(sc, launcher, args.size, port, Path(tmp))
                         ok, false = score(report, sc)
                         gain = _gain(report, sc)
+                        if args.keep and (not ok or false):
+                            _keep(Path(args.keep), f"{trial}-{launcher}-{port}", report)
                     except Exception as exc:  # noqa: BLE001 - a failed trial is scored as missed
                         print(f"  {name} / {launcher}: trial failed: {str(exc)[-600:]}", file=sys.stderr)
                         ok, false, gain = False, ["(trial failed)"], None

@@ -98,3 +98,27 @@ def test_under_mpirun_eight_ranks_on_few_cores_accuse_no_link_but_host_cs(tmp_pa
     # every link that avoids c is far faster than c's (50 Mbit/s = 0.00625 GB/s)
     others = [x["gbps"] for x in report["links"] if x["src"] < 6 and x["dst"] < 6]
     assert min(others) > 10 * 0.00625, sorted(others)[:5]
+
+
+CLOCK = str(Path(__file__).parent / "scripts" / "doctor_clock.py")
+
+
+@pytest.mark.netns
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(REASON is not None or shutil.which("mpirun") is None, reason=REASON or "needs Open MPI's mpirun")
+def test_clock_offsets_under_mpirun_agree_on_every_rank_and_find_the_one_clock_the_hosts_share(tmp_path):
+    """The namespace hosts run on one kernel, so their monotonic clocks are one clock: the true offset is 0.
+
+    The estimate is within its own error bound (half the best round trip, well under 5 ms here),
+    and every rank gets rank 0's table (sent point to point with quiet waits, not broadcast).
+    """
+    with netns.bridged_hosts(3) as hosts:
+        cmd, extra = netns.mpirun_across(hosts, [sys.executable, CLOCK, "3"], tmp_path / "hostfile", (2, 1, 1))
+        out = subprocess.run(cmd, capture_output=True, text=True, env={**_env(), "RINGPIPE_BACKEND": "mpi", **extra},
+                             timeout=280)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    line = next(x for x in out.stdout.splitlines() if "CLOCK " in x)
+    got = json.loads(line.split("CLOCK ", 1)[1])
+    assert got["agreed"], got
+    assert got["offsets_ns"][:2] == [0, 0]  # rank 1 shares rank 0's host: nothing to estimate
+    assert all(abs(o) < 5_000_000 for o in got["offsets_ns"]), got

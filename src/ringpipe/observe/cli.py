@@ -33,6 +33,7 @@ def _print_report(result: dict[str, Any], nbytes: int, as_json: bool) -> None:
             "compute_ms": [r.info.get("compute_ms") for r in job.ranks],
             "findings": [asdict(f) for f in findings],
             "verified": result.get("verified"),
+            "phases_s": result.get("phases_s", {}),
         }), flush=True)
         return
     extra = []

@@ -58,31 +58,49 @@ def clock_offsets(comm: Communicator, rounds: int = _SYNC_ROUNDS) -> list[int]:
     """Per rank, nanoseconds to subtract from its ``perf_counter_ns`` to get rank 0's clock.
 
     Zero for ranks on rank 0's host (one monotonic clock per host). Every rank must call this.
+    Its waits are quiet (:mod:`ringpipe.observe.quiet`): under Open MPI, blocking calls spin, and
+    on a machine with fewer cores than ranks the ranks waiting their turn (or for the result)
+    took the cores that the two ranks exchanging timestamps needed.
     """
+    from ringpipe.observe.quiet import quiet_wait
+
     hosts = member_hosts(comm)
     same_host = [h == hosts[0] for h in hosts]
     offsets = [0] * comm.size
     t = torch.zeros(1, dtype=torch.int64)
+
+    def leg(work: Any, longest: float = 0.0002) -> None:  # poll briefly (a nap would lengthen the round trip)
+        quiet_wait(comm, work, longest=longest, spin=0.0003)
+
     for peer in range(1, comm.size):
         if same_host[peer] or comm.rank not in (0, peer):
             continue
         best_rtt, best = None, 0
-        for _ in range(rounds):
+        for i in range(rounds):
             if comm.rank == 0:
                 t0 = time.perf_counter_ns()
-                comm.send(t, peer, _SYNC_TAG)
-                comm.recv(t, peer, _SYNC_TAG)
+                leg(comm.isend(t, peer, _SYNC_TAG))
+                leg(comm.irecv(t, peer, _SYNC_TAG))
                 t1 = time.perf_counter_ns()
                 if best_rtt is None or t1 - t0 < best_rtt:
                     best_rtt, best = t1 - t0, int(t.item()) - (t0 + t1) // 2
             else:
-                comm.recv(t, 0, _SYNC_TAG)
+                # The first message comes when rank 0 reaches this rank's turn: wait for it with
+                # longer naps (that round trip is the longest and never the one kept).
+                leg(comm.irecv(t, 0, _SYNC_TAG), longest=0.002 if i == 0 else 0.0002)
                 t.fill_(time.perf_counter_ns())
-                comm.send(t, 0, _SYNC_TAG)
+                leg(comm.isend(t, 0, _SYNC_TAG))
         offsets[peer] = best
-    if comm.size > 1:
-        offsets = comm.broadcast_object(offsets if comm.rank == 0 else None, root=0)
-    return list(offsets)
+    if comm.size == 1:
+        return offsets
+    # Rank 0 sends the result to each rank: a broadcast's waiting ranks spin (MPI), these sleep.
+    table = torch.tensor(offsets, dtype=torch.int64)
+    if comm.rank == 0:
+        for q in range(1, comm.size):
+            comm.isend(table, q, _SYNC_TAG + 1).wait()
+    else:
+        quiet_wait(comm, comm.irecv(table, 0, _SYNC_TAG + 1))
+    return [int(v) for v in table.tolist()]
 
 
 def member_hosts(comm: Communicator) -> list[str]:
@@ -117,8 +135,10 @@ def collect_events(
     """
     log = log or default_log()
     mine = log.events()
+    t0 = time.perf_counter()
     with internal():  # ringpipe's own calls, apart from the program's in comm_stats and the profile
         offsets = clock_offsets(comm)
+    sync_ms = 1e3 * (time.perf_counter() - t0)
     shift = offsets[comm.rank]
     payload = {
         "host": member_hosts(comm)[comm.rank],
@@ -126,7 +146,7 @@ def collect_events(
             (e.op, e.nbytes, e.peer, e.start_ns - shift, e.end_ns - shift, e.tag, e.comm, e.detail)
             for e in mine
         ],
-        "info": {**_rank_info(), **(info or {})},
+        "info": {**_rank_info(), "clock_sync_ms": sync_ms, **(info or {})},
     }
     with internal():
         every = comm.allgather_object(payload) if comm.size > 1 else [payload]

@@ -1,8 +1,9 @@
 """The doctor's probe, run by every rank of a job: compute, links, allreduce algorithms, the fix.
 
-Measurements are taken one at a time while the other ranks wait in a *quiet* barrier (they
-poll with short sleeps instead of spinning, as Open MPI's blocking calls do), so that on a
-machine with few cores the measured rank or pair is not slowed by its waiting peers:
+Measurements are taken one at a time while the other ranks wait in a *quiet* barrier
+(:mod:`ringpipe.observe.quiet`: they poll with short sleeps instead of spinning, as Open MPI's
+blocking calls do), so that on a machine with few cores the measured rank or pair is not slowed
+by its waiting peers:
 
 1. a compute probe on each rank in turn (a slow CPU, not contention, makes a rank slow);
 2. latency and bandwidth of every pair of ranks (on large jobs: ring neighbours and one pair
@@ -20,50 +21,13 @@ from typing import Any
 
 import torch
 
-from ringpipe.comm.base import Communicator, Work
+from ringpipe.comm.base import Communicator
 from ringpipe.observe.collect import member_hosts
+from ringpipe.observe.quiet import quiet_barrier, quiet_wait
 
 __all__ = ["compute_probe", "run_probe", "quiet_barrier", "doctor_job", "probe_pairs"]
 
 _PROBE_TAG = 7_100_000
-_QUIET_TAG = 7_100_001
-
-
-def _quiet(comm: Communicator, work: Work, longest: float = 0.01, spin: float = 0.0) -> None:
-    """Wait for ``work`` without spinning: MPI's blocking wait polls a core, so poll it with sleeps.
-
-    The pause doubles up to ``longest`` (seven waiting ranks polling every half millisecond
-    would take a good part of a small machine's cores themselves); ``spin``: seconds of plain
-    polling first (a transfer about to end is not delayed by a sleep). A process that wakes
-    from a sleep is scheduled promptly, one that spins competes for the core with every other
-    runnable process: on a machine with fewer cores than ranks, MPI's spinning waits made a
-    transfer read tens of times slower than it is. c10d's waits block in the kernel already
-    (and gloo's receive reports completion only to ``wait``), so there the plain wait is the
-    quiet one.
-    """
-    if comm.backend == "mpi":
-        pause = 0.00002
-        until = time.perf_counter() + spin
-        while not work.is_completed():
-            if time.perf_counter() >= until:
-                time.sleep(pause)
-                pause = min(2 * pause, longest)
-    work.wait()
-
-
-def quiet_barrier(comm: Communicator) -> None:
-    """A barrier whose waiting ranks sleep between polls instead of spinning on a core."""
-    if comm.size == 1:
-        return
-    t = torch.zeros(1)
-    if comm.rank == 0:
-        for q in range(1, comm.size):
-            _quiet(comm, comm.irecv(t, q, _QUIET_TAG))
-        for q in range(1, comm.size):
-            comm.isend(t, q, _QUIET_TAG).wait()
-    else:
-        comm.isend(t, 0, _QUIET_TAG).wait()
-        _quiet(comm, comm.irecv(t, 0, _QUIET_TAG))
 
 
 def probe_pairs(hosts: list[str], all_pairs: bool) -> list[tuple[int, int]]:
@@ -85,7 +49,7 @@ def _pingpong(comm: Communicator, peer: int, buf: torch.Tensor, reps: int, first
         t0 = time.perf_counter()
         for sending in ((True, False) if first else (False, True)):
             work = comm.isend(buf, peer, _PROBE_TAG) if sending else comm.irecv(buf, peer, _PROBE_TAG)
-            _quiet(comm, work, longest=0.0002, spin=0.0003)
+            quiet_wait(comm, work, longest=0.0002, spin=0.0003)
         times.append((time.perf_counter() - t0) / 2)
     return times
 
@@ -229,8 +193,17 @@ def doctor_job(comm: Communicator, nbytes: int, reps: int, all_pairs: bool | Non
 
     comm.log.clear()
     quiet_barrier(comm)
+    phases: dict[str, float] = {}
+    clock = [time.perf_counter()]
+
+    def phase(name: str) -> None:  # seconds each part of the probe took (on this rank)
+        clock.append(time.perf_counter())
+        phases[name] = round(clock[-1] - clock[-2], 3)
+
     compute_ms, compute_cpu_ms = compute_in_turn(comm)
+    phase("compute")
     links = run_probe(comm, nbytes, all_pairs) if comm.size > 1 else []
+    phase("links")
     hosts = member_hosts(comm)
     x = torch.ones(max(1, nbytes // 4))
     names = [a for a in ALGORITHMS if a != "hierarchical" or len(set(hosts)) > 1]
@@ -249,6 +222,7 @@ def doctor_job(comm: Communicator, nbytes: int, reps: int, all_pairs: bool | Non
             times[key].append(_time(comm, sub, "ring" if key.startswith("without ") else key, x))
     every = comm.allgather_object({k: min(v) for k, v in times.items()})
     allreduce_ms = {k: 1e3 * max(s[k] for s in every) for k in times}
+    phase("allreduce")
     verified = None
     fix = candidate(allreduce_ms, slow_hosts(shape, links)) if verify > 0 else None
     if fix is not None:
@@ -260,8 +234,13 @@ def doctor_job(comm: Communicator, nbytes: int, reps: int, all_pairs: bool | Non
         b = statistics.median(max(r[0][i] for r in runs) for i in range(verify))
         a = statistics.median(max(r[1][i] for r in runs) for i in range(verify))
         verified = {"fix": fix, "runs": verify, "before_ms": 1e3 * b, "after_ms": 1e3 * a}
-    job = collect_events(comm, info={"compute_ms": compute_ms, "compute_cpu_ms": compute_cpu_ms, "threads": torch.get_num_threads()})
+    phase("verify")
+    job = collect_events(comm, info={"compute_ms": compute_ms, "compute_cpu_ms": compute_cpu_ms,
+                                     "threads": torch.get_num_threads()})
+    phase("collect")
     if job is None:
         return None
+    phases["clock_offsets"] = round(max(r.info.get("clock_sync_ms", 0.0) for r in job.ranks) / 1e3, 3)
     findings = diagnose(job, links, allreduce_ms, nbytes, verified, lateness=False)
-    return {"job": job, "links": links, "findings": findings, "allreduce_ms": allreduce_ms, "verified": verified}
+    return {"job": job, "links": links, "findings": findings, "allreduce_ms": allreduce_ms, "verified": verified,
+            "phases_s": phases}
