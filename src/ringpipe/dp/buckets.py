@@ -16,7 +16,7 @@ import torch
 from ringpipe.comm.base import Communicator, ReduceOp
 from ringpipe.dp.engine import Handle
 
-__all__ = ["Slot", "Bucket", "name_parameters", "timed", "reducer", "groups_setting", "explicit_groups"]
+__all__ = ["Slot", "Bucket", "make_buckets", "name_parameters", "timed", "reducer", "groups_setting", "explicit_groups"]
 
 
 class Slot:
@@ -56,6 +56,41 @@ class Bucket:
         self.handle: Handle | None = None
         self.wire: torch.Tensor | None = None
         self.ready = 0.0  # when its last gradient arrived (timed steps only)
+
+
+def make_buckets(slots: list[Slot], explicit: list[list[Slot]] | None, first_cap: int, cap: int) -> list[Bucket]:
+    """Group parameters, last registered first, into buckets closed once they reach their cap.
+
+    The first bucket's cap is small (``first_cap``, as DDP's 1 MiB) so that the
+    first reduction starts early in backward and overlaps with the rest of it. With
+    ``explicit`` groups (Horovod's ``groups``), each group of one dtype is one bucket.
+    """
+    if explicit is not None:
+        split: list[list[Slot]] = []
+        for group in reversed(explicit):
+            by_kind: dict[tuple[torch.dtype, torch.device], list[Slot]] = {}
+            for s in reversed(group):
+                by_kind.setdefault((s.param.dtype, s.param.device), []).append(s)
+            split.extend(by_kind.values())
+        last = len(split) - 1
+        return [Bucket(i, g, bitmap=len(slots) if i == last else 0) for i, g in enumerate(split)]
+    open_: dict[tuple[torch.dtype, torch.device], list[Slot]] = {}
+    sizes: dict[tuple[torch.dtype, torch.device], int] = {}
+    groups: list[list[Slot]] = []
+    for s in reversed(slots):  # backward produces the last parameters' gradients first
+        key = (s.param.dtype, s.param.device)
+        current = open_.get(key)
+        if current is None:
+            current = []
+            groups.append(current)
+            open_[key], sizes[key] = current, 0
+        current.append(s)
+        sizes[key] += s.param.numel() * s.param.element_size()
+        limit = first_cap if len(groups) == 1 else cap
+        if sizes[key] >= limit:
+            del open_[key]
+    last = len(groups) - 1
+    return [Bucket(i, g, bitmap=len(slots) if i == last else 0) for i, g in enumerate(groups)]
 
 
 def name_parameters(

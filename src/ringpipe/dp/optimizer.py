@@ -7,9 +7,11 @@ parameter copies its gradient into its slot of the bucket (or finds it already t
 makes ``param.grad`` a view of that slot. When every parameter of a bucket is ready, and all
 earlier buckets have been launched, the bucket is handed to the communicator's background
 :class:`~ringpipe.dp.engine.Engine`. Buckets are therefore launched in the same order on every
-rank whatever order the hooks fire in, and ``step()`` waits only for what is still in flight.
+rank whatever order the hooks fire in, and ``step()`` waits only for what is still in flight
+(the hooks, launches and waits are in :mod:`ringpipe.dp.reduction`).
 
-The first bucket's reduction is announced (:mod:`ringpipe.dp.announce`), which tells every rank
+The first bucket's reduction is announced (:mod:`ringpipe.dp.announce`: its start rides in the
+step's announcement, so this costs no message of its own), which tells every rank
 how many ranks still have data; ranks that called :func:`ringpipe.dp.join.join` take part with
 zeros, and averages still divide by the full size, as in Horovod. While a rank is joined, every bucket is
 announced (other collectives, such as SyncBatchNorm's in backward, may come between two
@@ -22,27 +24,26 @@ import contextlib
 import itertools
 import logging
 import os
-import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 
-from ringpipe.comm.base import Communicator, ReduceOp, Work
+from ringpipe.comm.base import Communicator, ReduceOp
 from ringpipe.dp.agreement import agree, comparable, layout_of, validate
-from ringpipe.dp.announce import RIDE_CAP, Note, announce, settle, start_exchange
+from ringpipe.dp.announce import Note, announce
 from ringpipe.dp.buckets import (
-    Bucket,
     Slot,
     explicit_groups,
     groups_setting,
+    make_buckets,
     name_parameters,
     reducer,
-    timed,
 )
 from ringpipe.dp.compression import Compression, Compressor
 from ringpipe.dp.engine import Engine
+from ringpipe.dp.reduction import GradientReduction
 
 __all__ = ["DistributedOptimizer", "DEFAULT_BUCKET_BYTES", "DEFAULT_FIRST_BUCKET_BYTES"]
 
@@ -53,7 +54,7 @@ DEFAULT_FIRST_BUCKET_BYTES = 1024 * 1024
 _CREATED = itertools.count()
 
 
-class DistributedOptimizer(torch.optim.Optimizer):
+class DistributedOptimizer(GradientReduction, torch.optim.Optimizer):
     """Wraps a ``torch.optim.Optimizer`` so that ``step()`` applies gradients averaged over ranks.
 
     Args:
@@ -197,7 +198,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
         self.sparse_as_dense = bool(sparse_as_dense)
         self._slots = [Slot(p, n) for n, p in named]
-        self._buckets = self._make_buckets(self._slots, explicit_groups(groups, self._slots))
+        self._buckets = make_buckets(self._slots, explicit_groups(groups, self._slots), self.first_bucket_bytes,
+                                     self.bucket_bytes)
         self._next_launch = 0
         self._synchronized = False
         self._should_synchronize = True
@@ -207,12 +209,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # Adasum combines parameter updates in step(), not gradients in backward (Horovod's delta optimizer)
         self._adasum = rop is ReduceOp.ADASUM and comm.size > 1
         self._overlap_header = algorithm == "native" and not self.engine.complete_in_engine
+        average = rop is ReduceOp.AVERAGE
+        factor = self.gradient_predivide_factor
+        self._prescale = (1.0 / comm.size if factor == 1.0 else 1.0 / factor) if average else 1.0
         self._ride = self._ride_of(self._buckets[0]) if self._buckets and self.join_support and not self._adasum else 0
         if self._ride:
             engine = self.engine  # every rank builds its optimizers in the same order: the same length
             engine.run(lambda: setattr(engine, "ride", max(engine.ride, self._ride)), name="ride")
-        self._served: Any = None  # a joined rank: the summed start of the first bucket of the step it serves
-        self._hooks = [] if self._adasum else [
+        self._served = None  # a joined rank: the summed start of the first bucket of the step it serves
+        self._hooks: list[Any] = [] if self._adasum else [
             s.param.register_post_accumulate_grad_hook(self._make_hook(s)) for s in self._slots
         ]
         self._created = next(_CREATED)
@@ -235,241 +240,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._local = True
         self._synchronized = False
         self._should_synchronize = True
-        self._hooks: list[Any] = []
-
-    def _make_buckets(self, slots: list[Slot], explicit: list[list[Slot]] | None = None) -> list[Bucket]:
-        """Group parameters, last registered first, into buckets closed once they reach their cap.
-
-        The first bucket's cap is small (``first_bucket_bytes``, as DDP's 1 MiB) so that the
-        first reduction starts early in backward and overlaps with the rest of it. With
-        ``explicit`` groups (Horovod's ``groups``), each group of one dtype is one bucket.
-        """
-        if explicit is not None:
-            split = []
-            for group in reversed(explicit):
-                by_kind: dict[tuple[torch.dtype, torch.device], list[Slot]] = {}
-                for s in reversed(group):
-                    by_kind.setdefault((s.param.dtype, s.param.device), []).append(s)
-                split.extend(by_kind.values())
-            last = len(split) - 1
-            return [Bucket(i, g, bitmap=len(slots) if i == last else 0) for i, g in enumerate(split)]
-        open_: dict[tuple[torch.dtype, torch.device], list[Slot]] = {}
-        sizes: dict[tuple[torch.dtype, torch.device], int] = {}
-        groups: list[list[Slot]] = []
-        for s in reversed(slots):  # backward produces the last parameters' gradients first
-            key = (s.param.dtype, s.param.device)
-            current = open_.get(key)
-            if current is None:
-                current = []
-                groups.append(current)
-                open_[key], sizes[key] = current, 0
-            current.append(s)
-            sizes[key] += s.param.numel() * s.param.element_size()
-            cap = self.first_bucket_bytes if len(groups) == 1 else self.bucket_bytes
-            if sizes[key] >= cap:
-                del open_[key]
-        last = len(groups) - 1
-        return [Bucket(i, g, bitmap=len(slots) if i == last else 0) for i, g in enumerate(groups)]
-
-    def _ride_of(self, bucket: Bucket) -> int:
-        """How many elements of the first bucket ride in the step's header (float32 wires only)."""
-        wire = self.compression.wire_dtype if self.compression.applies_to(bucket.buffer.dtype) else bucket.buffer.dtype
-        return min(RIDE_CAP, bucket.buffer.numel()) if wire == torch.float32 else 0
-
-    def _make_hook(self, slot: Slot) -> Callable[[torch.Tensor], None]:
-        passes = self.backward_passes_per_step
-
-        def hook(param: torch.Tensor) -> None:
-            slot.count += 1
-            if slot.count < passes:
-                return
-            if slot.count > passes:
-                raise RuntimeError(
-                    f"the gradient of {slot.name!r} was computed {slot.count} times before step() but "
-                    f"backward_passes_per_step={passes}: call optimizer.step() (or synchronize()) after every "
-                    f"{passes} backward passes, or raise backward_passes_per_step to accumulate more"
-                )
-            self._synchronized = False
-            slot.used = True
-            clock = self.clock
-            if clock is None:
-                self._take_grad(slot)
-            else:
-                t0 = time.perf_counter()
-                self._take_grad(slot)
-                clock["copy"] = clock.get("copy", 0.0) + time.perf_counter() - t0
-            bucket = slot.bucket
-            assert bucket is not None
-            bucket.pending -= 1
-            if bucket.pending == 0 and clock is not None:
-                bucket.ready = time.perf_counter()
-            if bucket.pending == 0 and bucket.index == self._next_launch:
-                self._launch_ready()
-
-        return hook
-
-    # ------------------------------------------------------------------ buckets
-
-    @staticmethod
-    def _take_grad(slot: Slot) -> None:
-        """Make ``param.grad`` the bucket view holding the gradient (copy it in if needed)."""
-        param, view = slot.param, slot.view
-        assert view is not None
-        grad = param.grad
-        if grad is not None and grad.is_sparse:
-            slot.sparse = True
-            grad = grad.to_dense()
-        if grad is None:
-            view.zero_()
-        elif grad.data_ptr() != view.data_ptr() or grad.shape != view.shape:
-            view.copy_(grad)
-        else:
-            return
-        param.grad = view
-
-    def _launch_ready(self) -> None:
-        buckets = self._buckets
-        while self._next_launch < len(buckets) and buckets[self._next_launch].pending == 0:
-            self._launch(buckets[self._next_launch])
-            self._next_launch += 1
-
-    def _launch(self, bucket: Bucket, contribute: bool = True) -> None:
-        # Average divides before the sum, on the engine thread while backward continues:
-        # by the predivide factor, and by the world size too when there is no predivide factor.
-        average = self.op is ReduceOp.AVERAGE
-        size = float(self.comm.size)
-        factor = self.gradient_predivide_factor
-        prescale = (1.0 / size if factor == 1.0 else 1.0 / factor) if average else 1.0
-        compressor = self.compression
-        reduce = self._reduce
-        buffer = bucket.buffer
-        used = (
-            torch.tensor([float(s.used) for s in self._slots], dtype=buffer.dtype) if bucket.bitmap else None
-        )
-        # MPI does not match the blocking header allreduce of a joined rank with a non-blocking one
-        overlap = self._overlap_header
-
-        def task() -> Any:
-            wire = buffer
-            if compressor.applies_to(buffer.dtype):
-                if bucket.wire is None:
-                    bucket.wire = torch.empty_like(buffer, dtype=compressor.wire_dtype)
-                wire = bucket.wire
-                if prescale != 1.0:
-                    torch.mul(buffer, prescale, out=wire)
-                else:
-                    wire.copy_(buffer)
-            elif prescale != 1.0:
-                buffer.mul_(prescale)
-            if used is not None:
-                wire[bucket.numel : bucket.numel + bucket.bitmap] = used
-            if not self.join_support:
-                return reduce(wire)
-            if bucket.index == 0 and contribute:
-                return self._first_bucket(wire, overlap)
-            settle(self.comm)  # the step's header, read before anything else is posted
-            if bucket.index == 0:  # a joined rank: its zeros for the first elements went out with join's header
-                ride, served, self._served = self._ride, self._served, None
-                if ride:
-                    wire[:ride] = served[:ride]
-                return _whole(reduce(wire[ride:]), wire) if ride < wire.numel() else wire
-            if contribute and self._active < size:
-                announce(self.comm, "bucket")
-            return reduce(wire)
-
-        def then(wire: torch.Tensor) -> None:
-            if wire is not buffer:
-                buffer.copy_(wire)
-            if bucket.bitmap:
-                nobody = buffer[bucket.numel : bucket.numel + bucket.bitmap] == 0
-                self._unused = nobody.nonzero().flatten().tolist() if bool(nobody.any()) else []
-            if average:
-                # Horovod's Average: divided by the full size, ranks that joined contributing zeros.
-                scale = 1.0 if factor == 1.0 else factor / size
-                if scale != 1.0:
-                    buffer[: bucket.numel].mul_(scale)
-
-        run: Callable[[], Any] = task
-        finish: Callable[[Any], None] = then
-        if self.clock is not None:
-            run, finish = timed(self.clock, bucket, task, then)
-        # The last bucket is launched when backward is over: nothing is left to overlap with.
-        last = bucket.index == len(self._buckets) - 1
-        bucket.handle = self.engine.submit(run, finish, name=f"bucket{bucket.index}", inline=last)
-
-    def _first_bucket(self, wire: torch.Tensor, overlap: bool) -> Any:
-        """The step's first bucket (engine thread): its first elements ride in the step's header.
-
-        With ``overlap`` (a thread-safe backend, the native allreduce) the rest of the bucket goes
-        out right behind the header and the header is read only when it is needed: by the next
-        collective posted on the communicator (:func:`~ringpipe.dp.announce.settle`) or by
-        ``step()``; so a one-bucket step is one allreduce, as without join support.
-        """
-        ride = self._ride
-        rest = wire.numel() - ride
-
-        def on_note(note: Note) -> None:
-            self._active = float(note.count)
-
-        if overlap:
-            pending = start_exchange(self.comm, "step", wire, ride, rest, on_note)
-            behind = self._reduce(wire[ride:]) if rest else None
-            first = pending.work
-            assert first is not None
-
-            def wait() -> None:
-                pending.wait()
-                if behind is not None:
-                    behind.wait()
-
-            def test() -> bool:
-                done = first.is_completed() and (behind is None or behind.is_completed())
-                return done and pending.wait() is not None
-
-            return Work(wait, test, result=wire)
-        pending = start_exchange(self.comm, "step", wire, ride, 0, on_note, blocking=self.engine.complete_in_engine)
-        pending.note()
-        return _whole(self._reduce(wire[ride:]), wire) if rest else wire
-
-    def _launch_all(self, contribute: bool = True) -> None:
-        """Launch every bucket not launched yet, with zeros for parameters that got no gradient."""
-        passes = self.backward_passes_per_step
-        for bucket in self._buckets[self._next_launch :]:
-            if bucket.pending:
-                for slot in bucket.slots:
-                    if slot.count < passes:
-                        slot.used = contribute and (slot.count > 0 or slot.param.grad is not None)
-                        self._take_grad(slot)
-                bucket.pending = 0
-            self._launch(bucket, contribute)
-        self._next_launch = len(self._buckets)
-
-    def _wait_all(self) -> None:
-        t0 = time.perf_counter()
-        try:
-            for bucket in self._buckets:
-                if bucket.handle is not None:
-                    bucket.handle.wait()
-        finally:
-            for bucket in self._buckets:
-                bucket.handle = None
-                bucket.pending = len(bucket.slots)
-            for slot in self._slots:
-                slot.count = 0
-                slot.used = False
-            self._next_launch = 0
-            self._peers_joined = self._active < self.comm.size
-            if self.clock is not None:
-                self.clock["wait"] = self.clock.get("wait", 0.0) + time.perf_counter() - t0
-        if not self.sparse_as_dense:
-            for slot in self._slots:
-                if slot.sparse and slot.param.grad is not None:
-                    slot.param.grad = slot.param.grad.to_sparse()
-                    slot.sparse = False
-        # Parameters that no rank produced a gradient for keep no gradient, as in one process.
-        for i in self._unused:
-            self._slots[i].param.grad = None
-        self._unused = []
+        self._hooks = []
 
     # ------------------------------------------------------------------ public
 
@@ -628,8 +399,3 @@ class DistributedOptimizer(torch.optim.Optimizer):
             )
         for group, theirs in zip(self.param_groups, groups, strict=True):
             group.update({k: v for k, v in theirs.items() if k != "params"})
-
-
-def _whole(part: Any, wire: torch.Tensor) -> Any:
-    """The reduction of part of ``wire`` (a Work, or done), as one of the whole ``wire``."""
-    return Work(part.wait, part.is_completed, result=wire) if isinstance(part, Work) else wire

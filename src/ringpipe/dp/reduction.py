@@ -1,0 +1,259 @@
+"""Gradient reduction: from a gradient ready in backward to its bucket reduced across ranks.
+
+The part of :class:`~ringpipe.dp.optimizer.DistributedOptimizer` that runs every step: a
+post-accumulate-grad hook per parameter copies its gradient into its slot of a fusion bucket,
+already divided as an Average needs it (one pass over the gradient, not a copy and a scaling),
+and makes ``param.grad`` a view of that slot; a complete bucket is launched on the
+communicator's :class:`~ringpipe.dp.engine.Engine` once every earlier bucket is, so buckets go
+out in the same order on every rank; ``step()`` waits only for what is still in flight. With
+join support the first bucket's start rides in the step's announcement
+(:mod:`ringpipe.dp.announce`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ringpipe.comm.base import Communicator, ReduceOp, Work
+from ringpipe.dp.announce import RIDE_CAP, Note, announce, settle, start_exchange
+from ringpipe.dp.buckets import Bucket, Slot, timed
+from ringpipe.dp.compression import Compressor
+from ringpipe.dp.engine import Engine
+
+__all__ = ["GradientReduction"]
+
+
+class GradientReduction:
+    """Hooks, bucket launches and waits of a ``DistributedOptimizer`` (a mixin; state set by its constructor)."""
+
+    comm: Communicator
+    engine: Engine
+    compression: Compressor
+    op: ReduceOp
+    gradient_predivide_factor: float
+    backward_passes_per_step: int
+    join_support: bool
+    sparse_as_dense: bool
+    clock: dict[str, float] | None
+    _reduce: Callable[[torch.Tensor], Any]
+    _slots: list[Slot]
+    _buckets: list[Bucket]
+    _next_launch: int
+    _synchronized: bool
+    _active: float
+    _peers_joined: bool
+    _unused: list[int]
+    _overlap_header: bool
+    _prescale: float
+    _ride: int
+    _served: torch.Tensor | None
+
+    def _ride_of(self, bucket: Bucket) -> int:
+        """How many elements of the first bucket ride in the step's header (float32 wires only)."""
+        wire = self.compression.wire_dtype if self.compression.applies_to(bucket.buffer.dtype) else bucket.buffer.dtype
+        return min(RIDE_CAP, bucket.buffer.numel()) if wire == torch.float32 else 0
+
+    def _make_hook(self, slot: Slot) -> Callable[[torch.Tensor], None]:
+        passes = self.backward_passes_per_step
+
+        def hook(param: torch.Tensor) -> None:
+            slot.count += 1
+            if slot.count < passes:
+                return
+            if slot.count > passes:
+                raise RuntimeError(
+                    f"the gradient of {slot.name!r} was computed {slot.count} times before step() but "
+                    f"backward_passes_per_step={passes}: call optimizer.step() (or synchronize()) after every "
+                    f"{passes} backward passes, or raise backward_passes_per_step to accumulate more"
+                )
+            self._synchronized = False
+            slot.used = True
+            clock = self.clock
+            if clock is None:
+                self._take_grad(slot)
+            else:
+                t0 = time.perf_counter()
+                self._take_grad(slot)
+                clock["copy"] = clock.get("copy", 0.0) + time.perf_counter() - t0
+            bucket = slot.bucket
+            assert bucket is not None
+            bucket.pending -= 1
+            if bucket.pending == 0 and clock is not None:
+                bucket.ready = time.perf_counter()
+            if bucket.pending == 0 and bucket.index == self._next_launch:
+                self._launch_ready()
+
+        return hook
+
+    def _take_grad(self, slot: Slot) -> None:
+        """Make ``param.grad`` the bucket view holding the gradient, divided as an Average needs it.
+
+        Average divides before the sum: by the predivide factor, and by the world size too when
+        there is no predivide factor (:attr:`_prescale`); fused with the copy into the bucket.
+        """
+        param, view = slot.param, slot.view
+        assert view is not None
+        scale = self._prescale
+        grad = param.grad
+        if grad is not None and grad.is_sparse:
+            slot.sparse = True
+            grad = grad.to_dense()
+        if grad is None:
+            view.zero_()
+        elif grad.data_ptr() != view.data_ptr() or grad.shape != view.shape:
+            if scale == 1.0:
+                view.copy_(grad)
+            else:
+                torch.mul(grad, scale, out=view)
+        else:  # accumulated into the bucket already
+            if scale != 1.0:
+                view.mul_(scale)
+            return
+        param.grad = view
+
+    def _launch_ready(self) -> None:
+        buckets = self._buckets
+        while self._next_launch < len(buckets) and buckets[self._next_launch].pending == 0:
+            self._launch(buckets[self._next_launch])
+            self._next_launch += 1
+
+    def _launch(self, bucket: Bucket, contribute: bool = True) -> None:
+        # The gradients were divided before the sum as they were copied in (_take_grad).
+        average = self.op is ReduceOp.AVERAGE
+        size = float(self.comm.size)
+        factor = self.gradient_predivide_factor
+        compressor = self.compression
+        reduce = self._reduce
+        buffer = bucket.buffer
+        used = (
+            torch.tensor([float(s.used) for s in self._slots], dtype=buffer.dtype) if bucket.bitmap else None
+        )
+        # MPI does not match the blocking header allreduce of a joined rank with a non-blocking one
+        overlap = self._overlap_header
+
+        def task() -> Any:
+            wire = buffer
+            if compressor.applies_to(buffer.dtype):
+                if bucket.wire is None:
+                    bucket.wire = torch.empty_like(buffer, dtype=compressor.wire_dtype)
+                wire = bucket.wire
+                wire.copy_(buffer)
+            if used is not None:
+                wire[bucket.numel : bucket.numel + bucket.bitmap] = used
+            if not self.join_support:
+                return reduce(wire)
+            if bucket.index == 0 and contribute:
+                return self._first_bucket(wire, overlap)
+            settle(self.comm)  # the step's header, read before anything else is posted
+            if bucket.index == 0:  # a joined rank: its zeros for the first elements went out with join's header
+                ride, served, self._served = self._ride, self._served, None
+                if ride:
+                    assert served is not None
+                    wire[:ride] = served[:ride]
+                return _whole(reduce(wire[ride:]), wire) if ride < wire.numel() else wire
+            if contribute and self._active < size:
+                announce(self.comm, "bucket")
+            return reduce(wire)
+
+        def then(wire: torch.Tensor) -> None:
+            if wire is not buffer:
+                buffer.copy_(wire)
+            if bucket.bitmap:
+                nobody = buffer[bucket.numel : bucket.numel + bucket.bitmap] == 0
+                self._unused = nobody.nonzero().flatten().tolist() if bool(nobody.any()) else []
+            if average:
+                # Horovod's Average: divided by the full size, ranks that joined contributing zeros.
+                scale = 1.0 if factor == 1.0 else factor / size
+                if scale != 1.0:
+                    buffer[: bucket.numel].mul_(scale)
+
+        run: Callable[[], Any] = task
+        finish: Callable[[Any], None] = then
+        if self.clock is not None:
+            run, finish = timed(self.clock, bucket, task, then)
+        # The last bucket is launched when backward is over: nothing is left to overlap with.
+        last = bucket.index == len(self._buckets) - 1
+        bucket.handle = self.engine.submit(run, finish, name=f"bucket{bucket.index}", inline=last)
+
+    def _first_bucket(self, wire: torch.Tensor, overlap: bool) -> Any:
+        """The step's first bucket (engine thread): its first elements ride in the step's header.
+
+        With ``overlap`` (a thread-safe backend, the native allreduce) the rest of the bucket goes
+        out right behind the header and the header is read only when it is needed: by the next
+        collective posted on the communicator (:func:`~ringpipe.dp.announce.settle`) or by
+        ``step()``; so a one-bucket step is one allreduce, as without join support.
+        """
+        ride = self._ride
+        rest = wire.numel() - ride
+
+        def on_note(note: Note) -> None:
+            self._active = float(note.count)
+
+        if overlap:
+            pending = start_exchange(self.comm, "step", wire, ride, rest, on_note)
+            behind = self._reduce(wire[ride:]) if rest else None
+            first = pending.work
+            assert first is not None
+
+            def wait() -> None:
+                pending.wait()
+                if behind is not None:
+                    behind.wait()
+
+            def test() -> bool:
+                done = first.is_completed() and (behind is None or behind.is_completed())
+                return done and pending.wait() is not None
+
+            return Work(wait, test, result=wire)
+        pending = start_exchange(self.comm, "step", wire, ride, 0, on_note, blocking=self.engine.complete_in_engine)
+        pending.note()
+        return _whole(self._reduce(wire[ride:]), wire) if rest else wire
+
+    def _launch_all(self, contribute: bool = True) -> None:
+        """Launch every bucket not launched yet, with zeros for parameters that got no gradient."""
+        passes = self.backward_passes_per_step
+        for bucket in self._buckets[self._next_launch :]:
+            if bucket.pending:
+                for slot in bucket.slots:
+                    if slot.count < passes:
+                        slot.used = contribute and (slot.count > 0 or slot.param.grad is not None)
+                        self._take_grad(slot)
+                bucket.pending = 0
+            self._launch(bucket, contribute)
+        self._next_launch = len(self._buckets)
+
+    def _wait_all(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            for bucket in self._buckets:
+                if bucket.handle is not None:
+                    bucket.handle.wait()
+        finally:
+            for bucket in self._buckets:
+                bucket.handle = None
+                bucket.pending = len(bucket.slots)
+            for slot in self._slots:
+                slot.count = 0
+                slot.used = False
+            self._next_launch = 0
+            self._peers_joined = self._active < self.comm.size
+            if self.clock is not None:
+                self.clock["wait"] = self.clock.get("wait", 0.0) + time.perf_counter() - t0
+        if not self.sparse_as_dense:
+            for slot in self._slots:
+                if slot.sparse and slot.param.grad is not None:
+                    slot.param.grad = slot.param.grad.to_sparse()
+                    slot.sparse = False
+        # Parameters that no rank produced a gradient for keep no gradient, as in one process.
+        for i in self._unused:
+            self._slots[i].param.grad = None
+        self._unused = []
+
+
+def _whole(part: Any, wire: torch.Tensor) -> Any:
+    """The reduction of part of ``wire`` (a Work, or done), as one of the whole ``wire``."""
+    return Work(part.wait, part.is_completed, result=wire) if isinstance(part, Work) else wire
