@@ -1,4 +1,4 @@
-"""Interleaved 1F1B and ZB-H1 train exactly as one process does: the trainer's MLP, CNN, ResNet and transformer.
+"""Interleaved 1F1B, ZB-H1 and ZB-H2 train exactly as one process does: the trainer's MLP, CNN, ResNet and transformer.
 
 Oracle: one process holding the unsplit model (built by the same factory from the same seed)
 trains on the same global batches with the same optimizer, in plain torch: the gradient of
@@ -10,7 +10,8 @@ three steps (the last batch splits unevenly: micro-batch losses weighted by size
 shape header changes mid-batch).
 
 Real processes over gloo. Every model runs on 2 stages under both schedules; the MLP and the
-transformer also on 3 and 4 stages; recomputation and 3 chunks per rank appear on some.
+transformer also on 3 and 4 stages; recomputation and 3 chunks per rank appear on some. ZB-H2
+runs the MLP (with and without recomputation) and the transformer on 2 stages, the MLP on 3.
 """
 
 import functools
@@ -129,6 +130,14 @@ def test_mlp_and_transformer_on_three_and_four_stages(stages):
     runs = [("mlp", 7, s, k, stages == 4) for s, k in SCHEDULES]
     runs += [("transformer", 6, s, k, stages == 3) for s, k in SCHEDULES]
     _check(stages, runs)
+
+
+@pytest.mark.timeout(300)
+def test_zb_h2_trains_as_one_process_on_two_and_three_stages():
+    # ZB-H2: up to 2p - 1 micro-batches held, the same backward split as ZB-H1
+    _check(2, [("mlp", 7, "zb_h2", None, False), ("mlp", 7, "zb_h2", None, True),
+               ("transformer", 6, "zb_h2", None, False)])
+    _check(3, [("mlp", 7, "zb_h2", None, False)])
 
 
 def _bad(comm):

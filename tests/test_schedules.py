@@ -61,9 +61,9 @@ def test_text_form_and_render():
 
 
 def test_registry_error_lists_names():
-    with pytest.raises(ScheduleError, match="valid schedules: 1f1b, async_1f1b, gpipe, interleaved_1f1b, seq, zb_h1"):
+    with pytest.raises(ScheduleError, match="valid schedules: 1f1b, async_1f1b, gpipe, interleaved_1f1b, seq, zb_h1, zb_h2"):
         get_schedule("zero_bubble")
-    assert set(SCHEDULES) == {"seq", "gpipe", "1f1b", "async_1f1b", "interleaved_1f1b", "zb_h1"}
+    assert set(SCHEDULES) == {"seq", "gpipe", "1f1b", "async_1f1b", "interleaved_1f1b", "zb_h1", "zb_h2"}
 
 
 def test_validator_rejects_bad_schedules():
@@ -183,6 +183,26 @@ def test_zb_h1_holds_no_more_activations_than_1f1b(stages, mbs):
             live += (a.kind == "F") - (a.kind == "W")
             peak = max(peak, live)
         assert peak <= min(stages, mbs)
+
+
+@pytest.mark.parametrize(("stages", "mbs"), NEW_SHAPES + [(1, 3), (3, 1), (4, 2), (5, 7), (4, 16)])
+def test_zb_h2_splits_every_backward_and_holds_at_most_2p_minus_1(stages, mbs):
+    per_stage = _per_stage("zb_h2", stages, mbs)
+    validate_pipeline(per_stage, mbs)
+    for acts in per_stage:
+        for m in range(mbs):
+            f, b, w = (acts.index(Action(k, m)) for k in "FBW")
+            assert f < b < w < len(acts) - 1
+        assert acts[-1] == Action("S") and sum(a.kind == "S" for a in acts) == 1
+    # the paper's peak: 2p - 1 micro-batches (1F1B's first stage holds p), reached on the first stage
+    assert [max_in_flight(a) for a in per_stage][0] == min(2 * stages - 1, mbs)
+    assert max(max_in_flight(a) for a in per_stage) <= 2 * stages - 1
+
+
+def test_zb_h2_text_form_two_stages():
+    # three warm-up forwards on the first stage (2p - 1 = 3 held), W passes where ZB-H1 would wait
+    assert format_actions(get_schedule("zb_h2")(2, 4, 0)) == "F0 F1 F2 B0 W0 B1 F3 B2 W1 W2 B3 W3 S"
+    assert format_actions(get_schedule("zb_h2")(2, 4, 1)) == "F0 B0 F1 B1 F2 B2 W0 F3 B3 W1 W2 W3 S"
 
 
 def test_validator_rejects_bad_split_backwards_and_chunks():

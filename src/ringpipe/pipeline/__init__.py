@@ -22,7 +22,7 @@ from ringpipe.pipeline.schedules_interleaved import interleaved_1f1b
 from ringpipe.pipeline.split_backward import SplitStageRuntime
 from ringpipe.pipeline.stage import StageError, StageRuntime
 from ringpipe.pipeline.trainer import PipelineTrainer, split_microbatches
-from ringpipe.pipeline.zero_bubble import zb_h1
+from ringpipe.pipeline.zero_bubble import zb_h1, zb_h2
 
 __all__ = [
     "Action",
@@ -55,4 +55,5 @@ __all__ = [
     "validate",
     "validate_pipeline",
     "zb_h1",
+    "zb_h2",
 ]

@@ -26,6 +26,8 @@ Schedules:
   partial group of backwards gets a final step.
 - ``interleaved_1f1b``: 1F1B over ``chunks`` virtual stages per rank (Narayanan et al. 2021).
 - ``zb_h1``: zero-bubble ZB-H1 (Qi et al. 2024), backward split into ``B`` and ``W``.
+- ``zb_h2``: zero-bubble ZB-H2 (same paper): up to ``2 * stages - 1`` micro-batches held, no
+  idle time from step to step when ``F``, ``B`` and ``W`` take equally long.
 
 A new schedule is one function registered in :data:`SCHEDULES`.
 """
@@ -404,7 +406,8 @@ def render(per_stage: Sequence[Sequence[Action]]) -> str:
 
 # Schedules in modules of their own register here (they import Action from this module).
 from ringpipe.pipeline.schedules_interleaved import interleaved_1f1b  # noqa: E402
-from ringpipe.pipeline.zero_bubble import zb_h1  # noqa: E402
+from ringpipe.pipeline.zero_bubble import zb_h1, zb_h2  # noqa: E402
 
 SCHEDULES["interleaved_1f1b"] = interleaved_1f1b
 SCHEDULES["zb_h1"] = zb_h1
+SCHEDULES["zb_h2"] = zb_h2

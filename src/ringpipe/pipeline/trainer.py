@@ -56,17 +56,19 @@ log = logging.getLogger(__name__)
 
 SCHEDULE_ALIASES = {
     "async": "async_1f1b", "pipedream": "async_1f1b", "pipedream_flush": "1f1b",
-    "interleaved": "interleaved_1f1b", "zbh1": "zb_h1", "zero_bubble": "zb_h1",
+    "interleaved": "interleaved_1f1b", "zbh1": "zb_h1", "zero_bubble": "zb_h1", "zbh2": "zb_h2",
 }
 #: Schedules run by :class:`~ringpipe.pipeline.chunked.ChunkedExecutor` (model chunks, split backward).
-CHUNKED_SCHEDULES = frozenset({"interleaved_1f1b", "zb_h1"})
+CHUNKED_SCHEDULES = frozenset({"interleaved_1f1b", "zb_h1", "zb_h2"})
+#: Schedules whose backward is split into an input-gradient and a weight-gradient pass.
+SPLIT_BACKWARD_SCHEDULES = frozenset({"zb_h1", "zb_h2"})
 
 
 class PipelineTrainer(TrainerState):
     """One rank's view of a pipeline (optionally replicated) training run.
 
     ``schedule``: ``seq``, ``gpipe``, ``1f1b``, ``interleaved_1f1b`` (alias ``interleaved``),
-    ``zb_h1`` (alias ``zbh1``) or ``async_1f1b`` (alias ``async``).
+    ``zb_h1`` (alias ``zbh1``), ``zb_h2`` (alias ``zbh2``) or ``async_1f1b`` (alias ``async``).
     ``balance``: layers per stage, ``"params"``, ``"time"`` (needs ``sample``) or ``None``
     (by parameters). The number of stages is ``len(balance)`` or ``comm.size // replicas``.
     ``chunks`` (``interleaved_1f1b`` only, default 2): model chunks per rank; the model is cut
@@ -177,7 +179,7 @@ class PipelineTrainer(TrainerState):
         self.replica_comm = replica_group(comm, self.grid)
         self.executor: PipelineExecutor | ChunkedExecutor
         if self.chunked:
-            runtime_cls = SplitStageRuntime if self.schedule == "zb_h1" else StageRuntime
+            runtime_cls = SplitStageRuntime if self.schedule in SPLIT_BACKWARD_SCHEDULES else StageRuntime
             total = num_parts
             self.runtimes = [
                 runtime_cls(m, g, total, loss_fn if g == total - 1 else None, metrics_fn, recompute, self.policy, device)

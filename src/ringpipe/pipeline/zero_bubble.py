@@ -17,13 +17,27 @@ stage of 1F1B holds (later stages hold more than under 1F1B, never more than the
 held-back ``W`` passes run at the end, where the stage would otherwise wait. With ``tF = tB
 = tW`` and ``microbatches >= stages`` the idle time is ``(stages - 1) * tF`` per stage, a
 third of 1F1B's.
+
+ZB-H2 (the paper's section 3.1, figure 3) trades memory for the rest of the bubble: a stage
+may hold up to ``2 * stages - 1`` micro-batches (the paper's peak, about twice 1F1B's ``stages``),
+so it runs extra warm-up forwards where ZB-H1 waits for the first backward, and then ``F``,
+``B``, ``W`` per micro-batch. Its action lists are what a greedy pipeline with equal ``F``,
+``B`` and ``W`` times does: a free stage runs a backward if its output gradient is there, else
+a forward if its input is there and it holds fewer micro-batches than the limit, else a
+held-back ``W``. One step has the shape of a parallelogram: the first stage ends ``stages - 1``
+before the last (one step alone idles as ZB-H1 does); since a ringpipe stage takes its
+optimizer step on its own (no barrier across stages), the next step's forwards start in that
+gap, and from step to step a step costs ``m * (tF + tB + tW) + (p - 1)(tF + tB - 2 tW)`` with
+equal passes, i.e. no idle time at all (the paper's formula), once ``m >= 2 * stages - 1``.
 """
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from ringpipe.pipeline.schedules import Action, _check_args
 
-__all__ = ["zb_h1", "zb_h1_pipeline"]
+__all__ = ["zb_h1", "zb_h1_pipeline", "zb_h2", "zb_h2_pipeline", "zb_h2_limit"]
 
 
 def zb_h1(num_stages: int, num_microbatches: int, stage: int) -> list[Action]:
@@ -54,3 +68,53 @@ def zb_h1(num_stages: int, num_microbatches: int, stage: int) -> list[Action]:
 def zb_h1_pipeline(num_stages: int, num_microbatches: int) -> list[list[Action]]:
     """Every stage's ZB-H1 actions."""
     return [zb_h1(num_stages, num_microbatches, s) for s in range(num_stages)]
+
+
+def zb_h2_limit(num_stages: int) -> int:
+    """The most micro-batches (``F`` done, ``W`` not yet) a stage holds under ZB-H2."""
+    return 2 * num_stages - 1
+
+
+def zb_h2(num_stages: int, num_microbatches: int, stage: int) -> list[Action]:
+    """Stage ``stage``'s ZB-H2 actions: extra warm-up forwards, then ``F``, ``B``, ``W``; one ``S``."""
+    _check_args(num_stages, num_microbatches, stage)
+    return list(_zb_h2(num_stages, num_microbatches)[stage])
+
+
+def zb_h2_pipeline(num_stages: int, num_microbatches: int) -> list[list[Action]]:
+    """Every stage's ZB-H2 actions."""
+    return [zb_h2(num_stages, num_microbatches, s) for s in range(num_stages)]
+
+
+@lru_cache(maxsize=64)
+def _zb_h2(p: int, m: int) -> tuple[tuple[Action, ...], ...]:
+    """The greedy unit-time pipeline of the module docstring, run to the end, as action lists."""
+    f_end: list[list[int]] = [[] for _ in range(p)]  # when each stage finished each forward (in order)
+    b_end: list[list[int]] = [[] for _ in range(p)]
+    w_done = [0] * p
+    out: list[list[Action]] = [[] for _ in range(p)]
+    t = 0
+    while any(w_done[s] < m for s in range(p)):
+        ran = []
+        for s in range(p):
+            nf, nb = len(f_end[s]), len(b_end[s])
+            grad_in = s == p - 1 or (len(b_end[s + 1]) > nb and b_end[s + 1][nb] <= t)
+            act_in = s == 0 or (len(f_end[s - 1]) > nf and f_end[s - 1][nf] <= t)
+            if nb < nf and grad_in:
+                ran.append((s, Action("B", nb)))
+            elif nf < m and act_in and nf - w_done[s] < zb_h2_limit(p):
+                ran.append((s, Action("F", nf)))
+            elif w_done[s] < nb:
+                ran.append((s, Action("W", w_done[s])))
+        if t > 6 * (m + p):  # each unit of time runs one action somewhere, or waits for one message
+            raise AssertionError(f"ZB-H2 construction for {p} stages and {m} micro-batches did not finish")
+        for s, a in ran:  # every action takes one unit: it ends at t + 1, visible to the others then
+            out[s].append(a)
+            if a.kind == "F":
+                f_end[s].append(t + 1)
+            elif a.kind == "B":
+                b_end[s].append(t + 1)
+            else:
+                w_done[s] += 1
+        t += 1
+    return tuple(tuple([*acts, Action("S")]) for acts in out)
