@@ -4,7 +4,7 @@ Two real ranks run ``tests/scripts/tf_legacy_keras.py`` under ``ringpipe launch`
 ``TF_USE_LEGACY_KERAS=1``. The expected values are written here with plain TensorFlow (no Keras):
 training from one process on the global batch (the mean squared error's gradient and the SGD
 update written out), the warmup rates from Horovod's formula, the metric average from the ranks'
-own losses. Skipped when tf-keras is not installed (``pip install --no-deps tf-keras==2.21.0``).
+own losses, SyncBatchNormalization from batch normalisation of the global batch written out. Skipped when tf-keras is not installed (``pip install --no-deps tf-keras==2.21.0``).
 """
 
 from __future__ import annotations
@@ -142,6 +142,49 @@ def test_backward_passes_per_step_sums_locally_then_averages(ranks, key):
     for t in ranks:
         _close(t[key]["weights"], weights)
         assert t[key]["iterations"] == STEPS  # every step counts, as in Horovod
+
+
+BN_BOUNDS = [0, 3, 8]
+
+
+def _bn_batch(shape, seed):
+    rng = np.random.default_rng(seed)
+    return (rng.normal(size=(BN_BOUNDS[-1], *shape)) * 2.0 + 1.5).astype("float32")
+
+
+def _batch_norm_by_hand(shape, seed):
+    """Batch normalisation of the whole global batch written out: the moments over all axes but the channel."""
+    x = tf.constant(_bn_batch(shape, seed).astype("float64"))
+    c = tf.constant(_bn_batch(shape, seed + 1).astype("float64"))
+    gamma = tf.Variable(np.linspace(0.5, 1.5, shape[-1]))
+    beta = tf.Variable(np.linspace(-0.2, 0.3, shape[-1]))
+    axes = list(range(len(shape)))
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        mean = tf.reduce_mean(x, axes)
+        var = tf.reduce_mean(tf.square(x - mean), axes)
+        out = gamma * (x - mean) / tf.sqrt(var + 1e-3) + beta
+        loss = tf.reduce_sum(out * c)
+    gx, gg, gb = tape.gradient(loss, [x, gamma, beta])
+    return {"out": out.numpy(), "grad_x": gx.numpy(), "grad_gamma": gg.numpy(), "grad_beta": gb.numpy(),
+            "moving_mean": 0.9 * 0.0 + 0.1 * mean.numpy(), "moving_variance": 0.9 * 1.0 + 0.1 * var.numpy()}
+
+
+@pytest.mark.parametrize("mode", ["eager", "function"])
+@pytest.mark.parametrize("name, shape, seed", [("2d", (3,), 10), ("4d", (2, 2, 3), 20)], ids=["2d", "4d"])
+def test_sync_batch_norm_is_a_tf_keras_layer_normalising_the_global_batch(ranks, name, shape, seed, mode):
+    want = _batch_norm_by_hand(shape, seed)
+    got = [t["sync_bn"][f"{name}-{mode}"] for t in ranks]
+    for r, g in enumerate(got):  # ranks with 3 and 5 rows
+        assert g["class"].startswith("tf_keras.")
+        rows = slice(BN_BOUNDS[r], BN_BOUNDS[r + 1])
+        for key in ("out", "grad_x"):
+            np.testing.assert_allclose(np.array(g[key]), want[key][rows], rtol=1e-4, atol=1e-4, err_msg=key)
+        for key in ("moving_mean", "moving_variance"):
+            np.testing.assert_allclose(np.array(g[key]), want[key], rtol=1e-5, atol=1e-5, err_msg=key)
+    for key in ("grad_gamma", "grad_beta"):
+        np.testing.assert_allclose(np.sum([g[key] for g in got], axis=0), want[key], rtol=1e-4, atol=1e-4,
+                                   err_msg=key)
 
 
 def test_broadcast_global_variables_takes_the_model(ranks):

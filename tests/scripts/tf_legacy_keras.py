@@ -78,6 +78,36 @@ def fit_with_callbacks(base, seed, xs, ys, per, n):
                                                                     type(net.optimizer).__module__]}
 
 
+BN_BOUNDS = [0, 3, 8]  # SyncBatchNormalization: rank r normalises rows BN_BOUNDS[r]:BN_BOUNDS[r + 1]
+
+
+def bn_batch(shape, seed):
+    rng = np.random.default_rng(seed)
+    return (rng.normal(size=(BN_BOUNDS[-1], *shape)) * 2.0 + 1.5).astype("float32")
+
+
+def sync_bn(r, shape, seed, compiled):
+    """tf-keras SyncBatchNormalization on this rank's rows: outputs, gradients of sum(out * c), moving statistics."""
+    x = bn_batch(shape, seed)[BN_BOUNDS[r] : BN_BOUNDS[r + 1]]
+    c = bn_batch(shape, seed + 1)[BN_BOUNDS[r] : BN_BOUNDS[r + 1]]
+    layer = hvd.SyncBatchNormalization(momentum=0.9, epsilon=1e-3)
+    layer.build(x.shape)
+    layer.gamma.assign(np.linspace(0.5, 1.5, shape[-1]).astype("float32"))
+    layer.beta.assign(np.linspace(-0.2, 0.3, shape[-1]).astype("float32"))
+
+    def step(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            out = layer(x, training=True)
+            loss = tf.reduce_sum(out * c)
+        return (out, *tape.gradient(loss, [x, layer.gamma, layer.beta]))
+
+    out, gx, gg, gb = (tf.function(step) if compiled else step)(tf.constant(x))
+    return {"class": type(layer).__mro__[1].__module__, "out": out.numpy().tolist(), "grad_x": gx.numpy().tolist(),
+            "grad_gamma": gg.numpy().tolist(), "grad_beta": gb.numpy().tolist(),
+            "moving_mean": layer.moving_mean.numpy().tolist(), "moving_variance": layer.moving_variance.numpy().tolist()}
+
+
 def main(out_dir):
     hvd.init()
     r, n = hvd.rank(), hvd.size()
@@ -127,6 +157,9 @@ def main(out_dir):
         out["broadcast_without_model"] = "no error"
     except ValueError as exc:
         out["broadcast_without_model"] = str(exc)
+    # 5. SyncBatchNormalization is a tf-keras layer here
+    out["sync_bn"] = {f"{name}-{'function' if compiled else 'eager'}": sync_bn(r, shape, seed, compiled)
+                      for name, shape, seed in (("2d", (3,), 10), ("4d", (2, 2, 3), 20)) for compiled in (False, True)}
     hvd.shutdown()
     with open(os.path.join(out_dir, f"rank{r}.json"), "w") as f:
         json.dump(out, f)

@@ -69,13 +69,17 @@ class SyncBatchNormalization(_BatchNormalization):
 
     if _KERAS2:
 
-        def _moments(self, inputs: tf.Tensor, reduction_axes: Any, keep_dims: bool) -> Any:
-            return global_moments(inputs, list(reduction_axes), keepdims=keep_dims)
+        def _moments(self, inputs: tf.Tensor, reduction_axes: Any, keep_dims: bool, mask: Any = None) -> Any:
+            return global_moments(inputs, list(reduction_axes), _mask_weights(inputs, mask), keepdims=keep_dims)
 
     else:
 
         def _moments(self, inputs: tf.Tensor, mask: Any) -> Any:
-            weights = None
-            if mask is not None:
-                weights = tf.broadcast_to(tf.expand_dims(tf.cast(mask, inputs.dtype), -1), tf.shape(inputs))
-            return global_moments(inputs, list(self._reduction_axes), weights)
+            return global_moments(inputs, list(self._reduction_axes), _mask_weights(inputs, mask))
+
+
+def _mask_weights(inputs: tf.Tensor, mask: Any) -> tf.Tensor | None:
+    """A mask over all but the channel axis, broadcast to the inputs (Keras's masked moments)."""
+    if mask is None:
+        return None
+    return tf.broadcast_to(tf.expand_dims(tf.cast(mask, inputs.dtype), -1), tf.shape(inputs))
