@@ -15,8 +15,12 @@ reported, and the ratios are medians of the per-block ratios. Peak activation me
 measured the same way on both sides: live bytes of the storages autograd saves for backward
 (a saved-tensors hook; each storage counted once, a parameter's storage not at all) plus the
 stage inputs ringpipe keeps for recomputation, peak over the run, per rank. Next to the
-measured figures: the bubble fraction and the time per step the schedules imply, computed
-from their action lists (``schedule_timing.py``: F = 1, B = 2, I = W = 1 per stage).
+measured figures: the bubble fraction of one step and the time per step the schedules imply,
+computed from their action lists (``schedule_timing.py``: F = 1, B = 2, I = W = 1 per stage),
+and the time per step they imply with each variant's own measured thread CPU per action. Times
+per step are those of the steady state of consecutive steps: a rank starts the next step when
+it is done with this one (neither system has a barrier between steps), which shortens a step
+of the schedules whose first rank finishes first (ZB-H2, V shapes).
 
     python benchmarks/pipeline_vs_torch.py --width 1024 --batch 256 --microbatches 4 --steps 20 --repeats 5
 """
@@ -56,7 +60,7 @@ TORCH_SCHEDULES = {  # name -> (class name, chunk layout)
     "zbv": ("ScheduleZBVZeroBubble", "v"),
 }
 RINGPIPE_SYNC = ["seq", "gpipe", "1f1b"]
-RINGPIPE_NEW = {"interleaved_1f1b": "loop", "zb_h1": "flat"}  # run when the installed ringpipe registers them
+RINGPIPE_NEW = {"interleaved_1f1b": "loop", "zb_h1": "flat", "zb_h2": "flat"}  # run when the installed ringpipe registers them
 
 
 def make_layers(width: int, blocks: int) -> list[nn.Module]:
@@ -364,9 +368,26 @@ def theory(args: argparse.Namespace, r0: dict[str, list[dict]], r1: dict[str, li
             per = ringpipe_ops([get_schedule(sched)(2, m, s) for s in range(2)])
             kw, steps = {"num_chunks": 2}, 1
         tm = simulate(per, **kw)
-        measured = simulate(per, **kw, costs=costs).makespan / steps if costs else float("nan")
-        out[name] = (tm.bubble, tm.makespan / steps / m, measured)
+        if steps == 1:  # consecutive steps: a rank starts the next one when it is done (no barrier)
+            unit = steady(per, m, kw)
+            measured = steady(per, m, kw, costs) if costs else float("nan")
+        else:
+            unit = tm.makespan / steps
+            measured = simulate(per, **kw, costs=costs).makespan / steps if costs else float("nan")
+        out[name] = (tm.bubble, unit / m, measured)
     return out
+
+
+def steady(per: dict[int, list[Op]], m: int, kw: dict[str, Any], costs: Any = None) -> float:
+    """Time one more step adds to a run of consecutive steps of one step's ops (the steady state).
+
+    A rank takes its optimizer step on its own and goes on with the next step's actions (both
+    systems: no barrier between steps), so a schedule whose first rank finishes before the last
+    (ZB-H2's parallelogram, V shapes) overlaps the next step's start with this step's end.
+    """
+    def tiled(k: int) -> dict[int, list[Op]]:
+        return {r: [Op(o.chunk, o.kind, o.mb + i * m) for i in range(k) for o in ops] for r, ops in per.items()}
+    return simulate(tiled(4), **kw, costs=costs).makespan - simulate(tiled(3), **kw, costs=costs).makespan
 
 
 def report(args: argparse.Namespace, r0: dict[str, list[dict]], r1: dict[str, list[dict]],
