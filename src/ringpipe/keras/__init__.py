@@ -3,7 +3,10 @@
 Keras 3 is itself the standalone Keras (``import keras``), so this face is
 :mod:`ringpipe.tensorflow.keras` under Horovod's other import path: a program written for
 ``horovod.keras`` runs with only its import line changed. Keras must run on its TensorFlow
-backend (the default); the collectives move TensorFlow tensors.
+backend (the default); the collectives move TensorFlow tensors. Like
+:mod:`ringpipe.tensorflow.keras`, its callbacks are those of the Keras ``tf.keras`` is: with
+``TF_USE_LEGACY_KERAS=1`` they are tf-keras (Keras 2) callbacks, for models built with
+``tf.keras`` (``DistributedOptimizer`` wraps either kind of optimizer).
 """
 
 from __future__ import annotations

@@ -76,7 +76,14 @@ from .mpi_ops import (
     reducescatter,
 )
 from .optimizer import DistributedOptimizer
-from .queries import local_rank_op, local_size_op, process_set_included_op, rank_op, size_op
+from .queries import (
+    check_num_rank_power_of_2,
+    local_rank_op,
+    local_size_op,
+    process_set_included_op,
+    rank_op,
+    size_op,
+)
 from .sync_batch_norm import SyncBatchNormalization
 
 __all__ = [
@@ -90,4 +97,5 @@ __all__ = [
     "mpi_threads_supported", "nccl_built", "process_set_included_op", "rank", "rank_op", "reducescatter",
     "remove_process_set", "rocm_built", "shutdown", "size", "size_op", "start_timeline", "stop_timeline",
     "BroadcastGlobalVariablesHook", "SyncBatchNormalization", "broadcast_global_variables", "is_homogeneous",
+    "check_num_rank_power_of_2",
 ]

@@ -1,5 +1,8 @@
 """Horovod's graph-time queries: ``size_op``, ``rank_op``, ``local_*_op``, ``process_set_included_op``.
 
+Also ``check_num_rank_power_of_2``, the test ``horovod.tensorflow`` exports for Adasum's rule that
+the number of ranks be a power of two.
+
 Each returns an int32 scalar read when the op runs, not when the graph is built (a graph built
 before ``init()`` or traced once reads the world it runs in), as Horovod's native ops do. They
 are not differentiable and make no collective, so they take no place in the order of collective
@@ -16,6 +19,7 @@ from ringpipe.dp import world as _w
 
 __all__ = [
     "PROCESS_SET_ERROR_INIT",
+    "check_num_rank_power_of_2",
     "PROCESS_SET_ERROR_UNKNOWN_SET",
     "local_rank_op",
     "local_size_op",
@@ -88,3 +92,8 @@ def process_set_included_op(process_set_id: int = 0, name: str | None = None) ->
     an id that names no registered set.
     """
     return _query(lambda: _included(process_set_id), name, "RingpipeProcessSetIncluded")
+
+
+def check_num_rank_power_of_2(num_rank: int) -> bool:
+    """True if ``num_rank`` is a power of two (1, 2, 4, ...), as Adasum needs; False for 0."""
+    return num_rank > 0 and (num_rank & (num_rank - 1)) == 0
