@@ -33,6 +33,7 @@ are not announced and must not be used while a rank is joined.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 from collections.abc import Callable
@@ -223,7 +224,8 @@ def start_exchange(comm: Communicator, op: str, wire: torch.Tensor, ride: int, b
     tail = wire[behind:] if behind else None
     digits, fields = _header(comm, op, None, None, None, None, tail)
     message = _message(comm, digits, wire, ride)
-    with internal():
+    # with gradients in it, the message is the program's reduction, not only ringpipe's bookkeeping
+    with internal() if not ride else contextlib.nullcontext():
         if blocking:
             comm.allreduce(message, ReduceOp.SUM)
             work = None
