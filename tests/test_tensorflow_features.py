@@ -118,6 +118,12 @@ def test_is_homogeneous_means_every_host_runs_the_same_number_of_ranks(hosts, ho
     assert is_homogeneous_placement(hosts) is homogeneous
 
 
+def test_check_num_rank_power_of_2():
+    import ringpipe.tensorflow as hvd
+
+    assert [n for n in range(70) if hvd.check_num_rank_power_of_2(n)] == [1, 2, 4, 8, 16, 32, 64]
+
+
 # ----------------------------------------------------------------------------- TF1 hook
 
 def test_broadcast_global_variables_hook_in_a_monitored_training_session(ranks):

@@ -144,6 +144,15 @@ def test_backward_passes_per_step_sums_locally_then_averages(ranks, key):
         assert t[key]["iterations"] == STEPS  # every step counts, as in Horovod
 
 
+def test_schedule_callback_and_best_checkpoint(ranks):
+    # Horovod's staircase schedule: initial_lr * 0.5 ** (epoch - start_epoch) from start_epoch on
+    want = [LR] * STEPS + [LR] * STEPS + [LR * 0.5] * STEPS
+    for t in ranks:
+        np.testing.assert_allclose(t["schedule"]["lr"], want, rtol=1e-6)
+        assert t["schedule"]["best_saved"] is True
+        assert t["ringpipe_keras_callbacks"].startswith("tf_keras.")
+
+
 BN_BOUNDS = [0, 3, 8]
 
 

@@ -157,7 +157,21 @@ def main(out_dir):
         out["broadcast_without_model"] = "no error"
     except ValueError as exc:
         out["broadcast_without_model"] = str(exc)
-    # 5. SyncBatchNormalization is a tf-keras layer here
+    # 5. LearningRateScheduleCallback (staircase, x0.5 per epoch from epoch 1) and BestModelCheckpoint
+    sched_net = model(600)
+    sched_net.compile(loss="mse", optimizer=hvd.DistributedOptimizer(keras.optimizers.legacy.SGD(LR, momentum=MOMENTUM)))
+    seen = {"lr": []}
+    best = os.path.join(out_dir, f"best{r}.h5")
+    callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(0),
+                 hvd.callbacks.LearningRateScheduleCallback(initial_lr=LR, multiplier=0.5, start_epoch=1),
+                 Record(seen, "lr"), hvd.callbacks.BestModelCheckpoint(monitor="loss", filepath=best)]
+    sched_net.fit(xs, ys, batch_size=per, epochs=3, shuffle=False, callbacks=callbacks, verbose=0)
+    out["schedule"] = {"lr": seen["lr"], "best_saved": os.path.exists(best)}
+    import ringpipe.keras as standalone  # Horovod's horovod.keras path serves the same Keras
+
+    out["ringpipe_keras_callbacks"] = standalone.callbacks.MetricAverageCallback.__mro__[1].__module__
+
+    # 6. SyncBatchNormalization is a tf-keras layer here
     out["sync_bn"] = {f"{name}-{'function' if compiled else 'eager'}": sync_bn(r, shape, seed, compiled)
                       for name, shape, seed in (("2d", (3,), 10), ("4d", (2, 2, 3), 20)) for compiled in (False, True)}
     hvd.shutdown()
