@@ -23,7 +23,7 @@ from typing import Any
 import tensorflow as tf
 import torch
 
-__all__ = ["to_torch", "to_tf", "run", "tf_dtype"]
+__all__ = ["graph_op", "to_torch", "to_tf", "run", "tf_dtype"]
 
 _TORCH_OF_TF = {
     tf.float16: torch.float16, tf.bfloat16: torch.bfloat16, tf.float32: torch.float32, tf.float64: torch.float64,
@@ -31,6 +31,17 @@ _TORCH_OF_TF = {
     tf.bool: torch.bool, tf.complex64: torch.complex64, tf.complex128: torch.complex128,
 }
 _TF_OF_TORCH = {v: k for k, v in _TORCH_OF_TF.items()}
+
+
+def graph_op(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark a public op so that ``tf.function`` calls it as it is instead of converting it with AutoGraph.
+
+    The ops branch only on Python values, so AutoGraph has nothing to convert; converting them
+    would also convert the functions they define, the bodies of their ``tf.py_function`` nodes,
+    which then run through AutoGraph's call wrapper on every execution of the graph (about a
+    hundred wrapped calls per collective).
+    """
+    return tf.autograph.experimental.do_not_convert(fn)
 
 
 def tf_dtype(dtype: torch.dtype) -> tf.DType:

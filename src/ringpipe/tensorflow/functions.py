@@ -13,7 +13,7 @@ from ringpipe.dp.announce import announce, checks
 from ringpipe.dp.broadcast import broadcast_tensors
 from ringpipe.dp.process_sets import ProcessSet, global_process_set, set_root
 
-from .bridge import run, to_tf, to_torch
+from .bridge import graph_op, run, to_tf, to_torch
 
 __all__ = ["allgather_object", "broadcast_", "broadcast_object", "broadcast_object_fn", "broadcast_variables"]
 
@@ -33,6 +33,7 @@ def _broadcast_values(values: Sequence[tf.Tensor], root_rank: int, process_set: 
     return [to_tf(t) for t in copies]
 
 
+@graph_op
 def broadcast_(variables: Sequence[Any], root_rank: int, name: str | None = None,
                process_set: ProcessSet = global_process_set) -> list[Any]:
     """Overwrite ``variables`` with ``root_rank``'s values in place; returns their new values."""
@@ -49,6 +50,7 @@ def broadcast_(variables: Sequence[Any], root_rank: int, name: str | None = None
         return [tf.identity(v) for v in new]
 
 
+@graph_op
 def broadcast_variables(variables: Sequence[Any], root_rank: int, process_set: ProcessSet = global_process_set,
                         inplace: bool = False) -> Any:
     """Give every rank ``root_rank``'s values of ``variables`` (Horovod step 5).

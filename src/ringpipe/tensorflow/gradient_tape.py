@@ -12,6 +12,7 @@ from ringpipe.comm.base import ReduceOp
 from ringpipe.dp.compression import Compression
 from ringpipe.dp.process_sets import ProcessSet, global_process_set
 
+from .bridge import graph_op
 from .mpi_ops import allreduce, fused_allreduce
 
 __all__ = ["DistributedGradientTape", "PartialDistributedGradientTape", "reduce_gradients"]
@@ -31,6 +32,7 @@ def scale_factors(op: ReduceOp, gradient_predivide_factor: float) -> tuple[float
     return 1.0, 1.0
 
 
+@graph_op
 def reduce_gradients(grads: Sequence[Any], op: ReduceOp = ReduceOp.AVERAGE, compression: Any = Compression.none,
                      sparse_as_dense: bool = False, gradient_predivide_factor: float = 1.0,
                      process_set: ProcessSet = global_process_set) -> list[Any]:
@@ -100,6 +102,7 @@ class DistributedGradientTape:
         """Keep ``source``'s gradient local (model-parallel variables)."""
         self._local_sources.add(_key(source))
 
+    @graph_op
     def gradient(self, target: Any, sources: Any, output_gradients: Any = None, use_generic_names: bool = False,
                  **kwargs: Any) -> Any:
         grads = self._tape.gradient(target, sources, output_gradients, **kwargs)

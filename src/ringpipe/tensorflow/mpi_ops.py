@@ -24,7 +24,7 @@ from ringpipe.comm.base import ReduceOp
 from ringpipe.dp.compression import Compression
 from ringpipe.dp.process_sets import ProcessSet, global_process_set
 
-from .bridge import run, to_tf, to_torch
+from .bridge import graph_op, run, to_tf, to_torch
 
 __all__ = [
     "allgather",
@@ -94,6 +94,7 @@ def _dense_allreduce(x: tf.Tensor, op: ReduceOp, pre: float, post: float, compre
     return reduce(x)
 
 
+@graph_op
 def allreduce(
     tensor: Any,
     average: bool | None = None,
@@ -130,6 +131,7 @@ def allreduce(
                             Compression.parse(compression), name, process_set)
 
 
+@graph_op
 def fused_allreduce(tensors: Sequence[tf.Tensor], op: ReduceOp, pre: float, post: float, compression: Any,
                     process_set: ProcessSet) -> list[tf.Tensor]:
     """Reduce dense tensors as one message per dtype (one graph node); differentiable."""
@@ -167,6 +169,7 @@ def fused_allreduce(tensors: Sequence[tf.Tensor], op: ReduceOp, pre: float, post
     return list(reduce(*xs))
 
 
+@graph_op
 def grouped_allreduce(
     tensors: Sequence[Any],
     average: bool | None = None,
@@ -198,6 +201,7 @@ def grouped_allreduce(
 # ----------------------------------------------------------------------------- data movement
 
 
+@graph_op
 def allgather(tensor: Any, name: str | None = None, ignore_name_scope: bool = False,
               process_set: ProcessSet = global_process_set) -> tf.Tensor:
     """Every rank's tensor concatenated along dim 0 (first dimensions may differ); differentiable."""
@@ -225,11 +229,13 @@ def allgather(tensor: Any, name: str | None = None, ignore_name_scope: bool = Fa
     return gather(x)
 
 
+@graph_op
 def grouped_allgather(tensors: Sequence[Any], name: str | None = None, ignore_name_scope: bool = False,
                       process_set: ProcessSet = global_process_set) -> list[tf.Tensor]:
     return [allgather(t, process_set=process_set) for t in tensors]
 
 
+@graph_op
 def broadcast(tensor: Any, root_rank: int, name: str | None = None, ignore_name_scope: bool = False,
               process_set: ProcessSet = global_process_set) -> tf.Tensor:
     """``root_rank``'s tensor (a world rank, also on a process set); differentiable."""
@@ -251,6 +257,7 @@ def broadcast(tensor: Any, root_rank: int, name: str | None = None, ignore_name_
     return bcast(x)
 
 
+@graph_op
 def alltoall(tensor: Any, splits: Any = None, name: str | None = None, ignore_name_scope: bool = False,
              process_set: ProcessSet = global_process_set) -> Any:
     """Rows ``splits[j]`` of dim 0 go to rank ``j`` of the set (even split without ``splits``); differentiable.
@@ -287,6 +294,7 @@ def alltoall(tensor: Any, splits: Any = None, name: str | None = None, ignore_na
     return (y, rsplits) if given else y
 
 
+@graph_op
 def reducescatter(tensor: Any, device_dense: str = "", compression: Any = Compression.none,
                   op: ReduceOp | str | None = ReduceOp.AVERAGE, name: str | None = None,
                   process_set: ProcessSet = global_process_set, ignore_name_scope: bool = False,
@@ -316,6 +324,7 @@ def reducescatter(tensor: Any, device_dense: str = "", compression: Any = Compre
     return scatter(x)
 
 
+@graph_op
 def grouped_reducescatter(tensors: Sequence[Any], device_dense: str = "", compression: Any = Compression.none,
                           op: ReduceOp | str | None = ReduceOp.AVERAGE, name: str | None = None,
                           process_set: ProcessSet = global_process_set, ignore_name_scope: bool = False,
@@ -324,6 +333,7 @@ def grouped_reducescatter(tensors: Sequence[Any], device_dense: str = "", compre
                           prescale_factor=prescale_factor, postscale_factor=postscale_factor) for t in tensors]
 
 
+@graph_op
 def barrier(process_set: ProcessSet = global_process_set) -> None:
     """Wait until every rank of the set reaches this call."""
     def wait() -> list[tf.Tensor]:
@@ -333,6 +343,7 @@ def barrier(process_set: ProcessSet = global_process_set) -> None:
     run(wait, [], [tf.int32], [[]], name="RingpipeBarrier")
 
 
+@graph_op
 def join() -> tf.Tensor:
     """Wait for every rank to run out of data (serving their allreduces meanwhile); the last rank to join."""
     (last,) = run(lambda: [tf.constant(_api.join(), tf.int32)], [], [tf.int32], [[]], name="RingpipeJoin")
