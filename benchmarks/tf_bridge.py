@@ -1,14 +1,19 @@
 """What the TensorFlow bridge costs: ``ringpipe.tensorflow.allreduce`` of a TF tensor against the torch face's
 ``hvd.allreduce`` of a torch tensor of the same size, in the same run.
 
-Both run on 2 ranks over the same engine. Per iteration the ranks meet at a barrier, then each
-variant is timed once, alternating (TF, torch, torch, TF, ...) so that load on the machine falls
-on both alike; the slowest rank's time counts. The TF op is called eagerly and inside a
-``tf.function`` (one ``tf.py_function`` node). Medians with the 10th-90th percentile spread are
-printed, and the ratio TF / torch.
+Both run on 2 ranks over the same engine. The variants are timed in blocks of ``--block``
+consecutive calls, the order of the blocks rotating from one round to the next so that load on
+the machine falls on every variant alike; before each call the ranks meet at a barrier and the
+slowest rank's time counts. The TF op is called eagerly and inside a ``tf.function`` (one
+``tf.py_function`` node); ``tf.function (no op)`` is the same ``tf.function`` call with
+``tf.identity`` in place of the allreduce, TensorFlow's own cost of calling a graph, so that
+``tf.function - no op`` is what the collective adds to a graph. Medians with the p10-p90
+spread are printed, and the ratios to torch. Every rank prints what it ran; the ratio is
+refused when the variants' results differ from ``size * x`` (then they did not do the same
+reduction).
 
     python benchmarks/tf_bridge.py                  # 4 KiB, 4 MiB, 64 MiB; 2 ranks over gloo
-    python benchmarks/tf_bridge.py --iters 40 --ranks 2
+    python benchmarks/tf_bridge.py --rounds 8 --block 5
 """
 
 from __future__ import annotations
@@ -22,41 +27,53 @@ import sys
 import tempfile
 
 SIZES = [4 << 10, 4 << 20, 64 << 20]
-VARIANTS = ("tf eager", "tf.function", "torch")
+VARIANTS = ("tf eager", "tf.function", "tf.function (no op)", "torch")
 
 WORKER = r"""
-import json, sys, time
+import json, os, sys, time
 import tensorflow as tf
+tf.config.threading.set_intra_op_parallelism_threads(1)
+tf.config.threading.set_inter_op_parallelism_threads(2)
 import torch
 import ringpipe.api as hvd_torch
 import ringpipe.tensorflow as hvd
 
 torch.set_num_threads(1)
 hvd.init()
-iters, warmup, sizes = int(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4])
-variants = json.loads(sys.argv[5])
+rounds, block, sizes, variants = int(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4]), json.loads(sys.argv[5])
 fn = tf.function(lambda t: hvd.allreduce(t, op=hvd.Sum))
-out = {}
+empty = tf.function(lambda t: tf.identity(t))
+config = {"rank": hvd.rank(), "size": hvd.size(), "backend": "mpi" if hvd.mpi_enabled() else "gloo",
+          "tensorflow": tf.__version__, "torch": torch.__version__, "torch threads": torch.get_num_threads(),
+          "tf intra/inter threads": [tf.config.threading.get_intra_op_parallelism_threads(),
+                                     tf.config.threading.get_inter_op_parallelism_threads()],
+          "op": "Sum", "dtype": "float32"}
+out = {"config": hvd_torch.allgather_object(config), "sizes": {}}
 for size in sizes:
-    xt = torch.ones(size // 4)
-    xf = tf.ones([size // 4])
+    xt = torch.full((size // 4,), 1.0 + hvd.rank())
+    xf = tf.fill([size // 4], 1.0 + hvd.rank())
     calls = {"tf eager": lambda: hvd.allreduce(xf, op=hvd.Sum), "tf.function": lambda: fn(xf),
-             "torch": lambda: hvd_torch.allreduce(xt, op=hvd_torch.Sum)}
+             "tf.function (no op)": lambda: empty(xf), "torch": lambda: hvd_torch.allreduce(xt, op=hvd_torch.Sum)}
+    want = sum(1.0 + r for r in range(hvd.size()))
+    results = {}
+    for v in variants:  # warm-up (traces the tf.function) and the check that every variant reduced alike
+        r = calls[v]()
+        r = r.numpy() if hasattr(r, "numpy") else r
+        results[v] = "identity" if v == "tf.function (no op)" else bool((r == want).all()) and tuple(r.shape) == (size // 4,)
     times = {v: [] for v in variants}
-    for i in range(warmup + iters):
-        order = variants if i % 2 == 0 else variants[::-1]
-        for v in order:
-            hvd_torch.barrier()
-            t = time.perf_counter()
-            calls[v]()
-            dt = time.perf_counter() - t
-            if i >= warmup:
-                times[v].append(dt)
-    # the slowest rank's time per iteration
-    for v in variants:
+    for k in range(rounds):
+        order = variants[k % len(variants):] + variants[:k % len(variants)]
+        for v in (order if k % 2 == 0 else order[::-1]):
+            for _ in range(block):
+                hvd_torch.barrier()
+                t = time.perf_counter()
+                calls[v]()
+                times[v].append(time.perf_counter() - t)
+    for v in variants:  # the slowest rank's time per call
         every = hvd_torch.allgather_object(times[v])
         times[v] = [max(ts) for ts in zip(*every)]
-    out[str(size)] = times
+    out["sizes"][str(size)] = {"times": times, "results": hvd_torch.allgather_object(results),
+                               "load": os.getloadavg()[0]}
 if hvd.rank() == 0:
     with open(sys.argv[1], "w") as f:
         json.dump(out, f)
@@ -72,30 +89,41 @@ def _q(xs: list[float], q: float) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ranks", type=int, default=2)
-    p.add_argument("--iters", type=int, default=30)
-    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=8, help="rounds of blocks (each variant once per round)")
+    p.add_argument("--block", type=int, default=5, help="consecutive calls per block")
+    p.add_argument("--sizes", default=",".join(map(str, SIZES)), help="message sizes in bytes, comma separated")
     args = p.parse_args()
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", OMP_NUM_THREADS="1", TF_NUM_INTRAOP_THREADS="1",
-               TF_NUM_INTEROP_THREADS="2")
+    sizes = [int(s) for s in args.sizes.split(",")]
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", OMP_NUM_THREADS="1")
     with tempfile.TemporaryDirectory() as tmp:
         script, result = os.path.join(tmp, "worker.py"), os.path.join(tmp, "out.json")
         with open(script, "w") as f:
             f.write(WORKER)
         cmd = [sys.executable, "-m", "ringpipe.cli", "launch", "-n", str(args.ranks), script, result,
-               str(args.iters), str(args.warmup), json.dumps(SIZES), json.dumps(list(VARIANTS))]
+               str(args.rounds), str(args.block), json.dumps(sizes), json.dumps(list(VARIANTS))]
         subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
         with open(result) as f:
             out = json.load(f)
-    print(f"allreduce (Sum), {args.ranks} ranks, gloo; {args.iters} iterations; median ms [p10-p90]")
-    print("| size | tf eager | tf.function | torch | tf eager / torch | tf.function / torch |")
-    print("|---|---|---|---|---|---|")
-    for size in SIZES:
-        t = out[str(size)]
+    for config in out["config"]:
+        print("ran: " + json.dumps(config))
+    print(f"\nallreduce (Sum, float32), {args.ranks} ranks; {args.rounds} rounds x {args.block} calls per variant, "
+          "blocks rotating; slowest rank per call; median ms [p10-p90]")
+    print("| size | load | " + " | ".join(VARIANTS) + " | eager / torch | tf.function / torch | "
+          "(tf.function - no op) / torch |")
+    print("|" + "---|" * (len(VARIANTS) + 5))
+    for size in sizes:
+        entry = out["sizes"][str(size)]
+        t = entry["times"]
         med = {v: statistics.median(t[v]) * 1e3 for v in VARIANTS}
         cells = [f"{med[v]:.3f} [{_q(t[v], 0.1) * 1e3:.3f}-{_q(t[v], 0.9) * 1e3:.3f}]" for v in VARIANTS]
         label = f"{size >> 10} KiB" if size < 1 << 20 else f"{size >> 20} MiB"
-        print(f"| {label} | {' | '.join(cells)} | {med['tf eager'] / med['torch']:.2f} | "
-              f"{med['tf.function'] / med['torch']:.2f} |")
+        bad = sorted({v for r in entry["results"] for v, ok in r.items() if ok is False})
+        if bad:
+            ratios = [f"no ratio: {', '.join(bad)} did not return size * x"] * 3
+        else:
+            ratios = [f"{med['tf eager'] / med['torch']:.2f}", f"{med['tf.function'] / med['torch']:.2f}",
+                      f"{(med['tf.function'] - med['tf.function (no op)']) / med['torch']:.2f}"]
+        print(f"| {label} | {entry['load']:.1f} | {' | '.join(cells)} | {' | '.join(ratios)} |")
 
 
 if __name__ == "__main__":

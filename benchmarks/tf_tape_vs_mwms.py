@@ -1,13 +1,24 @@
 """A ``DistributedGradientTape`` training step against TensorFlow's own ``MultiWorkerMirroredStrategy``.
 
-Same model (seed 002's Keras CNN on the 8x8 digits), same data, same per-worker batch, same
-threads, 2 worker processes on this machine. ringpipe's side runs under ``ringpipe launch``;
-TensorFlow's side starts its workers with a ``TF_CONFIG`` cluster on localhost (its collectives
-over gRPC/RING). Each run times ``--steps`` training steps after ``--warmup`` and reports the
-median step time of rank 0 (the steps synchronize the workers). Runs alternate, ringpipe first,
-``--repeats`` times; the table gives each run's median and the median over runs.
+Same model (seed 002's Keras CNN on the 8x8 digits), same data shards, same per-worker batch,
+same optimizer, same threads (``tf.config.threading`` set explicitly on both sides, and
+``OMP_NUM_THREADS=1`` / one torch thread for ringpipe's engine), 2 worker processes on this
+machine. ringpipe's side runs under ``ringpipe launch``; TensorFlow's side starts its workers
+with a ``TF_CONFIG`` cluster on localhost (its collectives over gRPC, RING).
 
-    python benchmarks/tf_tape_vs_mwms.py --repeats 3
+Each run trains ``--steps`` steps after ``--warmup`` and times them in blocks of
+``--block`` consecutive training steps; between blocks it times, on the same worker, the
+parts of a step: ``local`` (forward, backward and apply on a copy of the model, no
+communication) and ``reduce`` (the side's collective on gradient-shaped tensors, inside
+``tf.function``). Runs alternate between the sides in ABBA order, ``--repeats`` pairs.
+
+Each side prints what it ran (versions, threads, model size, batch, optimizer, a checksum of
+the initial weights) and its per-step losses. The ratio is refused when the two sides did not
+do the same work: a different configuration, different initial weights, or losses that part
+beyond float tolerance (the two sides train the same model on the same global batch, so their
+losses agree step by step).
+
+    python benchmarks/tf_tape_vs_mwms.py --repeats 2
 """
 
 from __future__ import annotations
@@ -23,6 +34,7 @@ import tempfile
 import time
 
 HERE = os.path.abspath(__file__)
+ENV = {"TF_CPP_MIN_LOG_LEVEL": "3", "OMP_NUM_THREADS": "1"}
 
 
 def _model():  # noqa: ANN202
@@ -50,30 +62,95 @@ def _data(rank: int, size: int):  # noqa: ANN202
     return np.ascontiguousarray(x[rank::size]), np.ascontiguousarray(y[rank::size])
 
 
-def _time_steps(step, x, y, batch: int, steps: int, warmup: int) -> list[float]:  # noqa: ANN001
-    times = []
-    n = len(x) // batch
-    for i in range(warmup + steps):
-        k = i % n
-        t = time.perf_counter()
-        step(x[k * batch : (k + 1) * batch], y[k * batch : (k + 1) * batch])
-        if i >= warmup:
-            times.append(time.perf_counter() - t)
-    return times
+def _threads(args: argparse.Namespace) -> None:
+    import tensorflow as tf
+
+    tf.config.threading.set_intra_op_parallelism_threads(args.intra)
+    tf.config.threading.set_inter_op_parallelism_threads(args.inter)
 
 
-def worker_ringpipe(out: str, batch: int, steps: int, warmup: int) -> None:
+def _config(side: str, model, size: int, args: argparse.Namespace) -> dict:  # noqa: ANN001
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    return {
+        "tensorflow": tf.__version__, "keras": keras.__version__, "workers": size, "batch per worker": args.batch,
+        "intra_op threads": tf.config.threading.get_intra_op_parallelism_threads(),
+        "inter_op threads": tf.config.threading.get_inter_op_parallelism_threads(),
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"), "parameters": int(model.count_params()),
+        "optimizer": "SGD(lr=0.01*workers, momentum=0.9)", "step": "tf.function",
+        "initial weights checksum": round(float(sum(np.abs(v.numpy()).sum() for v in model.weights)), 4),
+        "side": side,
+    }
+
+
+def _measure(step, local, reduce, x, y, args: argparse.Namespace) -> dict:  # noqa: ANN001
+    """Timed blocks: ``--block`` training steps, then as many local steps and reductions.
+
+    The rounds of blocks that hold the first ``--warmup`` training steps are not timed.
+    """
+    n = len(x) // args.batch
+    batches = [(x[k * args.batch : (k + 1) * args.batch], y[k * args.batch : (k + 1) * args.batch]) for k in range(n)]
+    times: dict[str, list[float]] = {"step": [], "local": [], "reduce": []}
+    losses: list[float] = []
+    i = 0
+    while len(times["step"]) < args.steps:
+        timed = i >= args.warmup
+        for part in ("step", "local", "reduce"):
+            for _ in range(args.block):
+                bx, by = batches[i % n]
+                t = time.perf_counter()
+                if part == "step":
+                    loss = float(step(bx, by))
+                elif part == "local":
+                    local(bx, by)
+                else:
+                    reduce()
+                dt = time.perf_counter() - t
+                if part == "step":
+                    losses.append(loss)
+                    i += 1
+                if timed:
+                    times[part].append(dt)
+    return {"times": times, "losses": losses}
+
+
+def _local_step(loss_fn):  # noqa: ANN001, ANN202
     import keras
     import tensorflow as tf
 
+    model = _model()
+    opt = keras.optimizers.SGD(0.01, momentum=0.9)
+    opt.build(model.trainable_variables)
+
+    @tf.function
+    def local(bx, by):  # noqa: ANN001, ANN202
+        with tf.GradientTape() as tape:
+            loss = loss_fn(by, model(bx, training=True))
+        opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables,
+                                strict=True))
+        return loss
+
+    return local
+
+
+def worker_ringpipe(args: argparse.Namespace) -> None:
+    _threads(args)
+    import keras
+    import tensorflow as tf
+    import torch
+
     import ringpipe.tensorflow as hvd
 
+    torch.set_num_threads(1)
     hvd.init()
     x, y = _data(hvd.rank(), hvd.size())
     model = _model()
     opt = keras.optimizers.SGD(0.01 * hvd.size(), momentum=0.9)
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     opt.build(model.trainable_variables)
+    config = _config("ringpipe", model, hvd.size(), args)
     hvd.broadcast_variables(model.variables, root_rank=0)
 
     @tf.function
@@ -85,14 +162,18 @@ def worker_ringpipe(out: str, batch: int, steps: int, warmup: int) -> None:
         opt.apply_gradients(zip(grads, model.trainable_variables, strict=True))
         return loss
 
-    times = _time_steps(step, x, y, batch, steps, warmup)
+    grads = [tf.ones(v.shape) for v in model.trainable_variables]
+    reduce = tf.function(lambda: hvd.grouped_allreduce(grads))
+    out = _measure(step, _local_step(loss_fn), reduce, x, y, args)
+    out["config"] = {**config, "torch threads": torch.get_num_threads(), "collective": "ringpipe engine, gloo"}
     if hvd.rank() == 0:
-        with open(out, "w") as f:
-            json.dump(times, f)
+        with open(args.out, "w") as f:
+            json.dump(out, f)
     hvd.shutdown()
 
 
-def worker_mwms(out: str, batch: int, steps: int, warmup: int) -> None:
+def worker_mwms(args: argparse.Namespace) -> None:
+    _threads(args)
     import keras
     import tensorflow as tf
 
@@ -104,24 +185,33 @@ def worker_mwms(out: str, batch: int, steps: int, warmup: int) -> None:
         model = _model()
         opt = keras.optimizers.SGD(0.01 * size, momentum=0.9)
         opt.build(model.trainable_variables)
+    config = _config("mwms", model, size, args)
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
+    global_batch = args.batch * size
 
     @tf.function
     def step(bx, by):  # noqa: ANN001, ANN202
         def replica(bx, by):  # noqa: ANN001, ANN202
             with tf.GradientTape() as tape:
-                per_example = loss_fn(by, model(bx, training=True))
-                loss = tf.nn.compute_average_loss(per_example, global_batch_size=batch * size)
+                loss = tf.nn.compute_average_loss(loss_fn(by, model(bx, training=True)), global_batch_size=global_batch)
             grads = tape.gradient(loss, model.trainable_variables)
             opt.apply_gradients(zip(grads, model.trainable_variables, strict=True))  # summed over replicas
-            return loss
+            return loss * size  # this worker's mean loss, as ringpipe's step returns it
 
         return strategy.run(replica, args=(bx, by))
 
-    times = _time_steps(step, x, y, batch, steps, warmup)
+    grads = [tf.ones(v.shape) for v in model.trainable_variables]
+
+    @tf.function
+    def reduce():  # noqa: ANN202
+        return strategy.run(lambda: tf.distribute.get_replica_context().all_reduce("sum", grads))
+
+    local = _local_step(keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    out = _measure(step, local, reduce, x, y, args)
+    out["config"] = {**config, "collective": "MultiWorkerMirroredStrategy, gRPC RING"}
     if rank == 0:
-        with open(out, "w") as f:
-            json.dump(times, f)
+        with open(args.out, "w") as f:
+            json.dump(out, f)
 
 
 def _free_ports(n: int) -> list[int]:
@@ -134,17 +224,18 @@ def _free_ports(n: int) -> list[int]:
     return ports
 
 
-def _run(side: str, batch: int, steps: int, warmup: int, env: dict) -> list[float]:
+def _run(side: str, args: argparse.Namespace, env: dict) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "times.json")
-        args = ["--worker", side, "--out", out, "--batch", str(batch), "--steps", str(steps), "--warmup", str(warmup)]
+        out = os.path.join(tmp, "out.json")
+        wargs = ["--worker", side, "--out", out, *(f"--{k}={getattr(args, k)}" for k in
+                                                  ("batch", "steps", "warmup", "block", "intra", "inter"))]
         if side == "ringpipe":
-            subprocess.run([sys.executable, "-m", "ringpipe.cli", "launch", "-n", "2", HERE, *args], env=env,
+            subprocess.run([sys.executable, "-m", "ringpipe.cli", "launch", "-n", "2", HERE, *wargs], env=env,
                            check=True, stdout=subprocess.DEVNULL)
         else:
             ports = _free_ports(2)
             cluster = {"worker": [f"localhost:{p}" for p in ports]}
-            procs = [subprocess.Popen([sys.executable, HERE, *args], stdout=subprocess.DEVNULL,
+            procs = [subprocess.Popen([sys.executable, HERE, *wargs], stdout=subprocess.DEVNULL,
                                       env=dict(env, TF_CONFIG=json.dumps({"cluster": cluster,
                                                                           "task": {"type": "worker", "index": i}})))
                      for i in range(2)]
@@ -155,33 +246,67 @@ def _run(side: str, batch: int, steps: int, warmup: int, env: dict) -> list[floa
             return json.load(f)
 
 
+def _differences(a: dict, b: dict, tol: float) -> list[str]:
+    """Why the two sides did not do the same work (empty when they did)."""
+    same = ("tensorflow", "keras", "workers", "batch per worker", "intra_op threads", "inter_op threads",
+            "OMP_NUM_THREADS", "parameters", "optimizer", "step", "initial weights checksum")
+    out = [f"{k}: {a['config'].get(k)} vs {b['config'].get(k)}" for k in same if a["config"].get(k) != b["config"].get(k)]
+    worst = max((abs(p - q) / max(1.0, abs(q)) for p, q in zip(a["losses"], b["losses"], strict=False)), default=0.0)
+    if worst > tol:
+        out.append(f"per-step losses differ by up to {worst:.2e} (tolerance {tol:.0e})")
+    return out
+
+
+def _stat(xs: list[float]) -> str:
+    xs = sorted(xs)
+    return f"{statistics.median(xs) * 1e3:.2f} [{xs[len(xs) // 10] * 1e3:.2f}-{xs[len(xs) * 9 // 10] * 1e3:.2f}]"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--worker", choices=["ringpipe", "mwms"])
     p.add_argument("--out")
     p.add_argument("--batch", type=int, default=32, help="per-worker batch")
-    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--steps", type=int, default=60, help="timed training steps per run")
     p.add_argument("--warmup", type=int, default=10)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--block", type=int, default=10, help="consecutive calls per timed block")
+    p.add_argument("--intra", type=int, default=1, help="tf.config.threading intra-op threads (both sides)")
+    p.add_argument("--inter", type=int, default=2, help="tf.config.threading inter-op threads (both sides)")
+    p.add_argument("--repeats", type=int, default=2, help="ABBA pairs of runs")
+    p.add_argument("--tol", type=float, default=1e-3, help="relative loss difference that refuses the ratio")
     args = p.parse_args()
     if args.worker == "ringpipe":
-        return worker_ringpipe(args.out, args.batch, args.steps, args.warmup)
+        return worker_ringpipe(args)
     if args.worker == "mwms":
-        return worker_mwms(args.out, args.batch, args.steps, args.warmup)
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", OMP_NUM_THREADS="1", TF_NUM_INTRAOP_THREADS="1",
-               TF_NUM_INTEROP_THREADS="2")
-    medians: dict[str, list[float]] = {"ringpipe": [], "mwms": []}
-    for _ in range(args.repeats):
-        for side in ("ringpipe", "mwms"):
-            medians[side].append(statistics.median(_run(side, args.batch, args.steps, args.warmup, env)) * 1e3)
-            print(f"{side}: median step {medians[side][-1]:.2f} ms", flush=True)
-    r, m = statistics.median(medians["ringpipe"]), statistics.median(medians["mwms"])
-    print(f"\n2 workers, batch {args.batch} per worker, {args.steps} steps after {args.warmup}; median step ms per run")
-    print("| side | runs | median of runs |")
-    print("|---|---|---|")
-    print(f"| ringpipe DistributedGradientTape | {', '.join(f'{v:.2f}' for v in medians['ringpipe'])} | {r:.2f} |")
-    print(f"| tf MultiWorkerMirroredStrategy | {', '.join(f'{v:.2f}' for v in medians['mwms'])} | {m:.2f} |")
-    print(f"ratio ringpipe / MWMS: {r / m:.2f}")
+        return worker_mwms(args)
+    env = dict(os.environ, **ENV)
+    runs: dict[str, list[dict]] = {"ringpipe": [], "mwms": []}
+    for r in range(args.repeats):
+        for side in (("ringpipe", "mwms") if r % 2 == 0 else ("mwms", "ringpipe")):
+            runs[side].append(_run(side, args, env))
+            print(f"{side}: median step {statistics.median(runs[side][-1]['times']['step']) * 1e3:.2f} ms "
+                  f"(load {os.getloadavg()[0]:.1f})", flush=True)
+    for side in runs:
+        print(f"\n{side} ran: " + json.dumps(runs[side][0]["config"]))
+    print(f"\n2 workers, batch {args.batch} per worker, {args.steps} steps after {args.warmup}, blocks of "
+          f"{args.block}, ABBA x{args.repeats}; ms, median [p10-p90] over every run's calls")
+    print("| side | step | local (fwd+bwd+apply) | reduce only | step - local | run medians of step |")
+    print("|---|---|---|---|---|---|")
+    med = {}
+    for side, label in (("ringpipe", "ringpipe DistributedGradientTape"), ("mwms", "TF MultiWorkerMirroredStrategy")):
+        t = {k: [v for run in runs[side] for v in run["times"][k]] for k in ("step", "local", "reduce")}
+        med[side] = [statistics.median(run["times"]["step"]) for run in runs[side]]
+        gap = (statistics.median(t["step"]) - statistics.median(t["local"])) * 1e3
+        print(f"| {label} | {_stat(t['step'])} | {_stat(t['local'])} | {_stat(t['reduce'])} | {gap:.2f} | "
+              f"{', '.join(f'{m * 1e3:.2f}' for m in med[side])} |")
+    problems = _differences(runs["ringpipe"][0], runs["mwms"][0], args.tol)
+    if problems:
+        print("\nNo ratio: the sides did not do the same work: " + "; ".join(problems))
+        return
+    wins = sum(a < b for a, b in zip(med["ringpipe"], med["mwms"], strict=True))
+    r, m = statistics.median(med["ringpipe"]), statistics.median(med["mwms"])
+    print(f"\nratio ringpipe / MWMS (median of run medians): {r / m:.2f}; ringpipe faster in {wins} of "
+          f"{len(med['mwms'])} pairs; per-step losses agree within {args.tol:.0e}")
 
 
 if __name__ == "__main__":
