@@ -38,7 +38,7 @@ def broadcast_global_variables(root_rank: int, process_set: ProcessSet = global_
 _Hook: Any = tf.compat.v1.train.SessionRunHook
 
 
-class BroadcastGlobalVariablesHook(_Hook):  # type: ignore[misc]
+class BroadcastGlobalVariablesHook(_Hook):
     """A ``SessionRunHook`` that broadcasts the global variables from ``root_rank`` when the session starts.
 
     Use it with ``tf.compat.v1.train.MonitoredTrainingSession(hooks=[...])`` (or any session

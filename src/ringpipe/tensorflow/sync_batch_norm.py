@@ -46,6 +46,14 @@ def global_moments(inputs: tf.Tensor, axes: list[int], weights: tf.Tensor | None
     return mean, variance
 
 
+def _moments_keras2(self: Any, inputs: tf.Tensor, reduction_axes: Any, keep_dims: bool, mask: Any = None) -> Any:
+    return global_moments(inputs, list(reduction_axes), _mask_weights(inputs, mask), keepdims=keep_dims)
+
+
+def _moments_keras3(self: Any, inputs: tf.Tensor, mask: Any) -> Any:
+    return global_moments(inputs, list(self._reduction_axes), _mask_weights(inputs, mask))
+
+
 class SyncBatchNormalization(_BatchNormalization):
     """Synchronous batch normalization: statistics are synchronised across all ranks during training.
 
@@ -67,15 +75,8 @@ class SyncBatchNormalization(_BatchNormalization):
         config.pop("fused", None)
         return config
 
-    if _KERAS2:
-
-        def _moments(self, inputs: tf.Tensor, reduction_axes: Any, keep_dims: bool, mask: Any = None) -> Any:
-            return global_moments(inputs, list(reduction_axes), _mask_weights(inputs, mask), keepdims=keep_dims)
-
-    else:
-
-        def _moments(self, inputs: tf.Tensor, mask: Any) -> Any:
-            return global_moments(inputs, list(self._reduction_axes), _mask_weights(inputs, mask))
+    # Keras 2 and Keras 3 call their moments hook with different arguments
+    _moments = _moments_keras2 if _KERAS2 else _moments_keras3
 
 
 def _mask_weights(inputs: tf.Tensor, mask: Any) -> tf.Tensor | None:

@@ -28,7 +28,7 @@ elastic = importlib.import_module(f"{__name__}.elastic")
 __all__ = [*_tf_all, "broadcast_global_variables", "callbacks", "load_model"]
 
 
-def broadcast_global_variables(root_rank: int, model: Any = None) -> Any:
+def broadcast_global_variables(root_rank: int, model: Any = None) -> Any:  # type: ignore[no-redef]
     """Give every rank ``root_rank``'s values of ``model``'s and its optimizer's variables.
 
     Eager Keras has no global variable collection, so the model is named (Horovod's Keras 2 form

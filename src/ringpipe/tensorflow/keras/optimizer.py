@@ -157,11 +157,11 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name for a call that returns
 
     cls: Any
     if isinstance(optimizer, keras.optimizers.Optimizer):
-        cls = distributed_class(type(optimizer))
+        cls = distributed_class(type(optimizer))  # type: ignore[arg-type]
     elif is_keras2_optimizer(optimizer):  # tf-keras: TF_USE_LEGACY_KERAS=1
         from .optimizer_keras2 import distributed_class_keras2
 
-        cls = distributed_class_keras2(type(optimizer))
+        cls = distributed_class_keras2(type(optimizer))  # type: ignore[arg-type]
     else:
         raise TypeError(f"DistributedOptimizer wraps a Keras optimizer (keras.optimizers, or tf-keras's "
                         f"tf.keras.optimizers / tf.keras.optimizers.legacy), got {type(optimizer).__name__}")
