@@ -278,6 +278,51 @@ def test_a_late_rank_is_found_by_its_work_between_calls_when_finishing_times_sca
     assert "worked a median" in found[0].evidence
 
 
+def test_a_rank_computing_more_is_named_though_other_ranks_waiting_for_a_core_outwork_it_now_and_then():
+    """8 ranks on 2 busy cores: each computes 40-80 ms between calls, rank 5 (four times the work) 120-200 ms;
+    in 3 of 9 intervals another rank waits for a core and takes 250 ms. Rank 5 then is not the last to
+    arrive, nor the one that worked the most, in most calls; it still works more than the others' median
+    in every interval."""
+    hiccup = {2: 1, 5: 6, 8: 3}  # interval -> the rank that waited for a core
+    calls = {"n": -1}
+
+    def other(r):
+        def work(rnd):
+            return 250.0 if hiccup.get(calls["n"]) == r else rnd.uniform(40, 80)
+        return work
+
+    def counted(f):
+        def work(rnd):
+            calls["n"] += 1
+            return f(rnd)
+        return work
+
+    work = [other(r) for r in range(8)]
+    work[5] = lambda rnd: rnd.uniform(120, 200)
+    work[0] = counted(work[0])
+    job = _scattered(work, scatter_ms=60.0)
+    found = _problems(diagnose(job))
+    assert [(f.rank, f.hosts) for f in found] == [(5, ("rp-host-b",))], [f.text() for f in found]
+
+
+def test_ranks_that_wait_for_a_core_at_random_accuse_nobody():
+    """Every interval one rank at random takes 250 ms instead of 40-80 ms: nobody works more consistently."""
+    for seed in range(5):
+        pick = random.Random(100 + seed)
+        state = {"slow": None, "n": 0}
+
+        def work_of(r):
+            def work(rnd):
+                if state["n"] % 8 == 0:
+                    state["slow"] = pick.randrange(8)
+                state["n"] += 1
+                return 250.0 if state["slow"] == r else rnd.uniform(40, 80)
+            return work
+
+        job = _scattered([work_of(r) for r in range(8)], scatter_ms=60.0, seed=seed)
+        assert _problems(diagnose(job)) == [], seed
+
+
 def test_scattered_finishing_times_alone_accuse_nobody():
     for seed in range(5):
         job = _scattered([lambda rnd: rnd.uniform(0.05, 0.5)] * 8, seed=seed)
