@@ -14,6 +14,13 @@ that the doctor measured (the fix it recommends, proven in the same run).
 
     python benchmarks/doctor_accuracy.py --trials 10 [--launchers launch,mpirun] [--size 256K] [--log FILE]
     python benchmarks/doctor_accuracy.py --table FILE     # the table of a log
+    python benchmarks/doctor_accuracy.py --clock 3        # clock_offsets under each launcher
+
+Where a trial's time goes (8 ranks on a 2-core machine): setting up the namespaces takes 0.4 s and
+the probe itself 3-4 s (``phases_s`` in the log); the rest is starting the launchers and 8 Python
+processes that import torch on 2 cores, and for an events scenario one more process for
+``ringpipe doctor EVENTS``.
+The probe already runs small (``--size 256K``, 3 repeats, ``--verify 3``).
 """
 
 from __future__ import annotations
@@ -248,6 +255,8 @@ def main() -> int:
     rows: list[dict[str, Any]] = []
     port = 29700
     with tempfile.TemporaryDirectory(prefix="rp-doctor-accuracy-") as tmp:
+        names = [n for n in SCENARIOS if not args.only or args.only in n]
+        total = args.trials * len(names) * len(launchers)
         for trial in range(args.trials):
             for name, sc in SCENARIOS.items():
                 if args.only and args.only not in name:
@@ -259,19 +268,23 @@ def main() -> int:
                         report = run_trial(sc, launcher, args.size, port, Path(tmp))
                         ok, false = score(report, sc)
                         gain = _gain(report, sc)
+                        phases = report.get("phases_s", {})
                         if args.keep and (not ok or false):
                             _keep(Path(args.keep), f"{trial}-{launcher}-{port}", report)
                     except Exception as exc:  # noqa: BLE001 - a failed trial is scored as missed
                         print(f"  {name} / {launcher}: trial failed: {str(exc)[-600:]}", file=sys.stderr)
-                        ok, false, gain = False, ["(trial failed)"], None
+                        ok, false, gain, phases = False, ["(trial failed)"], None, {}
                     row = {"scenario": name, "launcher": launcher, "trial": trial, "named": ok, "false": false,
-                           "gain": gain, "secs": time.time() - t0, "load": os.getloadavg()[0]}
+                           "gain": gain, "secs": time.time() - t0, "load": os.getloadavg()[0], "phases": phases}
                     rows.append(row)
                     if args.log:
                         with open(args.log, "a") as f:
                             f.write(json.dumps(row) + "\n")
+                    left = total - len(rows)
+                    eta = left * statistics.mean(r["secs"] for r in rows) / 60
                     print(f"  [{trial}] {name} / {launcher}: named={ok} false={false} ({row['secs']:.0f} s, "
-                          f"load {row['load']:.1f})", file=sys.stderr, flush=True)
+                          f"load {row['load']:.1f}); {len(rows)} of {total} done, about {eta:.0f} min left",
+                          file=sys.stderr, flush=True)
     print("\n" + table(rows))
     return 0
 
