@@ -243,7 +243,9 @@ def test_doctor_on_a_png_a_binary_file_an_empty_file_and_an_empty_run(tmp_path):
 
 @pytest.mark.timeout(60)
 def test_doctor_reads_a_horovod_style_timeline_through_the_events_beside_it(tmp_path):
-    (tmp_path / "timeline.json").write_text('{"traceEvents": []}')
+    from ringpipe.observe.live import create_file
+
+    create_file(tmp_path / "timeline.json")  # the file RINGPIPE_TIMELINE writes (its header comes first)
     out = _run("doctor", str(tmp_path / "timeline.json"), timeout=50)
     assert out.returncode == 2 and "is a Chrome timeline, not an events file" in out.stderr
     assert "timeline.events.json" in out.stderr

@@ -112,7 +112,7 @@ def load_events_arg(path: str) -> Any:
 
 def _is_trace(path: Path) -> bool:
     with path.open("rb") as f:
-        return b'"traceEvents"' in f.read(64)
+        return b'"traceEvents"' in f.read(4096)
 
 
 def _usage_error(command: str, exc: BaseException | str) -> int:
