@@ -1,4 +1,4 @@
-"""``ringpipe train`` with modes ``interleaved`` and ``zb_h1``: the same losses as one process on the global batch.
+"""``ringpipe train`` with modes ``interleaved``, ``zb_h1`` and ``zb_h2``: the same losses as one process on the global batch.
 
 The reference is mode ``single`` on the same batches (a plain torch loop; the pipeline modes
 seq, gpipe and 1f1b are held to it the same way in ``test_train_runs.py``). Bad settings
@@ -31,6 +31,7 @@ def reference(tmp_path_factory):
 @pytest.mark.parametrize("mode,extra", [
     ("interleaved", ["pipeline.balance=[2,2,1,1]", "pipeline.chunks=2"]),  # rank 0: parts 0 and 2
     ("zb_h1", ["pipeline.recompute=true"]),
+    ("zb_h2", []),
 ])
 def test_new_schedules_train_as_one_process(tmp_path, mode, extra, reference, capsys):
     rc, summary, metrics = train(tmp_path / "run", *sets([*TINY, f"mode={mode}", "nprocs=2",

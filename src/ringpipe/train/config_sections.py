@@ -42,9 +42,9 @@ __all__ = [
 ]
 
 #: Every mode the schema knows (whether it can run in this build is decided by ``modes``).
-MODE_NAMES = ("single", "ddp", "dp", "seq", "gpipe", "1f1b", "interleaved", "zb_h1", "async")
+MODE_NAMES = ("single", "ddp", "dp", "seq", "gpipe", "1f1b", "interleaved", "zb_h1", "zb_h2", "async")
 #: Modes that split the model into stages and read the ``pipeline`` section.
-PIPELINE_MODES = ("seq", "gpipe", "1f1b", "interleaved", "zb_h1", "async")
+PIPELINE_MODES = ("seq", "gpipe", "1f1b", "interleaved", "zb_h1", "zb_h2", "async")
 
 
 class ConfigError(ValueError):

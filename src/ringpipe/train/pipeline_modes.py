@@ -1,4 +1,4 @@
-"""Pipeline-parallel modes (seq, gpipe, 1f1b, interleaved, zb_h1, async) as adapters over ringpipe.pipeline's PipelineTrainer.
+"""Pipeline-parallel modes (seq, gpipe, 1f1b, interleaved, zb_h1, zb_h2, async) as adapters over ringpipe.pipeline's PipelineTrainer.
 
 The world is ``stages x replicas``: each replica is one pipeline reading its own data shard,
 and each stage's gradients are averaged over the replicas. Every rank of a replica reads the
@@ -9,7 +9,9 @@ sum over ranks ignores).
 The synchronous modes step once per batch, and the loop's LR schedule drives their optimizer.
 Mode ``interleaved`` cuts the model into ``stages x pipeline.chunks`` parts, ``chunks`` per
 rank (interleaved 1F1B); mode ``zb_h1`` splits each backward into an input-gradient and a
-weight-gradient pass (zero-bubble ZB-H1). Both run with ``pipeline.recompute``.
+weight-gradient pass (zero-bubble ZB-H1), and mode ``zb_h2`` also lets a stage hold up to
+``2 x stages - 1`` micro-batches so that, from step to step, no stage idles when the passes take
+equal time (ZB-H2). All three run with ``pipeline.recompute``.
 
 Mode ``async`` streams: each batch is fed into a pipeline that does not flush between batches
 (:meth:`PipelineTrainer.stream_step`), so the micro-batches of one batch are still in flight
@@ -44,7 +46,7 @@ __all__ = ["PipelineEngine", "SCHEDULE_OF_MODE", "rate_stand_in", "async_options
 #: ringpipe.pipeline schedule behind each mode
 SCHEDULE_OF_MODE = {
     "seq": "seq", "gpipe": "gpipe", "1f1b": "1f1b", "interleaved": "interleaved_1f1b", "zb_h1": "zb_h1",
-    "async": "async_1f1b",
+    "zb_h2": "zb_h2", "async": "async_1f1b",
 }
 
 
@@ -354,5 +356,7 @@ _register("interleaved", "interleaved 1F1B: pipeline.chunks model chunks per ran
           "times smaller for as many more messages (Narayanan et al. 2021)")
 _register("zb_h1", "zero-bubble ZB-H1: each backward split into an input-gradient pass and a weight-gradient "
           "pass run later, in what would be bubble; 1F1B's peak memory (Qi et al. 2024)")
+_register("zb_h2", "zero-bubble ZB-H2: ZB-H1's split backward with up to 2 x stages - 1 micro-batches held "
+          "per stage, so consecutive steps leave no stage idle with equal passes (Qi et al. 2024)")
 _register("async", "asynchronous PipeDream-style pipeline, no flush, a step every pipeline.step_every "
           "micro-batches, staleness mitigations (pipeline.mitigations)")
