@@ -195,12 +195,16 @@ def _load(job: JobEvents, busy: float = 2.0) -> list[Finding]:
         cpus = max((int(i.get("cpu_count", 0) or 0) for i in infos), default=0)
         if loads and cpus and max(loads) >= busy * cpus:
             hosts = list(dict.fromkeys(job.ranks[r].host for r in ranks))
+            probed = any("compute_ms" in i for i in infos)  # a probe's job, not a run's events
             findings.append(Finding(
                 "info", f"{'hosts ' + ', '.join(hosts) + ' were' if len(hosts) > 1 else 'host ' + hosts[0] + ' was'} "
                 f"busy: load average {max(loads):.1f} on {cpus} CPUs",
                 "processes waited for a core while they were measured: times are longer and noisier than the links "
                 "and CPUs alone would give; what is compared within this job still is (links to links, ranks to "
-                "ranks, each measured again when it looked slow)",
+                "ranks, each measured again when it looked slow)" if probed else
+                "processes waited for a core during the run (load average when its events were gathered): its "
+                "collectives and the work between them took longer and varied more than the links and CPUs alone "
+                "would give; a rank is named late only when it keeps the others waiting call after call",
                 hosts=tuple(hosts),
             ))
     return findings
