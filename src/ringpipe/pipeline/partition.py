@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -18,6 +18,7 @@ __all__ = [
     "balance_by_size",
     "balance_by_params",
     "balance_by_time",
+    "layer_times",
     "partition",
 ]
 
@@ -111,46 +112,63 @@ def balance_by_params(layers: Sequence[nn.Module], num_stages: int) -> list[int]
     return balance_by_size(costs, num_stages)
 
 
+def layer_times(
+    layers: Sequence[nn.Module],
+    sample: Any,
+    repeats: int = 3,
+    clock: Callable[[], float] = time.perf_counter,
+) -> list[float]:
+    """Seconds of forward+backward of each layer on ``sample`` (a batch), as a pipeline runs it.
+
+    Each layer is timed on the output of the previous one (the median of ``repeats`` runs, read
+    from ``clock``; ``time.thread_time`` measures CPU and is what a loaded machine disturbs least
+    when torch runs one thread). Later layers get an input that requires grad, as a stage's input
+    does, so their backward includes the input gradient; the first layer gets ``sample`` as it is,
+    so a plain data batch is timed without the input gradient that the first stage never computes.
+    Parameter gradients are cleared afterwards. Layers run in training mode, so running statistics
+    of normalisation layers move; call it before loading weights if that matters.
+    """
+    times: list[float] = []
+    x = sample
+    for i, layer in enumerate(layers):
+        runs = []
+        for _ in range(max(1, repeats)):
+            inp = _detach(x, requires_grad=None if i == 0 else True)
+            t0 = clock()
+            out = layer(*inp) if isinstance(inp, tuple) else layer(inp)
+            outs = out if isinstance(out, tuple) else (out,)
+            grads = [t for t in outs if isinstance(t, torch.Tensor) and t.requires_grad]
+            if grads:
+                torch.autograd.backward(grads, [torch.ones_like(t) for t in grads])
+            runs.append(clock() - t0)
+        times.append(sorted(runs)[len(runs) // 2])
+        x = _detach(out, requires_grad=False)
+        for p in layer.parameters():
+            p.grad = None
+    return times
+
+
 def balance_by_time(
     layers: Sequence[nn.Module],
     sample: Any,
     num_stages: int,
     repeats: int = 3,
 ) -> list[int]:
-    """Balance by measured forward+backward time of each layer on ``sample`` (a batch).
-
-    Each layer is timed on the output of the previous one (the median of ``repeats`` runs);
-    parameter gradients are cleared afterwards. Layers run in training mode, so running
-    statistics of normalisation layers move; call it before loading weights if that matters.
-    """
-    times: list[float] = []
-    x = sample
-    for layer in layers:
-        runs = []
-        for _ in range(max(1, repeats)):
-            inp = _detach(x, requires_grad=True)
-            t0 = time.perf_counter()
-            out = layer(*inp) if isinstance(inp, tuple) else layer(inp)
-            outs = out if isinstance(out, tuple) else (out,)
-            grads = [t for t in outs if isinstance(t, torch.Tensor) and t.requires_grad]
-            if grads:
-                torch.autograd.backward(grads, [torch.ones_like(t) for t in grads])
-            runs.append(time.perf_counter() - t0)
-        times.append(sorted(runs)[len(runs) // 2])
-        x = _detach(out, requires_grad=False)
-        for p in layer.parameters():
-            p.grad = None
+    """Balance by measured forward+backward time of each layer on ``sample`` (:func:`layer_times`)."""
+    times = layer_times(layers, sample, repeats)
     bal = balance_by_size(times, num_stages)
     log.info("balance by time %s from per-layer seconds %s", bal, [f"{t:.2e}" for t in times])
     return bal
 
 
-def _detach(x: Any, requires_grad: bool) -> Any:
+def _detach(x: Any, requires_grad: bool | None) -> Any:
+    """``x`` cut from its graph; ``requires_grad`` None keeps each tensor's own flag."""
     if isinstance(x, tuple):
         return tuple(_detach(t, requires_grad) for t in x)
     if isinstance(x, torch.Tensor):
+        keep = x.requires_grad if requires_grad is None else requires_grad
         y = x.detach()
-        if requires_grad and y.is_floating_point():
+        if keep and y.is_floating_point():
             y.requires_grad_(True)
         return y
     return x
