@@ -103,18 +103,19 @@ def test_settings_that_differ_across_ranks_are_an_error_on_every_rank():
             assert f"rank 0: {a!r}" in msg and f"rank 1: {b!r}" in msg, msg
 
 
-def _step_against_allreduce(comm):
-    """The last rank allreduces; the others step (their first bucket goes out right behind the step's announcement)."""
+def _step_against_allreduce(comm, features=4):
+    """The last rank allreduces; the others step (their first gradients ride in the step's announcement,
+    the rest of a bucket longer than that goes out right behind it)."""
     from ringpipe.comm.base import ReduceOp
     from ringpipe.dp.ops import allreduce_inplace
 
-    model = nn.Linear(4, 2)
+    model = nn.Linear(features, 100 if features > 4 else 2)
     opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), comm=comm)
     out = {}
 
     def call():
         if comm.rank < comm.size - 1:
-            model(torch.ones(3, 4)).sum().backward()
+            model(torch.ones(3, features)).sum().backward()
             opt.step()
         else:
             allreduce_inplace(comm, torch.ones(3), ReduceOp.SUM)
@@ -128,8 +129,9 @@ def _step_against_allreduce(comm):
 
 
 @pytest.mark.timeout(120)
-def test_an_optimizer_step_against_another_collective_is_an_error_on_every_rank():
-    for out in spawn(_step_against_allreduce, 3):
+@pytest.mark.parametrize("features", [4, 400])  # 400: 40,100 gradients, more than ride in the announcement
+def test_an_optimizer_step_against_another_collective_is_an_error_on_every_rank(features):
+    for out in spawn(_step_against_allreduce, 3, args=(features,)):
         msg = out["first"]
         assert msg is not None and "collective=step" in msg and "collective=allreduce" in msg, msg
         assert out["after"] == [6.0, 6.0]  # 1 + 2 + 3: nothing of the abandoned step is left in flight

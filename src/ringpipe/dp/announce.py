@@ -18,7 +18,7 @@ the joined ranks go on waiting.
 An optimizer step costs no message of its own: its header rides in front of the first
 gradients. Every announcement on a communicator is one float32 message of the same length,
 the header (each int64 word as six 12-bit digits, exact in float32 sums over up to 4096 ranks)
-followed by a payload area of :attr:`Engine.ride <ringpipe.dp.engine.Engine>` elements. An
+followed by a payload area (:mod:`ringpipe.dp.headers`) of :attr:`Engine.ride <ringpipe.dp.engine.Engine>` elements. An
 optimizer step's first message fills that area with the start of its first bucket
 (:func:`start_exchange`); every other announcement leaves it zero, and so does a joined rank,
 which cannot know which of them comes next but always posts a message of the right length and
@@ -37,16 +37,27 @@ import contextlib
 import threading
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 
 from ringpipe.comm.base import CommError, Communicator, ReduceOp, Work
-from ringpipe.comm.consistency import disagreement
 from ringpipe.comm.events import internal
-from ringpipe.comm.header import InvalidCallError, MismatchError, fingerprint
+from ringpipe.comm.header import InvalidCallError, MismatchError
 from ringpipe.dp.engine import Engine, EngineError, EngineInvalidCallError, EngineMismatchError
+from ringpipe.dp.headers import (
+    DTYPES,
+    OPS,
+    RIDE_CAP,
+    SERVED,
+    Note,
+    announcement_bytes,
+    decode,
+    header,
+    message,
+    read,
+    with_payload,
+)
 
 __all__ = [
     "OPS",
@@ -66,62 +77,9 @@ __all__ = [
     "start_exchange",
 ]
 
-# Every announced operation; the header carries its position (plus one; zero: joined).
-OPS = ("step", "bucket", "apply", "allreduce", "barrier", "allgather", "broadcast", "reducescatter", "alltoall",
-       "broadcast_object", "allgather_object")
-# The operations a joined rank takes part in.
-SERVED = frozenset({"step", "bucket", "apply", "allreduce", "barrier"})
-_REDUCE_OPS = tuple(ReduceOp)
-_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
-           torch.int8, torch.uint8, torch.bool)
-_FIELDS = 5  # operation, reduce op, dtype, element count, on a GPU (then: invalid calls)
-# After them: the element count and dtype of data posted right behind the header (an optimizer
-# step's first bucket), so that on a disagreement the other ranks can complete that allreduce.
-_TAIL = 3
-#: The most gradient elements an optimizer step's header carries (128 KiB of float32): larger
-#: first buckets send the rest right behind it; every announcement carries this many at most.
-RIDE_CAP = 32768
-_DIGIT_BITS, _DIGITS = 12, 6  # an int64 word (at most 72 bits) as six float32 digits
-_SHIFTS = torch.arange(_DIGITS, dtype=torch.int64) * _DIGIT_BITS
-
 
 class JoinError(EngineError):
     """A collective was called while a rank had joined, and joined ranks cannot take part in it."""
-
-
-@dataclass(frozen=True)
-class Note:
-    """What every rank learnt from one header."""
-
-    op: str  # "" once every rank has joined
-    have_data: tuple[int, ...]
-    joined: tuple[int, ...]
-    reduce_op: ReduceOp | None = None
-    dtype: torch.dtype | None = None
-    numel: int = 0
-    cuda: bool = False
-    #: The summed payload area of the message (a joined rank's share of a step's first gradients).
-    payload: torch.Tensor | None = field(default=None, compare=False, repr=False)
-
-    @property
-    def count(self) -> int:
-        """The number of ranks that still have data."""
-        return len(self.have_data)
-
-
-def _fields(op: str, tensor: torch.Tensor | None, reduce_op: ReduceOp | None,
-            detail: dict[str, Any] | None) -> dict[str, Any]:
-    """What the ranks with data must agree on, as shown in an error (Horovod's argument names)."""
-    fields: dict[str, Any] = {"collective": op}
-    if tensor is not None:
-        fields["dtype"] = str(tensor.dtype).removeprefix("torch.")
-        # an allgather's first dimension may differ between ranks (Horovod gathers them all)
-        fields["shape"] = ["*", *tensor.shape[1:]] if op == "allgather" and tensor.dim() else list(tensor.shape)
-        fields["device"] = tensor.device.type
-    if reduce_op is not None:
-        fields["op"] = reduce_op.value
-    fields.update(detail or {})
-    return fields
 
 
 def exchange(
@@ -140,12 +98,12 @@ def exchange(
     :class:`MismatchError` or :class:`InvalidCallError` before any data moves.
     """
     settle(comm)
-    digits, fields = _header(comm, op, tensor, reduce_op, detail, problem)
-    message = _message(comm, digits, None, 0)
+    digits, fields = header(comm, op, tensor, reduce_op, detail, problem)
+    wire = message(comm, digits, None, 0)
     with internal():  # ringpipe's bookkeeping: listed apart from the program's calls
-        comm.allreduce(message, ReduceOp.SUM)
-    note = _read(comm, _decode(message, digits.numel()), fields, problem)
-    return _with_payload(note, message[digits.numel():])
+        comm.allreduce(wire, ReduceOp.SUM)
+    note = read(comm, decode(wire, digits.numel()), fields, problem)
+    return with_payload(note, wire[digits.numel():])
 
 
 class Pending:
@@ -175,7 +133,7 @@ class Pending:
                 try:
                     if self.work is not None:
                         self.work.wait()
-                    self._note = _read(self.comm, _decode(self.message, self.size), self.fields, None, self.behind)
+                    self._note = read(self.comm, decode(self.message, self.size), self.fields, None, self.behind)
                     if self.target is not None:
                         self.target.copy_(self.message[self.size : self.size + self.target.numel()])
                     if self.on_note is not None:
@@ -221,146 +179,20 @@ def start_exchange(comm: Communicator, op: str, wire: torch.Tensor, ride: int, b
     Nothing is read until :meth:`Pending.note` (or :func:`settle` before the next collective).
     """
     settle(comm)
-    tail = wire[behind:] if behind else None
-    digits, fields = _header(comm, op, None, None, None, None, tail)
-    message = _message(comm, digits, wire, ride)
+    tail = wire[ride:] if behind else None
+    assert tail is None or tail.numel() == behind, "the elements posted behind are those after the ride"
+    digits, fields = header(comm, op, None, None, None, None, tail)
+    out = message(comm, digits, wire, ride)
     # with gradients in it, the message is the program's reduction, not only ringpipe's bookkeeping
     with internal() if not ride else contextlib.nullcontext():
         if blocking:
-            comm.allreduce(message, ReduceOp.SUM)
+            comm.allreduce(out, ReduceOp.SUM)
             work = None
         else:
-            work = comm.iallreduce(message, ReduceOp.SUM)
-    pending = Pending(comm, message, work, fields, digits.numel(), wire[:ride] if ride else None, on_note, bool(behind))
+            work = comm.iallreduce(out, ReduceOp.SUM)
+    pending = Pending(comm, out, work, fields, digits.numel(), wire[:ride] if ride else None, on_note, bool(behind))
     _UNREAD[comm] = pending
     return pending
-
-
-def announcement_bytes(comm: Communicator) -> int:
-    """The length in bytes of every announcement on ``comm`` (the header's digits and the payload area)."""
-    return 4 * (_DIGITS * (2 * comm.size + _FIELDS + _TAIL) + Engine.of(comm).ride)
-
-
-def _with_payload(note: Note, payload: torch.Tensor) -> Note:
-    if not payload.numel():
-        return note
-    return Note(note.op, note.have_data, note.joined, note.reduce_op, note.dtype, note.numel, note.cuda, payload)
-
-
-def _message(comm: Communicator, digits: torch.Tensor, wire: torch.Tensor | None, ride: int) -> torch.Tensor:
-    """The header's digits, then the payload area: ``wire[:ride]``, zeros after it."""
-    area = Engine.of(comm).ride
-    if ride > area:
-        raise RuntimeError(f"{ride} elements cannot ride in an announcement of {area} on {comm.name}")
-    d = digits.numel()
-    message = torch.empty(d + area, dtype=torch.float32, device=comm._object_device())
-    message[:d] = digits
-    if ride:
-        assert wire is not None
-        message[d : d + ride] = wire[:ride]
-    message[d + ride :].zero_()
-    return message
-
-
-def _encode(header: torch.Tensor) -> torch.Tensor:
-    """Each non-negative int64 word as six 12-bit digits in float32 (sums stay exact up to 4096 ranks)."""
-    return ((header.unsqueeze(1) >> _SHIFTS) & ((1 << _DIGIT_BITS) - 1)).flatten().to(torch.float32)
-
-
-def _decode(message: torch.Tensor, size: int) -> list[int]:
-    """The summed int64 words of a summed header (its first ``size`` digits)."""
-    digits = [round(v) for v in message[:size].cpu().tolist()]
-    return [sum(digits[i + j] << (_DIGIT_BITS * j) for j in range(_DIGITS)) for i in range(0, size, _DIGITS)]
-
-
-_CONSTANT: dict[tuple[Any, ...], torch.Tensor] = {}
-
-
-def _header(comm: Communicator, op: str | None, tensor: torch.Tensor | None, reduce_op: ReduceOp | None,
-            detail: dict[str, Any] | None, problem: BaseException | None,
-            behind: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, Any] | None]:
-    """This rank's header as digits (:func:`_encode`) and the fields it fingerprints."""
-    size = comm.size
-    fields = None if op is None else _fields(op, tensor, reduce_op, detail)
-    constant = tensor is None and reduce_op is None and not detail and problem is None
-    key = (op or "", comm.rank, size, None if behind is None else (behind.numel(), behind.dtype))
-    if constant and key in _CONSTANT:  # a joined rank's and an optimizer step's header never change
-        return _CONSTANT[key], fields
-    header = torch.zeros(2 * size + _FIELDS + _TAIL, dtype=torch.int64)
-    if op is not None:
-        header[comm.rank] = 1 if behind is None else 2  # 2: data follows the header without waiting for it
-        if behind is not None:
-            header[2 * size + _FIELDS + 1] = behind.numel()
-            header[2 * size + _FIELDS + 2] = _DTYPES.index(behind.dtype) + 1
-        header[size + comm.rank] = fingerprint(fields)
-        header[2 * size] = OPS.index(op) + 1
-        if reduce_op is not None:
-            header[2 * size + 1] = _REDUCE_OPS.index(reduce_op) + 1
-        if tensor is not None:
-            header[2 * size + 2] = _DTYPES.index(tensor.dtype) + 1 if tensor.dtype in _DTYPES else 0
-            header[2 * size + 3] = tensor.numel()
-            header[2 * size + 4] = int(tensor.device.type == "cuda")
-        header[2 * size + _FIELDS] = int(problem is not None)
-    digits = _encode(header)
-    if constant:
-        _CONSTANT[key] = digits
-    return digits, fields
-
-
-def _read(comm: Communicator, values: list[int], fields: dict[str, Any] | None,
-          problem: BaseException | None, behind: bool = False) -> Note:
-    """What every rank learns from the summed header (``behind``: this rank posted data behind it)."""
-    size = comm.size
-    have_data = tuple(r for r in range(size) if values[r] > 0)
-    joined = tuple(r for r in range(size) if values[r] <= 0)
-    count = len(have_data)
-    if count == 0:
-        return Note("", (), joined)
-    if values[2 * size + _FIELDS] or len({values[size + r] for r in have_data}) > 1:
-        _drain(comm, values, behind)
-        _disagree(comm, fields, problem)
-    code, rop, dtype, numel, cuda = (v // count for v in values[2 * size : 2 * size + _FIELDS])
-    return Note(
-        OPS[code - 1] if 0 < code <= len(OPS) else f"unknown operation {code}",
-        have_data,
-        joined,
-        _REDUCE_OPS[rop - 1] if 0 < rop <= len(_REDUCE_OPS) else None,
-        _DTYPES[dtype - 1] if 0 < dtype <= len(_DTYPES) else None,
-        numel,
-        cuda == 1,
-    )
-
-
-def _drain(comm: Communicator, values: list[int], behind: bool) -> None:
-    """On a disagreement, complete with zeros the allreduce that other ranks posted behind their header."""
-    size = comm.size
-    posted = [r for r in range(size) if values[r] == 2]
-    if not posted or behind:
-        return
-    numel = values[2 * size + _FIELDS + 1] // len(posted)
-    code = values[2 * size + _FIELDS + 2] // len(posted)
-    if numel * len(posted) != values[2 * size + _FIELDS + 1] or not 0 < code <= len(_DTYPES):
-        raise MismatchError(
-            f"{comm.name}: ranks {posted} posted optimizer buckets of different lengths behind their headers; "
-            "build the same DistributedOptimizer on every rank"
-        )
-    zeros = torch.zeros(numel, dtype=_DTYPES[code - 1], device=comm._object_device())
-    comm.iallreduce(zeros, ReduceOp.SUM).wait()
-
-
-def _disagree(comm: Communicator, fields: dict[str, Any] | None, problem: BaseException | None) -> NoReturn:
-    """Every rank (a joined one too) learns every call and raises the same error."""
-    every = comm._allgather_object((fields, None if problem is None else str(problem)))
-    invalid = [r for r, (_, p) in enumerate(every) if p is not None]
-    if invalid:
-        r = invalid[0]
-        what = every[r][0]["collective"] if every[r][0] else "a collective"
-        raise InvalidCallError(
-            f"{what} on {comm.name}: rank {r} made an invalid call: {every[r][1]} (raised on every rank; "
-            "no tensor was modified)"
-        )
-    calls = [(r, f) for r, (f, _) in enumerate(every) if f is not None]
-    raise MismatchError(disagreement(comm.name, calls))
 
 
 def _ranks(ranks: tuple[int, ...]) -> str:
@@ -400,10 +232,10 @@ def announce(
             f"only in optimizer steps, allreduce and barrier; call {op} before the first rank joins or after "
             "join() returns on every rank)"
         )
-    if op == "allreduce" and note.joined and tensor is not None and tensor.dtype not in _DTYPES:
+    if op == "allreduce" and note.joined and tensor is not None and tensor.dtype not in DTYPES:
         raise JoinError(
             f"allreduce of a {tensor.dtype} tensor while {_ranks(note.joined)} had joined: joined ranks take "
-            f"part in allreduces of {', '.join(str(d) for d in _DTYPES)} only"
+            f"part in allreduces of {', '.join(str(d) for d in DTYPES)} only"
         )
     return note
 
