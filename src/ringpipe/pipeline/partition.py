@@ -120,19 +120,19 @@ def layer_times(
 ) -> list[float]:
     """Seconds of forward+backward of each layer on ``sample`` (a batch), as a pipeline runs it.
 
-    Each layer is timed on the output of the previous one (the median of ``repeats`` runs, read
-    from ``clock``; ``time.thread_time`` measures CPU and is what a loaded machine disturbs least
-    when torch runs one thread). Later layers get an input that requires grad, as a stage's input
+    Each layer is timed on the output of the previous one: the median of ``repeats`` passes over
+    all the layers (so that drift of a shared machine falls on every layer alike), read from
+    ``clock`` (``time.thread_time`` measures CPU, which load disturbs least, when torch runs one
+    thread). Later layers get an input that requires grad, as a stage's input
     does, so their backward includes the input gradient; the first layer gets ``sample`` as it is,
     so a plain data batch is timed without the input gradient that the first stage never computes.
     Parameter gradients are cleared afterwards. Layers run in training mode, so running statistics
     of normalisation layers move; call it before loading weights if that matters.
     """
-    times: list[float] = []
-    x = sample
-    for i, layer in enumerate(layers):
-        runs = []
-        for _ in range(max(1, repeats)):
+    runs: list[list[float]] = [[] for _ in layers]
+    for _ in range(max(1, repeats)):
+        x = sample
+        for i, layer in enumerate(layers):
             inp = _detach(x, requires_grad=None if i == 0 else True)
             t0 = clock()
             out = layer(*inp) if isinstance(inp, tuple) else layer(inp)
@@ -140,12 +140,12 @@ def layer_times(
             grads = [t for t in outs if isinstance(t, torch.Tensor) and t.requires_grad]
             if grads:
                 torch.autograd.backward(grads, [torch.ones_like(t) for t in grads])
-            runs.append(clock() - t0)
-        times.append(sorted(runs)[len(runs) // 2])
-        x = _detach(out, requires_grad=False)
+            runs[i].append(clock() - t0)
+            x = _detach(out, requires_grad=False)
+    for layer in layers:
         for p in layer.parameters():
             p.grad = None
-    return times
+    return [sorted(r)[len(r) // 2] for r in runs]
 
 
 def balance_by_time(
