@@ -1,6 +1,8 @@
 """Where a pipeline step's time goes, per rank: compute, waiting for the neighbour, and overhead between actions.
 
-Runs ringpipe's schedules on the model and split of ``pipeline_vs_torch.py`` (2 ranks) and
+Runs ringpipe's schedules on the model and split of ``pipeline_vs_torch.py`` (2 ranks; the same
+options: by default a split chosen from each block's measured cost, printed with the two stages'
+timed cost) and
 stamps every forward, backward and optimizer step with the monotonic clock, which the
 processes of one machine share. For each action, the gap since the rank's previous action is
 split in two: *waiting* until the neighbour finished the action this one depends on (its
@@ -18,12 +20,14 @@ share of the optimizer step, message calls, the executor's other work, gloo's th
 the load of a shared machine disturbs far less than wall time, and from those costs the time
 per step that 1F1B and the asynchronous stream can at best reach on this split (each stage
 busy with exactly what it was measured to do, messages free or 0.25 ms): the bound that
-async / 1F1B is to be read against. It differs from the 1.25x of equal stages: the last stage
-also computes the input gradient of its first layer and the head and loss, so it is the
-slower one, and in the asynchronous steady state its optimizer step lies on the critical path
-(in 1F1B it overlaps the first stage's last backward).
+async / 1F1B is to be read against. It differs from the 1.25x of equal stages where the stages
+are not equal (with ``--balance 4,5 --blocks 4 --width 1024`` the last stage also computes the
+input gradient of its first layer and the head and loss, so it is 1.2-1.37x the first), and in
+the asynchronous steady state the last stage's optimizer step lies on the critical path (in
+1F1B it overlaps the first stage's last backward).
 
     python benchmarks/pipeline_timeline.py --steps 20 --repeats 5
+    python benchmarks/pipeline_timeline.py --steps 20 --repeats 5 --balance 4,5 --blocks 4 --width 1024  # earlier split
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ from ringpipe.pipeline.executor import PipelineExecutor
 from ringpipe.pipeline.stage import StageRuntime
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from pipeline_vs_torch import Split, data, make_layers  # noqa: E402
+from pipeline_vs_torch import Split, add_model_args, choose_split, data, make_layers, split_line  # noqa: E402
 
 __all__ = ["main", "breakdown"]
 
@@ -82,7 +86,7 @@ def run(comm: Any, args: argparse.Namespace, schedule: str) -> dict[str, Any]:
     layers = make_layers(args.width, args.blocks)
     is_async = schedule == "async"
     t = PipelineTrainer(
-        comm, layers, balance=Split.make(len(layers), args.blocks, "flat").balance(), schedule=schedule,
+        comm, layers, balance=Split.make(len(layers), args.blocks, "flat", args.first_blocks).balance(), schedule=schedule,
         microbatches=args.microbatches, optimizer_factory=lambda ps: torch.optim.SGD(ps, lr=0.01),
         loss_fn=nn.functional.cross_entropy, step_every=args.microbatches if is_async else 1,
     )
@@ -252,10 +256,7 @@ def bookkeeping(width: int, rows: int, reps: int = 200) -> dict[str, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--width", type=int, default=1024)
-    ap.add_argument("--blocks", type=int, default=4)
-    ap.add_argument("--batch", type=int, default=256)
-    ap.add_argument("--microbatches", type=int, default=4)
+    add_model_args(ap)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=5)
@@ -264,6 +265,8 @@ def main() -> None:
     args = ap.parse_args()
     names = [v.strip() for v in args.variants.split(",")]
     load = os.getloadavg()[0]
+    args.first_blocks, args.stage_ms, args.balance_how = choose_split(args)
+    print(split_line(args), flush=True)
     res = spawn(worker, 2, args=(args, names), env={"OMP_NUM_THREADS": "1"})
     print(f"# {os.cpu_count()} cores, load average {load:.2f} -> {os.getloadavg()[0]:.2f}; width {args.width}, "
           f"{args.blocks} blocks + head, batch {args.batch}, {args.microbatches} micro-batches, {args.steps} steps, "

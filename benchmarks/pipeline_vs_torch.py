@@ -4,7 +4,16 @@ Both systems get their stages from ONE :class:`Split` of one list of layers (an 
 ``--blocks`` Linear+ReLU blocks and a Linear head, built with the same seed): the split says
 which layers form each model chunk and which rank holds each chunk. Two-stage schedules use
 one chunk per rank; interleaved and V-shaped ones cut the same per-rank layers into two chunks
-per rank. Before any ratio is printed, every variant reports, per rank, the parameter count and
+per rank. Where the cut between the ranks falls is chosen from measurement (``--balance
+measured``, the default): each block's forward + backward of one micro-batch is timed before the
+run (one thread, as in the run; the first block without the input gradient that the first stage
+never computes, the head and the loss with the last block) and ringpipe's exact splitter picks
+the cut that makes the slower stage cheapest; the two stages' timed costs are printed, and each
+variant's own per-rank compute per micro-batch in the run is printed next to its throughput.
+Blocks are the unit of the cut, so the default model has many small ones (32 blocks of width
+362, the multiply-adds of 4 blocks of 1024), which balances within a few per cent; ``--balance
+4,5 --blocks 4 --width 1024`` gives the earlier split (2 blocks | 2 blocks + head, the last stage
+1.2-1.37x the first). Before any ratio is printed, every variant reports, per rank, the parameter count and
 the list of layers its stages actually hold (found by identity in the shared list); a ratio
 between two variants whose ranks hold different work is refused.
 
@@ -22,7 +31,7 @@ per step are those of the steady state of consecutive steps: a rank starts the n
 it is done with this one (neither system has a barrier between steps), which shortens a step
 of the schedules whose first rank finishes first (ZB-H2, V shapes).
 
-    python benchmarks/pipeline_vs_torch.py --width 1024 --batch 256 --microbatches 4 --steps 20 --repeats 5
+    python benchmarks/pipeline_vs_torch.py --batch 256 --microbatches 4 --steps 20 --repeats 5
 """
 
 from __future__ import annotations
@@ -50,7 +59,7 @@ from ringpipe.pipeline.schedules import SCHEDULES, async_1f1b, get_schedule
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from schedule_timing import Op, ringpipe_ops, simulate  # noqa: E402
 
-__all__ = ["Split", "main"]
+__all__ = ["Split", "add_model_args", "choose_split", "main", "split_line"]
 
 TORCH_SCHEDULES = {  # name -> (class name, chunk layout)
     "gpipe": ("ScheduleGPipe", "flat"),
@@ -80,24 +89,90 @@ class Split:
     ranks: tuple[int, ...]
 
     @classmethod
-    def make(cls, num_layers: int, blocks: int, layout: str) -> Split:
-        """Half the blocks per rank (the head with the last): ``flat`` 1 chunk a rank, ``loop``/``v`` 2."""
-        if blocks % 4:
-            raise SystemExit(f"--blocks {blocks}: use a multiple of 4 so that every layout splits it evenly")
+    def make(cls, num_layers: int, blocks: int, layout: str, first: int | None = None) -> Split:
+        """``first`` blocks on one rank, the other blocks and the head on the other (half each by default).
+
+        ``flat``: one chunk a rank, rank 0 the first ``first`` blocks. ``loop`` (ranks 0, 1, 0, 1)
+        and ``v`` (0, 1, 1, 0): each rank's blocks cut into two chunks, so every rank holds the
+        same work as in ``flat`` (in ``v`` rank 0 holds the head, hence the other share).
+        """
+        first = blocks // 2 if first is None else first
+        rest = blocks - first
+        low = 1 if layout == "flat" else 2
+        if not (first >= low and rest >= low):
+            raise SystemExit(f"--blocks {blocks} split {first} | {rest}: every rank needs at least {low} "
+                             f"block(s) for layout {layout!r}; use more blocks or another --balance")
         per = [list(range(2 * b, 2 * b + 2)) for b in range(blocks)]
         per[-1].append(num_layers - 1)
-        q = blocks // 4
-        quarters = [sum(per[i * q:(i + 1) * q], []) for i in range(4)]
         if layout == "flat":
-            return cls((tuple(quarters[0] + quarters[1]), tuple(quarters[2] + quarters[3])), (0, 1))
-        order = {"loop": (0, 1, 0, 1), "v": (0, 1, 1, 0)}[layout]
-        return cls(tuple(tuple(c) for c in quarters), order)
+            sizes, order = [first, rest], (0, 1)
+        else:
+            order = {"loop": (0, 1, 0, 1), "v": (0, 1, 1, 0)}[layout]
+            share = {0: first, 1: rest} if layout == "loop" else {0: rest, 1: first}  # head's rank: rest
+            halves = {r: [(n + 1) // 2, n // 2] for r, n in share.items()}
+            sizes = [halves[r].pop(0) for r in order]
+        chunks, start = [], 0
+        for n in sizes:
+            chunks.append(tuple(sum(per[start:start + n], [])))
+            start += n
+        return cls(tuple(chunks), order)
 
     def chunks_of(self, rank: int) -> list[int]:
         return [c for c, r in enumerate(self.ranks) if r == rank]
 
     def balance(self) -> list[int]:
         return [len(c) for c in self.chunks]
+
+
+class Loss(nn.Module):
+    """The loss as a layer, so that the split's timing counts it with the last block."""
+
+    def __init__(self, target: torch.Tensor) -> None:
+        super().__init__()
+        self.target = target
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(x, self.target)
+
+
+def choose_split(args: argparse.Namespace) -> tuple[int, list[float], str]:
+    """Blocks on the first rank, the two stages' measured ms per micro-batch, and how it was chosen.
+
+    ``--balance measured``: each block's forward + backward of one micro-batch is timed once
+    (thread CPU, one thread as in the run, ringpipe's :func:`layer_times`: the first block
+    without the input gradient the first stage never computes, the head and the loss counted
+    with the last block) and ringpipe's exact splitter picks the cut that minimises the slower
+    stage. ``--balance A,B``: layers per rank (a cut between blocks), timed the same way.
+    """
+    from ringpipe.pipeline.partition import balance_by_size, layer_times
+
+    layers = make_layers(args.width, args.blocks)
+    n = len(layers)
+    x, y = data(args)
+    rows = args.batch // args.microbatches
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        layer_times(layers[:2], x[:rows], repeats=3, clock=time.thread_time)  # warm the allocator
+        t = layer_times(layers + [Loss(y[:rows])], x[:rows], repeats=args.balance_repeats, clock=time.thread_time)
+    finally:
+        torch.set_num_threads(threads)
+    block = [t[2 * b] + t[2 * b + 1] for b in range(args.blocks)]
+    block[-1] += t[n - 1] + t[n]  # head and loss
+    if args.balance == "measured":
+        first, how = balance_by_size(block, 2)[0], "measured"
+    else:
+        try:
+            bal = [int(v) for v in args.balance.split(",")]
+        except ValueError:
+            raise SystemExit(f"--balance {args.balance!r}: give 'measured' or two layer counts like 4,5") from None
+        if len(bal) != 2 or sum(bal) != n or bal[0] % 2 or bal[0] < 2:
+            raise SystemExit(f"--balance {args.balance}: give two layer counts adding up to {n} (the model's "
+                             f"layers) whose first is an even number >= 2 (a cut between Linear+ReLU blocks), "
+                             f"e.g. {args.blocks},{args.blocks + 1}")
+        first, how = bal[0] // 2, "given"
+    stage = [1e3 * sum(block[:first]), 1e3 * sum(block[first:])]
+    return first, stage, how
 
 
 def describe(stage_modules: Sequence[nn.Module], layers: list[nn.Module]) -> dict[str, Any]:
@@ -175,7 +250,7 @@ def timed(comm: Any, warmup: Callable[[], None], work: Callable[[], None]) -> tu
 def ringpipe_run(comm: Any, args: argparse.Namespace, schedule: str, recompute: bool = False) -> dict[str, Any]:
     layers = make_layers(args.width, args.blocks)
     layout = RINGPIPE_NEW.get(schedule, "flat")
-    split = Split.make(len(layers), args.blocks, layout)
+    split = Split.make(len(layers), args.blocks, layout, args.first_blocks)
     is_async = schedule == "async"
     extra: dict[str, Any] = {"chunks": 2} if layout == "loop" else {}
     t = PipelineTrainer(
@@ -239,7 +314,7 @@ def torch_run(comm: Any, args: argparse.Namespace, name: str) -> dict[str, Any]:
 
     cls_name, layout = TORCH_SCHEDULES[name]
     layers = make_layers(args.width, args.blocks)
-    split = Split.make(len(layers), args.blocks, layout)
+    split = Split.make(len(layers), args.blocks, layout, args.first_blocks)
     mods = [nn.Sequential(*(layers[i] for i in split.chunks[c])) for c in split.chunks_of(comm.rank)]
     stages = [pp.PipelineStage(m, c, len(split.chunks), torch.device("cpu"), group=dist.group.WORLD)
               for m, c in zip(mods, split.chunks_of(comm.rank), strict=True)]
@@ -390,6 +465,20 @@ def steady(per: dict[int, list[Op]], m: int, kw: dict[str, Any], costs: Any = No
     return simulate(tiled(4), **kw, costs=costs).makespan - simulate(tiled(3), **kw, costs=costs).makespan
 
 
+def split_line(args: argparse.Namespace) -> str:
+    a, b = args.stage_ms
+    return (f"# split ({args.balance_how}): rank 0 blocks 0-{args.first_blocks - 1} | rank 1 blocks "
+            f"{args.first_blocks}-{args.blocks - 1} + head + loss (layers per rank {2 * args.first_blocks},"
+            f"{2 * (args.blocks - args.first_blocks) + 1}); timed before the run, forward+backward of one "
+            f"micro-batch, thread CPU: stage 0 {a:.2f} ms, stage 1 {b:.2f} ms (slower / faster {max(a, b) / min(a, b):.3f})")
+
+
+def stage_cost(reps: list[dict]) -> float:
+    """A rank's compute per micro-batch in the run: the sum over its chunks and kinds of the median call
+    (median over blocks), the same figure for ringpipe and torch."""
+    return 1e3 * statistics.median(sum(r.get("costs", {}).values()) for r in reps)
+
+
 def report(args: argparse.Namespace, r0: dict[str, list[dict]], r1: dict[str, list[dict]],
            failed: dict[str, str]) -> None:
     load = os.getloadavg()
@@ -397,7 +486,9 @@ def report(args: argparse.Namespace, r0: dict[str, list[dict]], r1: dict[str, li
           f"gloo, 2 processes x 1 thread; load average before/after {args.load_before} / {load[0]:.2f}")
     print(f"# MLP width {args.width}, {args.blocks} blocks + head, batch {args.batch}, {args.microbatches} "
           f"micro-batches, SGD, {args.warmup} warm-up + {args.steps} timed steps, {args.repeats} blocks")
-    ref = (Split.make(len(make_layers(1, args.blocks)), args.blocks, "flat"), make_layers(args.width, args.blocks))
+    print(split_line(args))
+    ref = (Split.make(len(make_layers(1, args.blocks)), args.blocks, "flat", args.first_blocks),
+           make_layers(args.width, args.blocks))
     ref = tuple(describe([nn.Sequential(*(ref[1][i] for i in c))], ref[1]) for c in ref[0].chunks)
     layouts: dict[str, list[str]] = {}
     equal: dict[str, bool] = {}
@@ -415,15 +506,16 @@ def report(args: argparse.Namespace, r0: dict[str, list[dict]], r1: dict[str, li
     th = theory(args, r0, r1)
     med = {n: statistics.median(r["samples_per_s"] for r in v) for n, v in r0.items()}
     print("\n| variant | samples/s median | spread (min-max) | CPU ms/step rank 0 / 1 | bubble (schedule) "
-          "| time/step (schedule, units) | ms/step (schedule x measured costs) | peak act. MiB rank 0 / 1 |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+          "| time/step (schedule, units) | ms/step (schedule x measured costs) | F+B(+I+W) ms/micro-batch rank 0 / 1 "
+          "| peak act. MiB rank 0 / 1 |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for n, v in r0.items():
         xs = [r["samples_per_s"] for r in v]
         b, per_step, per_step_ms = th.get(n, (float("nan"), float("nan"), float("nan")))
         cpu = [statistics.median(r["cpu_ms_per_step"] for r in res[n]) for res in (r0, r1)]
         print(f"| {n} | {med[n]:.0f} | {min(xs):.0f}-{max(xs):.0f} ({(max(xs) - min(xs)) / med[n]:.0%}) | "
               f"{cpu[0]:.0f} / {cpu[1]:.0f} | "
-              f"{b:.3f} | {per_step:.2f} | {per_step_ms:.1f} | "
+              f"{b:.3f} | {per_step:.2f} | {per_step_ms:.1f} | {stage_cost(r0[n]):.2f} / {stage_cost(r1[n]):.2f} | "
               f"{v[0]['peak_act_mib']:.2f} / {r1[n][0]['peak_act_mib']:.2f} |")
     for name, why in failed.items():
         print(f"| torch {name} | failed: {why} | | | | |")
@@ -451,12 +543,22 @@ def report(args: argparse.Namespace, r0: dict[str, list[dict]], r1: dict[str, li
         print("- " + ratio("ringpipe async_1f1b", "ringpipe 1f1b"))
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--width", type=int, default=1024)
-    ap.add_argument("--blocks", type=int, default=4, help="Linear+ReLU blocks in all (a multiple of 4)")
+def add_model_args(ap: argparse.ArgumentParser) -> None:
+    """The model, batch and split options, shared with ``pipeline_timeline.py``."""
+    ap.add_argument("--width", type=int, default=362)
+    ap.add_argument("--blocks", type=int, default=32,
+                    help="Linear+ReLU blocks in all (32 of width 362: the multiply-adds of 4 blocks of 1024)")
+    ap.add_argument("--balance", default="measured",
+                    help="'measured' (time each block, cut where the two stages cost most nearly the same) "
+                         "or layers per rank, e.g. 4,5 for 2 blocks | 2 blocks + head")
+    ap.add_argument("--balance-repeats", type=int, default=15, help="passes over the layers to time the split (median)")
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--microbatches", type=int, default=4)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_model_args(ap)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=5, help="blocks: every variant runs once per block")
@@ -465,6 +567,8 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     args.load_before = f"{os.getloadavg()[0]:.2f}"
+    args.first_blocks, args.stage_ms, args.balance_how = choose_split(args)
+    print(split_line(args), file=sys.stderr, flush=True)  # early: the run takes minutes
     env = {"OMP_NUM_THREADS": "1"}
     only = [v.strip() for v in args.only.split(",")] if args.only else None
     if only:
