@@ -159,6 +159,23 @@ def test_doctor_with_mpi_backend_starts_its_ranks_under_mpirun():
     assert report["ranks"] == 2
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="needs mpirun")
+def test_a_long_report_reaches_mpirun_tag_output_in_whole_lines():
+    """mpirun --tag-output tags each read of a rank's output: 21 KB written at once came back cut every 2-4 KB."""
+    from pathlib import Path
+
+    from ringpipe.launch import mpirun_command
+
+    script = Path(__file__).parent / "scripts" / "doctor_long_report.py"
+    out = subprocess.run(mpirun_command(1, [sys.executable, str(script), "300"]), capture_output=True, text=True,
+                         env=_env(), timeout=110)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.splitlines()
+    assert lines == [f"[1,0]<stdout>:line {i:04d} {'x' * 60}" for i in range(300)], [
+        x for x in lines if not x.endswith("x" * 60) or x.count("<stdout>") != 1][:3]
+
+
 @pytest.mark.timeout(60)
 def test_doctor_with_mpi_backend_without_mpirun_says_what_to_do(tmp_path):
     out = _run("doctor", "-n", "2", "--backend", "mpi", env=_env(PATH=str(tmp_path)), timeout=50)
