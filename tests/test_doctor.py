@@ -251,6 +251,18 @@ def test_bookkeeping_collectives_are_judged_apart_from_the_data_collectives():
     assert "allreduce of 104 B" in found[0].what and "last to enter in 10 of 10 calls" in found[0].evidence
 
 
+def test_lateness_at_ringpipes_own_announcement_says_it_is_lateness_for_the_programs_collectives():
+    hosts = _hosts((4, 2, 2))
+    job = _ring_events(hosts, _bw(hosts), late_ms=[0, 0, 0, 0, 0, 40.0], reps=10, announce=True)
+    for r in job.ranks:  # the announcement marked as ringpipe's own, as the choke point marks it
+        r.events[:] = [Event(e.op, e.nbytes, e.peer, e.start_ns, e.end_ns, e.tag, e.comm, {**e.detail, "internal": True})
+                       if e.nbytes == 104 else e for e in r.events]
+    found = late_ranks(job)
+    assert [f.rank for f in found] == [5]
+    assert "(ringpipe's own) of 104 B" in found[0].what
+    assert "so the rank is late for the program's collectives" in found[0].evidence
+
+
 def _scattered(work_ms, reps=10, scatter_ms=100.0, seed=3):
     """Allreduces whose ranks leave each call scattered over ``scatter_ms`` (ranks that spin while they
     wait, on fewer cores than ranks), then work ``work_ms[r]()`` ms before the next call."""

@@ -173,6 +173,9 @@ def late_ranks(job: JobEvents, min_calls: int = 5, min_late_ms: float = 1.0, sha
         span = (max(per_rank[r][n - 1][1] for r in ranks) - min(per_rank[r][0][0] for r in ranks)) / 1e9
         what = f"{op} of {human_bytes(nbytes)}" if op != "barrier" else op
         note = f"; declared expected work discounted in {excused} calls" if excused else ""
+        if op.endswith("(ringpipe's own)"):
+            note += ("; this is ringpipe's own small collective that precedes the program's (a Horovod-style "
+                     "call's announcement), so the rank is late for the program's collectives")
         for r in ranks:
             med = statistics.median(late[r])
             others = statistics.median([x for q in ranks if q != r for x in late[q]])
