@@ -49,10 +49,11 @@ def _mine(rank: int, batches: tuple[int, ...]) -> list[int]:
     return [k * n + rank for k in range(batches[rank])]
 
 
-def _uneven_with_schedule(comm, batches, kind, wide=False):
+def _uneven_with_schedule(comm, batches, kind, wide=False, compression=None):
     model = _model(wide)
     opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9),
-                               model.named_parameters(), bucket_bytes=None if wide else 100, comm=comm)
+                               model.named_parameters(), bucket_bytes=None if wide else 100, comm=comm,
+                               compression=compression)
     sched = _scheduler(kind, opt)
     xs, ys = _batches()
     for i in _mine(comm.rank, batches):
@@ -98,13 +99,21 @@ def test_join_serves_steps_whose_first_bucket_is_longer_than_the_announcement_ca
     _check_schedule(results, batches, "step", wide=True)
 
 
-def _check_schedule(results, batches, kind, wide=False):
+@pytest.mark.timeout(90)
+def test_join_serves_steps_with_fp16_compression():
+    """An fp16 wire: nothing rides in the announcement (it is float32); the buckets follow it."""
+    batches = (3, 1)
+    results = spawn(_uneven_with_schedule, len(batches), args=(batches, "step", True, "fp16"))
+    _check_schedule(results, batches, "step", wide=True, atol=2e-3)
+
+
+def _check_schedule(results, batches, kind, wide=False, atol=1e-6):
     ref, ref_lr = _schedule_reference(batches, kind, wide)
     longest = max(range(len(batches)), key=lambda r: (batches[r], r))
     for rank, (last, params, lr) in enumerate(results):
         assert last == longest
         for got, want in zip(params, ref, strict=True):
-            assert torch.allclose(torch.as_tensor(got), want, atol=1e-6), rank
+            assert torch.allclose(torch.as_tensor(got), want, atol=atol), rank
         for got, first in zip(params, results[0][1], strict=True):
             assert (got == first).all(), f"rank {rank} differs from rank 0 after join"
         # every rank leaves join with the hyper-parameters of the rank that joined last
@@ -154,9 +163,9 @@ def test_join_with_clipped_gradients_leaves_every_rank_with_the_same_weights(bat
     ref, ref_momenta = _clipping_reference(batches)
     for rank, (_, params, momenta) in enumerate(results):
         for got, want in zip(params, ref, strict=True):
-            assert torch.allclose(torch.as_tensor(got), want, atol=1e-6), rank
+            assert torch.allclose(torch.as_tensor(got), want, atol=atol), rank
         for got, want in zip(momenta, ref_momenta, strict=True):
-            assert torch.allclose(torch.as_tensor(got), want, atol=1e-6), rank
+            assert torch.allclose(torch.as_tensor(got), want, atol=atol), rank
         for got, first in zip(params + momenta, results[0][1] + results[0][2], strict=True):
             assert (got == first).all(), f"rank {rank} differs from rank 0 after join"
 
