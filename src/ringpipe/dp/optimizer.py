@@ -82,11 +82,12 @@ class DistributedOptimizer(GradientReduction, torch.optim.Optimizer):
             (the default) they are reduced densely too, and handed back sparse.
         process_set: reduce over the ranks of this process set only; on other ranks the optimizer
             steps on local gradients, as in Horovod.
-        join_support: announce every step (one small allreduce before the first bucket) so that
-            ranks that ran out of data can call :func:`ringpipe.join` and serve the others, as in
-            Horovod. ``False`` saves that round trip when every rank runs the same number of
-            steps (even shards, as DDP without its ``Join`` context); :func:`ringpipe.join` then
-            refuses, naming this setting.
+        join_support: announce every step so that ranks that ran out of data can call
+            :func:`ringpipe.join` and serve the others, as in Horovod. The announcement travels
+            in the first bucket's message (up to ``RIDE_CAP`` float32 gradients ride in it), so a
+            one-bucket step is still one allreduce; other announced collectives then carry that
+            many zeros too. ``False`` (even shards, as DDP without its ``Join`` context) leaves
+            them out; :func:`ringpipe.join` then refuses, naming this setting.
 
     Construction is collective: every rank must pass the same settings and parameters (names,
     shapes, dtypes); otherwise every rank raises a ``ValueError`` naming what differs.
