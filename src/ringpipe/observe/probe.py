@@ -131,11 +131,13 @@ def run_probe(comm: Communicator, nbytes: int = 4 << 20, all_pairs: bool | None 
     All pairs on up to 8 ranks, ring neighbours and one pair per two hosts above. Each link: the
     median one-way latency of 8-byte messages and the bandwidth of the best of three ``nbytes``
     ping-pongs, as seen by the lower rank of the pair. A link far slower than the others of its
-    host pair is measured again (up to ``retries`` times, best kept, after a pause of 50 ms so
-    that a burst of other work can pass), and so is every link of a host pair far slower than the
-    fastest (twice): a moment of contention passes, a bad link stays slow.
-    On a machine with far more runnable processes than cores, a healthy pair still read ten
-    times slower than its peers three times running now and then; a shaped link never read fast.
+    host pair is measured again (up to ``retries`` times, best kept, after pauses that double
+    from 50 ms, 3 s in all, so that a burst of other work can pass), and so is every link of a
+    host pair far slower than the fastest (twice): a moment of contention passes, a bad link
+    stays slow. On a machine with far more runnable processes than cores, a healthy pair still
+    read ten times slower than its peers three times running now and then, and with 50 ms pauses
+    two pairs stayed 14x slow (with 2 ms latencies: time slices) through all six retries, which
+    fell inside one burst of other jobs' work; a shaped link never read fast.
     """
     from ringpipe.observe.links import SLOW
 
@@ -160,9 +162,9 @@ def run_probe(comm: Communicator, nbytes: int = 4 << 20, all_pairs: bool | None 
                     best[key] = x
         links = [best[k] for k in sorted(best)]
         todo = _suspects(hosts, links, SLOW, groups_too=attempt < 2)
-        if not todo:
+        if not todo or attempt == retries:
             break
-        time.sleep(0.05)
+        time.sleep(0.05 * 2 ** attempt)
     return [best[k] for k in sorted(best)]
 
 
