@@ -206,7 +206,7 @@ def _keep(where: Path, tag: str, report: dict[str, Any]) -> None:
 def table(rows: list[dict[str, Any]]) -> str:
     """The markdown table of logged trials (one row per scenario and launcher)."""
     out = ["| scenario | launcher | trials | named correctly | false accusations | fix measured (ring / fix) "
-           "| s per trial (median) |", "|---|---|---|---|---|---|---|"]
+           "| s per trial (median) | load (min-max) |", "|---|---|---|---|---|---|---|---|"]
     for name, sc in SCENARIOS.items():
         for launcher in ("launch", "mpirun"):
             mine = [r for r in rows if r["scenario"] == name and r["launcher"] == launcher]
@@ -218,7 +218,8 @@ def table(rows: list[dict[str, Any]]) -> str:
             what = f"{len(falses)}" + (f" ({'; '.join(sorted(set(falses)))[:200]})" if falses else "")
             out.append(f"| {name} | {launcher} | {len(mine)} | {f'{named}/{len(mine)}' if sc.expected else '-'} | "
                        f"{what} | {f'{statistics.median(gains):.1f}x' if gains else '-'} | "
-                       f"{statistics.median(r['secs'] for r in mine):.0f} |")
+                       f"{statistics.median(r['secs'] for r in mine):.0f} | "
+                       f"{min(r['load'] for r in mine):.0f}-{max(r['load'] for r in mine):.0f} |")
     return "\n".join(out)
 
 
