@@ -45,14 +45,28 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     model's trainable variables (as its first step would) and broadcasts both in
     ``on_train_begin``, so the first step already starts equal everywhere (Horovod, on Keras 2,
     broadcast after the first batch). A model still unbuilt then is broadcast after the first batch.
+    ``local_variables`` (a variable or a list of them) keep each rank's own value, as
+    :meth:`register_local_var` does.
     """
 
-    def __init__(self, root_rank: int = 0, device: str = "", process_set: Any = global_process_set) -> None:
+    def __init__(self, root_rank: int = 0, device: str = "", local_variables: Any = None,
+                 process_set: Any = global_process_set) -> None:
         super().__init__()
         self.root_rank = root_rank
         self.process_set = process_set
         self.broadcast_done = False
         self._local_vars: set[int] = set()
+        if local_variables is None:
+            local_variables = []
+        elif _is_variable(local_variables):
+            local_variables = [local_variables]
+        local_variables = list(local_variables)
+        bad = [type(v).__name__ for v in local_variables if not _is_variable(v)]
+        if bad:
+            raise ValueError(f"local_variables must be variables (tf.Variable or keras.Variable), got {bad}: "
+                             f"pass e.g. model.layers[0].variables")
+        for var in local_variables:
+            self.register_local_var(var)
 
     def register_local_var(self, var: Any) -> None:
         """A variable not to broadcast (model-parallel variables)."""
@@ -77,6 +91,10 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
         if not self.broadcast_done:
             self._broadcast()
+
+
+def _is_variable(x: Any) -> bool:
+    return isinstance(x, tf.Variable) or isinstance(x, getattr(keras, "Variable", tf.Variable))
 
 
 class MetricAverageCallback(keras.callbacks.Callback):
