@@ -23,12 +23,12 @@ if _keras.backend.backend() != "tensorflow":  # pragma: no cover - depends on th
         f"import ringpipe.api as hvd)"
     )
 
-from ringpipe.tensorflow.keras import *  # noqa: E402, F403 - the same face
-from ringpipe.tensorflow.keras import __all__ as _tf_keras_all  # noqa: E402
+from ringpipe.comm.base import ReduceOp  # noqa: E402
 from ringpipe.dp.compression import Compression  # noqa: E402
 from ringpipe.dp.process_sets import ProcessSet, global_process_set  # noqa: E402
-from ringpipe.comm.base import ReduceOp  # noqa: E402
+from ringpipe.tensorflow.keras import *  # noqa: E402, F403 - the same face
 from ringpipe.tensorflow.keras import DistributedOptimizer  # noqa: E402
+from ringpipe.tensorflow.keras import __all__ as _tf_keras_all  # noqa: E402
 from ringpipe.tensorflow.keras._which import keras as _tf_keras  # noqa: E402
 
 __all__ = [*_tf_keras_all, "PartialDistributedOptimizer"]

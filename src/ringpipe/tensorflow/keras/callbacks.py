@@ -94,7 +94,7 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
 
 
 def _is_variable(x: Any) -> bool:
-    return isinstance(x, tf.Variable) or isinstance(x, getattr(keras, "Variable", tf.Variable))
+    return isinstance(x, (tf.Variable, getattr(keras, "Variable", tf.Variable)))
 
 
 class MetricAverageCallback(keras.callbacks.Callback):
