@@ -551,7 +551,7 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--balance", default="measured",
                     help="'measured' (time each block, cut where the two stages cost most nearly the same) "
                          "or layers per rank, e.g. 4,5 for 2 blocks | 2 blocks + head")
-    ap.add_argument("--balance-repeats", type=int, default=15, help="passes over the layers to time the split (median)")
+    ap.add_argument("--balance-repeats", type=int, default=31, help="passes over the layers to time the split (median)")
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--microbatches", type=int, default=4)
 
