@@ -9,11 +9,8 @@ Skipped without TensorFlow (``pip install 'ringpipe[tensorflow]'``).
 
 from __future__ import annotations
 
-import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,27 +18,18 @@ import pytest
 tf = pytest.importorskip("tensorflow")
 keras = pytest.importorskip("keras")
 
-SCRIPTS = Path(__file__).parent / "scripts"
-RINGPIPE = [sys.executable, "-m", "ringpipe.cli"]
-ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", OMP_NUM_THREADS="1", TF_NUM_INTRAOP_THREADS="1",
-           TF_NUM_INTEROP_THREADS="2", PYTHONPATH=str(SCRIPTS.parent))
-
-
-def _launch(script: str, out: Path, timeout: int = 400) -> list[dict]:
-    proc = subprocess.run([*RINGPIPE, "launch", "-n", "2", str(SCRIPTS / script), str(out)], env=ENV,
-                          capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+from scripts.tf_problem import regression  # noqa: E402
+from tf_ranks import assert_close, horovod_warmup_lr, keras_sgd, mse_grad, run_ranks  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def collectives(tmp_path_factory):
-    return _launch("tf_collectives.py", tmp_path_factory.mktemp("tf_collectives"))
+    return run_ranks("tf_collectives.py", 2, tmp_path_factory.mktemp("tf_collectives"), timeout=400)
 
 
 @pytest.fixture(scope="module")
 def training(tmp_path_factory):
-    return _launch("tf_train.py", tmp_path_factory.mktemp("tf_train"))
+    return run_ranks("tf_train.py", 2, tmp_path_factory.mktemp("tf_train"), timeout=400)
 
 
 def test_ranks_and_import_do_not_need_tensorflow_in_ringpipe(collectives):
@@ -132,10 +120,7 @@ GLOBAL_BATCH, STEPS, LR, MOMENTUM = 8, 4, 0.05, 0.9
 
 
 def _data():
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(GLOBAL_BATCH * STEPS, 4)).astype("float32")
-    y = (x @ np.array([1.0, -2.0, 0.5, 3.0], dtype="float32") + 0.1)[:, None]
-    return x, y
+    return regression(GLOBAL_BATCH, STEPS, seed=0)
 
 
 def _initial(seed):
@@ -144,40 +129,14 @@ def _initial(seed):
     return [w.astype("float64") for w in net.get_weights()]
 
 
-def _grad(weights, x, y):
-    """The mean squared error's gradient on one global batch, plain TensorFlow (no ringpipe)."""
-    ws = [tf.Variable(w) for w in weights]
-    with tf.GradientTape() as tape:
-        h = tf.tanh(x.astype("float64") @ ws[0] + ws[1])
-        loss = tf.reduce_mean(tf.square(h @ ws[2] + ws[3] - y.astype("float64")))
-    return [g.numpy() for g in tape.gradient(loss, ws)]
-
-
-def _sgd(weights, moments, grads, lr, momentum):
-    """Keras's SGD with momentum: m = momentum * m - lr * g; w = w + m."""
-    moments = [momentum * m - lr * g for m, g in zip(moments, grads, strict=False)]
-    return [w + m for w, m in zip(weights, moments, strict=False)], moments
-
-
-def _close(got, want):
-    for g, w in zip(got, want, strict=True):
-        np.testing.assert_allclose(np.array(g), w, rtol=2e-4, atol=2e-5)
-
-
 def test_distributed_gradient_tape_equals_one_process_on_the_global_batch(training):
     x, y = _data()
     weights, moments = _initial(100), [0.0] * 4  # rank 0's weights, broadcast
     for k in range(STEPS):
         batch = slice(k * GLOBAL_BATCH, (k + 1) * GLOBAL_BATCH)
-        weights, moments = _sgd(weights, moments, _grad(weights, x[batch], y[batch]), LR, MOMENTUM)
+        weights, moments = keras_sgd(weights, moments, mse_grad(weights, x[batch], y[batch]), LR, MOMENTUM)
     for t in training:
-        _close(t["tape"], weights)
-
-
-def _warmup_lr(initial_lr, epoch, batch, steps, warmup_epochs, size):
-    """Horovod's LearningRateWarmupCallback, per batch."""
-    e = epoch + batch / steps + 1.0 / steps
-    return initial_lr / size * (e * (size - 1) / warmup_epochs + 1)
+        assert_close(t["tape"], weights)
 
 
 def _fit_reference():
@@ -186,26 +145,26 @@ def _fit_reference():
     weights, moments, lr, rates = _initial(200), [0.0] * 4, peak, []
     for epoch in range(2):
         for k in range(STEPS):
-            new = _warmup_lr(peak, epoch, k, STEPS, 1, size) if epoch < 1 else lr
+            new = horovod_warmup_lr(peak, epoch, k, STEPS, 1, size) if epoch < 1 else lr
             momentum = MOMENTUM * new / lr  # Horovod's momentum correction for the batch the rate changes
             lr = new
             rates.append(lr)
             batch = slice(k * GLOBAL_BATCH, (k + 1) * GLOBAL_BATCH)
-            weights, moments = _sgd(weights, moments, _grad(weights, x[batch], y[batch]), lr, momentum)
+            weights, moments = keras_sgd(weights, moments, mse_grad(weights, x[batch], y[batch]), lr, momentum)
     return weights, moments, rates, lr
 
 
 def test_keras_fit_with_distributed_optimizer_and_callbacks_equals_one_process(training):
     weights, moments, rates, lr = _fit_reference()
     x, y = _data()
-    after, _ = _sgd(weights, moments, _grad(weights, x[:GLOBAL_BATCH], y[:GLOBAL_BATCH]), lr, MOMENTUM)
+    after, _ = keras_sgd(weights, moments, mse_grad(weights, x[:GLOBAL_BATCH], y[:GLOBAL_BATCH]), lr, MOMENTUM)
     for t in training:
-        _close(t["fit"], weights)
+        assert_close(t["fit"], weights)
         np.testing.assert_allclose(t["fit_seen"]["lr"], rates, rtol=1e-6)
         assert t["optimizer_class"][0] == "SGD"
         # load_model: a distributed SGD again, with the momentum buffers and iteration count it was saved with
         assert t["loaded"] == {"distributed": True, "class": "SGD", "iterations": 8, "same_weights": True}
-        _close(t["loaded_after_step"], after)
+        assert_close(t["loaded_after_step"], after)
     raw = [t["fit_seen"]["raw"] for t in training]
     for t in training:  # MetricAverageCallback: the mean of the ranks' epoch losses
         np.testing.assert_allclose(t["fit_seen"]["averaged"], np.mean(raw, axis=0), rtol=1e-6)
@@ -215,9 +174,9 @@ def test_backward_passes_per_step_sums_locally_then_averages(training):
     x, y = _data()
     weights = _initial(300)
     for k in (0, 2):  # applied on the 2nd and 4th call, with the mean of two global batches' gradients
-        grads = [_grad(weights, x[j * GLOBAL_BATCH : (j + 1) * GLOBAL_BATCH], y[j * GLOBAL_BATCH : (j + 1) * GLOBAL_BATCH])
+        grads = [mse_grad(weights, x[j * GLOBAL_BATCH : (j + 1) * GLOBAL_BATCH], y[j * GLOBAL_BATCH : (j + 1) * GLOBAL_BATCH])
                  for j in (k, k + 1)]
         weights = [w - LR * (a + b) / 2 for w, a, b in zip(weights, *grads, strict=False)]
     for t in training:
-        _close(t["accumulated"], weights)
+        assert_close(t["accumulated"], weights)
         assert t["accumulated_iterations"] == 4  # every call counts, as in Horovod

@@ -10,24 +10,16 @@ ranks), on the launched job and on placements given as data. Skipped without Ten
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 tf = pytest.importorskip("tensorflow")
 
 from ringpipe.api.basics import is_homogeneous_placement  # noqa: E402
+from tf_ranks import run_ranks  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
 
-SCRIPTS = Path(__file__).parent / "scripts"
-ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", OMP_NUM_THREADS="1", TF_NUM_INTRAOP_THREADS="1",
-           TF_NUM_INTEROP_THREADS="2", PYTHONPATH=str(SCRIPTS.parent))
 SIZE = 3
 BOUNDS = [0, 2, 5, 9]
 MOMENTUM, EPSILON = 0.9, 1e-3
@@ -36,11 +28,7 @@ MOMENTUM, EPSILON = 0.9, 1e-3
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("tf_features")
-    proc = subprocess.run([sys.executable, "-m", "ringpipe.cli", "launch", "-n", str(SIZE),
-                           str(SCRIPTS / "tf_features.py"), str(out)],
-                          env=ENV, capture_output=True, text=True, timeout=840)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(SIZE)]
+    return run_ranks("tf_features.py", SIZE, out)
 
 
 # ----------------------------------------------------------------------------- SyncBatchNormalization

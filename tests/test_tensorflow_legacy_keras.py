@@ -9,17 +9,15 @@ own losses, SyncBatchNormalization from batch normalisation of the global batch 
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from importlib.util import find_spec
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 tf = pytest.importorskip("tensorflow")
+
+from scripts.tf_problem import regression  # noqa: E402
+from tf_ranks import assert_close, horovod_warmup_lr, keras_sgd, mse_grad, run_ranks  # noqa: E402
 
 pytestmark = [
     pytest.mark.skipif(find_spec("tf_keras") is None,
@@ -28,29 +26,19 @@ pytestmark = [
     pytest.mark.slow,
 ]
 
-SCRIPTS = Path(__file__).parent / "scripts"
-ENV = dict(os.environ, TF_USE_LEGACY_KERAS="1", TF_CPP_MIN_LOG_LEVEL="3", OMP_NUM_THREADS="1",
-           TF_NUM_INTRAOP_THREADS="1", TF_NUM_INTEROP_THREADS="2", PYTHONPATH=str(SCRIPTS.parent))
 GLOBAL_BATCH, STEPS, LR, MOMENTUM, SIZE = 8, 4, 0.05, 0.9, 2
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("tf_legacy_keras")
-    proc = subprocess.run([sys.executable, "-m", "ringpipe.cli", "launch", "-n", str(SIZE),
-                           str(SCRIPTS / "tf_legacy_keras.py"), str(out)],
-                          env=ENV, capture_output=True, text=True, timeout=840)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(SIZE)]
+    return run_ranks("tf_legacy_keras.py", SIZE, out, env={"TF_USE_LEGACY_KERAS": "1"})
 
 
 # ----------------------------------------------------------------------------- one process on the global batch
 
 def _data():
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(GLOBAL_BATCH * STEPS, 4)).astype("float32")
-    y = (x @ np.array([1.0, -2.0, 0.5, 3.0], dtype="float32") + 0.1)[:, None]
-    return x, y
+    return regression(GLOBAL_BATCH, STEPS, seed=0)
 
 
 def _initial(seed):
@@ -59,29 +47,8 @@ def _initial(seed):
     return [rng.normal(scale=0.5, size=s).astype("float32").astype("float64") for s in ((4, 3), (3,), (3, 1), (1,))]
 
 
-def _grad(weights, x, y):
-    """The mean squared error's gradient on one global batch, plain TensorFlow."""
-    ws = [tf.Variable(w) for w in weights]
-    with tf.GradientTape() as tape:
-        h = tf.tanh(x.astype("float64") @ ws[0] + ws[1])
-        loss = tf.reduce_mean(tf.square(h @ ws[2] + ws[3] - y.astype("float64")))
-    return [g.numpy() for g in tape.gradient(loss, ws)]
-
-
 def _batch(k):
     return slice(k * GLOBAL_BATCH, (k + 1) * GLOBAL_BATCH)
-
-
-def _sgd(weights, moments, grads, lr, momentum):
-    """Keras 2's SGD with momentum (both kinds): m = momentum * m - lr * g; w = w + m."""
-    moments = [momentum * m - lr * g for m, g in zip(moments, grads, strict=True)]
-    return [w + m for w, m in zip(weights, moments, strict=True)], moments
-
-
-def _warmup_lr(initial_lr, epoch, batch, steps, warmup_epochs, size):
-    """Horovod's LearningRateWarmupCallback for a batch: lr / size * (e * (size - 1) / warmup + 1)."""
-    e = epoch + batch / steps + 1.0 / steps
-    return initial_lr / size * (e * (size - 1) / warmup_epochs + 1)
 
 
 def _fit_reference(seed):
@@ -91,17 +58,12 @@ def _fit_reference(seed):
     weights, moments, lr, rates = _initial(seed), [0.0] * 4, peak, []
     for epoch in range(2):
         for k in range(STEPS):
-            new = _warmup_lr(peak, epoch, k, STEPS, 1, SIZE) if epoch < 1 else lr
+            new = horovod_warmup_lr(peak, epoch, k, STEPS, 1, SIZE) if epoch < 1 else lr
             momentum = MOMENTUM * new / lr
             lr = new
             rates.append(lr)
-            weights, moments = _sgd(weights, moments, _grad(weights, x[_batch(k)], y[_batch(k)]), lr, momentum)
+            weights, moments = keras_sgd(weights, moments, mse_grad(weights, x[_batch(k)], y[_batch(k)]), lr, momentum)
     return weights, moments, rates, lr
-
-
-def _close(got, want):
-    for g, w in zip(got, want, strict=True):
-        np.testing.assert_allclose(np.array(g), w, rtol=2e-4, atol=2e-5)
 
 
 # ----------------------------------------------------------------------------- the checks
@@ -116,7 +78,7 @@ def test_fit_with_distributed_optimizer_and_callbacks_equals_one_process(ranks, 
     weights, _, rates, _ = _fit_reference(seed)  # rank 0's weights, broadcast before the first step
     raw = [t[key]["seen"]["raw"] for t in ranks]
     for t in ranks:
-        _close(t[key]["weights"], weights)
+        assert_close(t[key]["weights"], weights)
         np.testing.assert_allclose(t[key]["seen"]["lr"], rates, rtol=1e-6)  # the warmup, per batch
         np.testing.assert_allclose(t[key]["seen"]["averaged"], np.mean(raw, axis=0), rtol=1e-6)
         assert t[key]["class"][0] == "SGD" and t[key]["class"][1].startswith("tf_keras.")
@@ -125,11 +87,11 @@ def test_fit_with_distributed_optimizer_and_callbacks_equals_one_process(ranks, 
 def test_load_model_rewraps_the_optimizer_with_its_state(ranks):
     weights, moments, _, lr = _fit_reference(200)
     x, y = _data()
-    after, _ = _sgd(weights, moments, _grad(weights, x[_batch(0)], y[_batch(0)]), lr, MOMENTUM)
+    after, _ = keras_sgd(weights, moments, mse_grad(weights, x[_batch(0)], y[_batch(0)]), lr, MOMENTUM)
     for t in ranks:
         state = {"distributed": True, "class": "SGD", "iterations": 2 * STEPS, "same_weights": True}
         assert t["loaded"] == {"new": state, "legacy": state}
-        _close(t["loaded_after_step"], after)  # one more averaged step, with the saved momentum buffers
+        assert_close(t["loaded_after_step"], after)  # one more averaged step, with the saved momentum buffers
 
 
 @pytest.mark.parametrize("key", ["accumulated", "accumulated_legacy"])
@@ -137,10 +99,10 @@ def test_backward_passes_per_step_sums_locally_then_averages(ranks, key):
     x, y = _data()
     weights = _initial(300)
     for k in (0, 2):  # applied on the 2nd and 4th step, with the mean of two global batches' gradients
-        a, b = (_grad(weights, x[_batch(j)], y[_batch(j)]) for j in (k, k + 1))
+        a, b = (mse_grad(weights, x[_batch(j)], y[_batch(j)]) for j in (k, k + 1))
         weights = [w - LR * (ga + gb) / 2 for w, ga, gb in zip(weights, a, b, strict=True)]
     for t in ranks:
-        _close(t[key]["weights"], weights)
+        assert_close(t[key]["weights"], weights)
         assert t[key]["iterations"] == STEPS  # every step counts, as in Horovod
 
 
@@ -198,5 +160,5 @@ def test_sync_batch_norm_is_a_tf_keras_layer_normalising_the_global_batch(ranks,
 
 def test_broadcast_global_variables_takes_the_model(ranks):
     for t in ranks:
-        _close(t["broadcast_global_variables"], _initial(501))  # rank 1's weights
+        assert_close(t["broadcast_global_variables"], _initial(501))  # rank 1's weights
         assert "pass the model" in t["broadcast_without_model"]

@@ -9,40 +9,22 @@ from Horovod's rules (``horovod/_keras/elastic.py``). Skipped without TensorFlow
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import subprocess
-import sys
-from importlib.util import find_spec
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 tf = pytest.importorskip("tensorflow")
 keras = pytest.importorskip("keras")
 
-from ringpipe.launch import mpirun_command  # noqa: E402
+from scripts.tf_problem import regression  # noqa: E402
+from tf_ranks import HAVE_MPI, assert_close, keras_sgd, mse_grad, run_ranks  # noqa: E402
 
-SCRIPTS = Path(__file__).parent / "scripts"
-ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", OMP_NUM_THREADS="1", TF_NUM_INTRAOP_THREADS="1",
-           TF_NUM_INTEROP_THREADS="2", PYTHONPATH=str(SCRIPTS.parent))
-HAVE_MPI = shutil.which("mpirun") is not None and find_spec("mpi4py") is not None
 needs_mpi = pytest.mark.skipif(not HAVE_MPI, reason="needs mpirun and mpi4py")
 # A module fixture's run (TensorFlow in every process) counts against its first test's time.
 pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
 
 
-def _run(script: str, n: int, out: Path, mpi: bool) -> list[dict]:
-    argv = [sys.executable, str(SCRIPTS / script), str(out)]
-    if mpi:
-        cmd, env = mpirun_command(n, argv), dict(ENV, RINGPIPE_BACKEND="mpi")
-    else:
-        cmd, env = [sys.executable, "-m", "ringpipe.cli", "launch", "-n", str(n), *argv[1:]], ENV
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=840)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(n)]
+def _run(script: str, n: int, out, mpi: bool) -> list[dict]:
+    results = run_ranks(script, n, out, mpi=mpi)
     assert [x["rank"] for x in results] == list(range(n)) and {x["size"] for x in results} == {n}
     assert {x["mpi"] for x in results} == {mpi}
     return results
@@ -75,10 +57,7 @@ GLOBAL_BATCH, STEPS, LR, MOMENTUM = 12, 3, 0.05, 0.9
 
 
 def _data(seed):
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(GLOBAL_BATCH * STEPS, 4)).astype("float32")
-    y = (x @ np.array([1.0, -2.0, 0.5, 3.0], dtype="float32") + 0.1)[:, None]
-    return x, y
+    return regression(GLOBAL_BATCH, STEPS, seed)
 
 
 def _initial(seed):
@@ -87,30 +66,15 @@ def _initial(seed):
     return [w.astype("float64") for w in net.get_weights()]
 
 
-def _grad(weights, x, y):
-    """The mean squared error's gradient on one global batch, plain TensorFlow (no ringpipe)."""
-    ws = [tf.Variable(w) for w in weights]
-    with tf.GradientTape() as tape:
-        h = tf.tanh(x.astype("float64") @ ws[0] + ws[1])
-        loss = tf.reduce_mean(tf.square(h @ ws[2] + ws[3] - y.astype("float64")))
-    return [g.numpy() for g in tape.gradient(loss, ws)]
-
-
 def _train(seed, data_seed, epochs, momentum):
-    """Keras's SGD on the global batches: m = momentum * m - lr * g; w = w + m."""
+    """Keras's SGD on the global batches."""
     x, y = _data(data_seed)
     weights, moments = _initial(seed), [0.0] * 4
     for _ in range(epochs):
         for k in range(STEPS):
-            g = _grad(weights, x[k * GLOBAL_BATCH : (k + 1) * GLOBAL_BATCH], y[k * GLOBAL_BATCH : (k + 1) * GLOBAL_BATCH])
-            moments = [momentum * m - LR * gi for m, gi in zip(moments, g, strict=True)]
-            weights = [w + m for w, m in zip(weights, moments, strict=True)]
+            g = mse_grad(weights, x[k * GLOBAL_BATCH : (k + 1) * GLOBAL_BATCH], y[k * GLOBAL_BATCH : (k + 1) * GLOBAL_BATCH])
+            weights, moments = keras_sgd(weights, moments, g, LR, momentum)
     return weights
-
-
-def _close(got, want):
-    for g, w in zip(got, want, strict=True):
-        np.testing.assert_allclose(np.array(g), w, rtol=2e-4, atol=2e-5)
 
 
 # ----------------------------------------------------------------------------- N ranks, gloo and MPI
@@ -167,8 +131,8 @@ def test_training_on_n_ranks_equals_one_process_on_the_global_batch(nranks):
     tape = _train(100, 1, 1, MOMENTUM)
     fit = _train(200, 1, 1, MOMENTUM)
     for res in nranks:
-        _close(res["tape"], tape)
-        _close(res["fit"], fit)
+        assert_close(res["tape"], tape)
+        assert_close(res["fit"], fit)
 
 
 # ----------------------------------------------------------------------------- the rest of the surface
@@ -220,7 +184,7 @@ def test_standalone_keras_face_trains_like_one_process_and_keeps_the_best_model(
         k = res["keras"]
         # Horovod's wrapper: a subclass of the wrapped class with its name, so a saved model loads without it
         assert k["wrapper"] == {"name": "Adam", "module": True, "isinstance": True, "config": True}
-        _close(k["fit"], fit)
+        assert_close(k["fit"], fit)
         val_loss = k["seen"]["val_loss"]
         best = int(np.argmin(val_loss))
         assert best < len(val_loss) - 1  # the data make the last epoch not the best
@@ -234,7 +198,7 @@ def test_elastic_states_commit_restore_and_sync(more):
     synced = _initial(600)
     for res in more:
         e = res["elastic"]
-        _close(e["synced"], synced)  # rank 0's weights everywhere after sync()
+        assert_close(e["synced"], synced)  # rank 0's weights everywhere after sync()
         assert e["restored"] == [True, True, 0, 0]  # weights, epoch and optimizer iterations back at the commit
         assert e["tf_state"] == [[0.0, 1.0], 0] and e["tf_state_restored"] == [[0.0, 1.0], 0]
 
@@ -247,7 +211,7 @@ def test_elastic_run_recovers_from_a_failure_inside_tf_function(elastic_run):
         assert run["attempts"] == [0, 1]  # the retry starts from the commit after epoch 0
         assert run["resets"] == [len(elastic_run)]  # reset callbacks ran once, after re-initialisation
         assert run["iterations"] == STEPS  # the step of the failed attempt was rolled back
-        _close(run["weights"], want)
+        assert_close(run["weights"], want)
 
 
 def _horovod_commits(epochs, steps, every):

@@ -12,6 +12,8 @@ import sys
 
 import numpy as np
 import tensorflow as tf
+from tf_problem import regression
+from tf_problem import shard as rows_of
 
 import ringpipe.tensorflow.keras as hvd
 
@@ -20,10 +22,7 @@ keras = tf.keras
 
 
 def data():
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(GLOBAL_BATCH * STEPS, 4)).astype("float32")
-    y = (x @ np.array([1.0, -2.0, 0.5, 3.0], dtype="float32") + 0.1)[:, None]
-    return x, y
+    return regression(GLOBAL_BATCH, STEPS, seed=0)
 
 
 def initial(seed):
@@ -32,8 +31,7 @@ def initial(seed):
 
 
 def shard(a, r, n):
-    per = GLOBAL_BATCH // n
-    return np.concatenate([a[k * GLOBAL_BATCH + r * per : k * GLOBAL_BATCH + (r + 1) * per] for k in range(STEPS)])
+    return rows_of(a, r, n, GLOBAL_BATCH, STEPS)
 
 
 def model(seed):

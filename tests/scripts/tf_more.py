@@ -13,6 +13,8 @@ import sys
 import keras
 import numpy as np
 import tensorflow as tf
+from tf_problem import regression
+from tf_problem import shard as rows_of
 
 import ringpipe.keras as hvd  # Horovod's standalone-Keras import path
 import ringpipe.tensorflow as htf
@@ -21,15 +23,11 @@ GLOBAL_BATCH, STEPS, LR, MOMENTUM = 12, 3, 0.05, 0.9
 
 
 def data(seed=2):
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(GLOBAL_BATCH * STEPS, 4)).astype("float32")
-    y = (x @ np.array([1.0, -2.0, 0.5, 3.0], dtype="float32") + 0.1)[:, None]
-    return x, y
+    return regression(GLOBAL_BATCH, STEPS, seed)
 
 
 def shard(a, r, n):
-    per = GLOBAL_BATCH // n
-    return np.concatenate([a[k * GLOBAL_BATCH + r * per : k * GLOBAL_BATCH + (r + 1) * per] for k in range(STEPS)])
+    return rows_of(a, r, n, GLOBAL_BATCH, STEPS)
 
 
 def model(seed):

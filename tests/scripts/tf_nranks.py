@@ -12,6 +12,8 @@ import sys
 import keras
 import numpy as np
 import tensorflow as tf
+from tf_problem import regression
+from tf_problem import shard as rows_of
 
 import ringpipe.tensorflow.keras as hvd
 
@@ -20,15 +22,11 @@ DTYPES = ("float16", "bfloat16", "float32", "float64", "int8", "uint8", "int16",
 
 
 def data():
-    rng = np.random.default_rng(1)
-    x = rng.normal(size=(GLOBAL_BATCH * STEPS, 4)).astype("float32")
-    y = (x @ np.array([1.0, -2.0, 0.5, 3.0], dtype="float32") + 0.1)[:, None]
-    return x, y
+    return regression(GLOBAL_BATCH, STEPS, seed=1)
 
 
 def shard(a, r, n):
-    per = GLOBAL_BATCH // n
-    return np.concatenate([a[k * GLOBAL_BATCH + r * per : k * GLOBAL_BATCH + (r + 1) * per] for k in range(STEPS)])
+    return rows_of(a, r, n, GLOBAL_BATCH, STEPS)
 
 
 def model(seed):
