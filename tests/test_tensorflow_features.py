@@ -16,6 +16,7 @@ import pytest
 tf = pytest.importorskip("tensorflow")
 
 from ringpipe.api.basics import is_homogeneous_placement  # noqa: E402
+from scripts.tf_problem import bn_rows  # noqa: E402
 from tf_ranks import run_ranks  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
@@ -34,8 +35,7 @@ def ranks(tmp_path_factory):
 # ----------------------------------------------------------------------------- SyncBatchNormalization
 
 def _batch(shape, seed):
-    rng = np.random.default_rng(seed)
-    return (rng.normal(size=(BOUNDS[-1], *shape)) * 2.0 + 1.5).astype("float32")
+    return bn_rows(BOUNDS[-1], shape, seed)
 
 
 def _plain_bn_on_global_batch(shape, seed):

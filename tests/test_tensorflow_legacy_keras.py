@@ -16,7 +16,7 @@ import pytest
 
 tf = pytest.importorskip("tensorflow")
 
-from scripts.tf_problem import regression  # noqa: E402
+from scripts.tf_problem import bn_rows, regression  # noqa: E402
 from tf_ranks import assert_close, horovod_warmup_lr, keras_sgd, mse_grad, run_ranks  # noqa: E402
 
 pytestmark = [
@@ -119,8 +119,7 @@ BN_BOUNDS = [0, 3, 8]
 
 
 def _bn_batch(shape, seed):
-    rng = np.random.default_rng(seed)
-    return (rng.normal(size=(BN_BOUNDS[-1], *shape)) * 2.0 + 1.5).astype("float32")
+    return bn_rows(BN_BOUNDS[-1], shape, seed)
 
 
 def _batch_norm_by_hand(shape, seed):

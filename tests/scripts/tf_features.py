@@ -11,8 +11,8 @@ import json
 import os
 import sys
 
-import numpy as np
 import tensorflow as tf
+from tf_problem import sync_bn_case
 
 import ringpipe
 import ringpipe.tensorflow as hvd
@@ -21,35 +21,9 @@ BOUNDS = [0, 2, 5, 9]  # rank r owns rows BOUNDS[r]:BOUNDS[r + 1] of the global 
 MOMENTUM, EPSILON = 0.9, 1e-3
 
 
-def batch(shape, seed):
-    rng = np.random.default_rng(seed)
-    return (rng.normal(size=(BOUNDS[-1], *shape)) * 2.0 + 1.5).astype("float32")
-
-
 def sync_bn(r, shape, seed, compiled):
-    x = batch(shape, seed)[BOUNDS[r] : BOUNDS[r + 1]]
-    c = batch(shape, seed + 1)[BOUNDS[r] : BOUNDS[r + 1]]  # the loss's weights: loss = sum(out * c)
     layer = hvd.SyncBatchNormalization(momentum=MOMENTUM, epsilon=EPSILON)
-    layer.build(x.shape)
-    layer.gamma.assign(np.linspace(0.5, 1.5, shape[-1]).astype("float32"))
-    layer.beta.assign(np.linspace(-0.2, 0.3, shape[-1]).astype("float32"))
-
-    def step(x):
-        with tf.GradientTape() as tape:
-            tape.watch(x)
-            out = layer(x, training=True)
-            loss = tf.reduce_sum(out * c)
-        gx, gg, gb = tape.gradient(loss, [x, layer.gamma, layer.beta])
-        return out, gx, gg, gb
-
-    run = tf.function(step) if compiled else step
-    out, gx, gg, gb = run(tf.constant(x))
-    inference = layer(tf.constant(x), training=False)  # the moving statistics, no communication
-    return {
-        "out": out.numpy().tolist(), "grad_x": gx.numpy().tolist(), "grad_gamma": gg.numpy().tolist(),
-        "grad_beta": gb.numpy().tolist(), "moving_mean": layer.moving_mean.numpy().tolist(),
-        "moving_variance": layer.moving_variance.numpy().tolist(), "inference": inference.numpy().tolist(),
-    }
+    return sync_bn_case(layer, BOUNDS, r, shape, seed, compiled)
 
 
 def session_hook(r):

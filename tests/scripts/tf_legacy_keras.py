@@ -12,7 +12,7 @@ import sys
 
 import numpy as np
 import tensorflow as tf
-from tf_problem import regression
+from tf_problem import regression, sync_bn_case
 from tf_problem import shard as rows_of
 
 import ringpipe.tensorflow.keras as hvd
@@ -79,31 +79,9 @@ def fit_with_callbacks(base, seed, xs, ys, per, n):
 BN_BOUNDS = [0, 3, 8]  # SyncBatchNormalization: rank r normalises rows BN_BOUNDS[r]:BN_BOUNDS[r + 1]
 
 
-def bn_batch(shape, seed):
-    rng = np.random.default_rng(seed)
-    return (rng.normal(size=(BN_BOUNDS[-1], *shape)) * 2.0 + 1.5).astype("float32")
-
-
 def sync_bn(r, shape, seed, compiled):
     """tf-keras SyncBatchNormalization on this rank's rows: outputs, gradients of sum(out * c), moving statistics."""
-    x = bn_batch(shape, seed)[BN_BOUNDS[r] : BN_BOUNDS[r + 1]]
-    c = bn_batch(shape, seed + 1)[BN_BOUNDS[r] : BN_BOUNDS[r + 1]]
-    layer = hvd.SyncBatchNormalization(momentum=0.9, epsilon=1e-3)
-    layer.build(x.shape)
-    layer.gamma.assign(np.linspace(0.5, 1.5, shape[-1]).astype("float32"))
-    layer.beta.assign(np.linspace(-0.2, 0.3, shape[-1]).astype("float32"))
-
-    def step(x):
-        with tf.GradientTape() as tape:
-            tape.watch(x)
-            out = layer(x, training=True)
-            loss = tf.reduce_sum(out * c)
-        return (out, *tape.gradient(loss, [x, layer.gamma, layer.beta]))
-
-    out, gx, gg, gb = (tf.function(step) if compiled else step)(tf.constant(x))
-    return {"class": type(layer).__mro__[1].__module__, "out": out.numpy().tolist(), "grad_x": gx.numpy().tolist(),
-            "grad_gamma": gg.numpy().tolist(), "grad_beta": gb.numpy().tolist(),
-            "moving_mean": layer.moving_mean.numpy().tolist(), "moving_variance": layer.moving_variance.numpy().tolist()}
+    return sync_bn_case(hvd.SyncBatchNormalization(momentum=0.9, epsilon=1e-3), BN_BOUNDS, r, shape, seed, compiled)
 
 
 def main(out_dir):
