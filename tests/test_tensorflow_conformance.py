@@ -4,8 +4,11 @@
 at each rank's value and gives every other variable the root's; ``horovod.keras``'s
 ``PartialDistributedOptimizer(local_layers=...)`` averages the gradients of every variable but
 those of the local layers, which stay the rank's own, divided by the number of ranks when
-``scale_local_gradients`` (Horovod's rule). The expected weights are written here from the
-gradients each rank reports and plain SGD (``w - lr * g``). Skipped without TensorFlow.
+``scale_local_gradients`` (Horovod's rule). With tf-keras (``TF_USE_LEGACY_KERAS=1``) the
+wrapper's ``_compute_gradients``, which Horovod's Keras tests call, returns the ranks' mean
+gradients for tf-keras's optimizers and for ``tf.keras.optimizers.legacy`` ones. The expected
+values are written here from the gradients each rank reports and plain SGD (``w - lr * g``).
+Skipped without TensorFlow (and the tf-keras test without tf-keras).
 """
 
 from __future__ import annotations
@@ -28,14 +31,17 @@ SCRIPTS = Path(__file__).parent / "scripts"
 N, LR = 2, 0.5
 
 
-@pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tf_conformance")
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", OMP_NUM_THREADS="1", TF_NUM_INTRAOP_THREADS="1")
-    cmd = [sys.executable, "-m", "ringpipe.cli", "launch", "-n", str(N), str(SCRIPTS / "tf_conformance.py"), str(out)]
+def _launch(script, out, **env):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", OMP_NUM_THREADS="1", TF_NUM_INTRAOP_THREADS="1", **env)
+    cmd = [sys.executable, "-m", "ringpipe.cli", "launch", "-n", str(N), str(SCRIPTS / script), str(out)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=840)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(N)]
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    return _launch("tf_conformance.py", tmp_path_factory.mktemp("tf_conformance"))
 
 
 def test_broadcast_callback_keeps_local_variables_and_broadcasts_the_rest(ranks):
@@ -73,3 +79,15 @@ def test_partial_optimizer_is_exported_and_rejects_non_layers(ranks):
         assert res["exported"]
         kind, message = res["bad_layers"]
         assert kind == "ValueError" and "local_layers" in message
+
+
+def test_keras2_compute_gradients_returns_the_mean_for_new_and_legacy_optimizers(tmp_path):
+    pytest.importorskip("tf_keras")
+    ranks = _launch("tf_conformance_legacy.py", tmp_path, TF_USE_LEGACY_KERAS="1")
+    assert ranks[0]["keras"].startswith("tf_keras")
+    for kind in ("new", "legacy"):
+        own = [[np.array(g) for g in res[kind]["own"]] for res in ranks]
+        want = [sum(own[q][i] for q in range(N)) / N for i in range(len(own[0]))]
+        for res in ranks:
+            for got, w in zip(res[kind]["reduced"], want, strict=True):
+                np.testing.assert_allclose(np.array(got), w, rtol=1e-5, atol=1e-6)

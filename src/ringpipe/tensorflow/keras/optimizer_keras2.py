@@ -49,7 +49,11 @@ class Keras2DistributedMixin(Reducing):
 
     def _compute_gradients(self, loss: Any, var_list: Any, grad_loss: Any = None, tape: Any = None) -> Any:
         base: Any = super()
-        return self._rp_pairs(base._compute_gradients(loss, var_list, grad_loss, tape))
+        if hasattr(base, "_compute_gradients"):  # tf.keras.optimizers.legacy
+            return self._rp_pairs(base._compute_gradients(loss, var_list, grad_loss, tape))
+        # tf-keras's optimizers have only compute_gradients; Horovod's wrapper answers both names
+        tape = tf.GradientTape() if tape is None else tape
+        return self._rp_pairs(base.compute_gradients(loss, var_list, tape))
 
     def get_gradients(self, loss: Any, params: Any) -> list[Any]:
         base: Any = super()
