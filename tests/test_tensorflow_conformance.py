@@ -8,7 +8,9 @@ those of the local layers, which stay the rank's own, divided by the number of r
 wrapper's ``_compute_gradients``, which Horovod's Keras tests call, returns the ranks' mean
 gradients for tf-keras's optimizers and for ``tf.keras.optimizers.legacy`` ones. The expected
 values are written here from the gradients each rank reports and plain SGD (``w - lr * g``).
-Skipped without TensorFlow (and the tf-keras test without tf-keras).
+uint16 tensors (Horovod's CPU dtypes include it) go through allgather, broadcast and
+alltoall bit for bit, values above int16's range included. Skipped without TensorFlow (and the
+tf-keras test without tf-keras).
 """
 
 from __future__ import annotations
@@ -79,6 +81,18 @@ def test_partial_optimizer_is_exported_and_rejects_non_layers(ranks):
         assert res["exported"]
         kind, message = res["bad_layers"]
         assert kind == "ValueError" and "local_layers" in message
+
+
+def test_uint16_moves_through_allgather_broadcast_and_alltoall(ranks):
+    block = lambda q: [[60000 + q] * 3] * 2  # noqa: E731 - rank q's (2, 3) input
+    gathered = [row for q in range(N) for row in block(q)]
+    for r, res in enumerate(ranks):
+        u = res["uint16"]
+        assert u["dtypes"] == ["uint16"]
+        assert u["allgather"] == gathered and u["allgather_fn"] == gathered
+        assert u["broadcast"] == block(N - 1)
+        # alltoall: rank q sends [60000 + 10 q + 2 r', 60000 + 10 q + 2 r' + 1] to rank r'
+        assert u["alltoall"] == [60000 + 10 * q + 2 * r + k for q in range(N) for k in range(2)]
 
 
 def test_keras2_compute_gradients_returns_the_mean_for_new_and_legacy_optimizers(tmp_path):

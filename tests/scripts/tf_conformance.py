@@ -1,5 +1,6 @@
 """Horovod's Keras model-parallel options on this rank: ``BroadcastGlobalVariablesCallback(local_variables=...)``
-and ``horovod.keras``'s ``PartialDistributedOptimizer(local_layers=...)``.
+and ``horovod.keras``'s ``PartialDistributedOptimizer(local_layers=...)``; uint16 tensors through allgather,
+broadcast and alltoall.
 
 Run under ``ringpipe launch -n N``; writes ``rank<R>.json`` into the folder given as argument
 with what the test checks against rules written in the test.
@@ -60,6 +61,16 @@ def partial_step(r, n, scale_local_gradients):
             "after": [v.numpy().tolist() for v in model.trainable_variables]}
 
 
+def uint16_collectives(r, n):
+    """uint16 values above int16's range (60000 + rank) through the data-moving collectives, eager and in a graph."""
+    x = tf.constant(np.full((2, 3), 60000 + r, np.uint16))
+    gather_fn = tf.function(lambda t: tfk.allgather(t))
+    return {"allgather": tfk.allgather(x).numpy().tolist(), "allgather_fn": gather_fn(x).numpy().tolist(),
+            "broadcast": tfk.broadcast(x, n - 1).numpy().tolist(),
+            "alltoall": tfk.alltoall(tf.constant(np.arange(2 * n, dtype=np.uint16) + 60000 + 10 * r)).numpy().tolist(),
+            "dtypes": sorted({tfk.allgather(x).dtype.name, tfk.broadcast(x, 0).dtype.name})}
+
+
 def main(out):
     hvd.init()
     r, n = hvd.rank(), hvd.size()
@@ -69,7 +80,8 @@ def main(out):
               "partial_unscaled": partial_step(r, n, False),
               "bad_layers": raised(lambda: hvd.PartialDistributedOptimizer(keras.optimizers.SGD(0.1),
                                                                            local_layers=["dense"])),
-              "exported": "PartialDistributedOptimizer" in hvd.__all__}
+              "exported": "PartialDistributedOptimizer" in hvd.__all__,
+              "uint16": uint16_collectives(r, n)}
     with open(os.path.join(out, f"rank{r}.json"), "w") as f:
         json.dump(result, f)
 

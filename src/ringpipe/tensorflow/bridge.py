@@ -28,6 +28,7 @@ __all__ = ["graph_op", "to_torch", "to_tf", "run", "tf_dtype"]
 _TORCH_OF_TF = {
     tf.float16: torch.float16, tf.bfloat16: torch.bfloat16, tf.float32: torch.float32, tf.float64: torch.float64,
     tf.int8: torch.int8, tf.int16: torch.int16, tf.int32: torch.int32, tf.int64: torch.int64, tf.uint8: torch.uint8,
+    tf.uint16: torch.uint16,
     tf.bool: torch.bool, tf.complex64: torch.complex64, tf.complex128: torch.complex128,
 }
 _TF_OF_TORCH = {v: k for k, v in _TORCH_OF_TF.items()}
