@@ -100,7 +100,7 @@ def test_variables_objects_process_sets_and_join(collectives):
         assert c["bobj"] == {"from": 1} and c["gobj"] == [["r", 0], ["r", 1]]
         assert c["join"] == 1
     assert collectives[1]["set_sum"] == [7.0]
-    name, internal, text = collectives[0]["set_foreign"]
+    name, internal, text, _ = collectives[0]["set_foreign"]
     assert internal and "Rank 0 is not a member of the provided process set" in text
 
 
@@ -109,6 +109,7 @@ def test_mismatched_calls_raise_the_same_error_on_every_rank(collectives):
         errors = [c[key] for c in collectives]
         assert errors[0] == errors[1], key
         assert errors[0][1] is True and "Mismatched" in errors[0][2] and words in errors[0][2], errors[0]
+        assert errors[0][3] is True, errors[0]  # eagerly, tf.errors.FailedPreconditionError, as Horovod raises
     for c in collectives:  # inside tf.function, TensorFlow wraps it; the message names the mismatch
         assert "Mismatched tensor shapes in allreduce" in c["err_in_function"][2]
         assert c["after_errors"] == [2.0]  # the ranks go on

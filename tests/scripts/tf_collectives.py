@@ -18,7 +18,8 @@ def raised(fn):
     try:
         fn()
     except Exception as exc:  # noqa: BLE001 - reported to the test
-        return [type(exc).__name__, isinstance(exc, hvd.HorovodInternalError), str(exc)]
+        return [type(exc).__name__, isinstance(exc, hvd.HorovodInternalError), str(exc),
+                isinstance(exc, tf.errors.FailedPreconditionError)]
     return None
 
 

@@ -16,12 +16,15 @@ order of collectives, which the engine needs; the lists of gradients go through 
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import tensorflow as tf
 import torch
+
+from ringpipe.dp.engine import EngineInvalidCallError, EngineMismatchError
 
 __all__ = ["graph_op", "to_torch", "to_tf", "run", "tf_dtype"]
 
@@ -41,8 +44,11 @@ def graph_op(fn: Callable[..., Any]) -> Callable[..., Any]:
     would also convert the functions they define, the bodies of their ``tf.py_function`` nodes,
     which then run through AutoGraph's call wrapper on every execution of the graph (about a
     hundred wrapped calls per collective).
+
+    Called eagerly, the op raises the engine's cross-rank errors as the TensorFlow errors
+    Horovod raises (:func:`_tf_errors`).
     """
-    return tf.autograph.experimental.do_not_convert(fn)
+    return tf.autograph.experimental.do_not_convert(functools.wraps(fn)(_tf_errors(fn)))
 
 
 def tf_dtype(dtype: torch.dtype) -> tf.DType:
@@ -78,6 +84,36 @@ def to_tf(t: torch.Tensor) -> tf.Tensor:
         return tf.constant(t.numpy())
 
 
+class MismatchedCallError(tf.errors.FailedPreconditionError, EngineMismatchError):
+    """Ranks made different calls: TensorFlow's ``FailedPreconditionError``, as Horovod raises, and ringpipe's error."""
+
+    def __init__(self, message: str) -> None:
+        tf.errors.FailedPreconditionError.__init__(self, None, None, message)
+
+
+class InvalidCallError(tf.errors.InvalidArgumentError, EngineInvalidCallError):
+    """A rank's call was invalid: TensorFlow's ``InvalidArgumentError``, as Horovod raises, and ringpipe's error."""
+
+    def __init__(self, message: str) -> None:
+        tf.errors.InvalidArgumentError.__init__(self, None, None, message)
+
+
+def _tf_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` raising the engine's call errors as the TensorFlow errors Horovod raises (also from a graph node)."""
+
+    def call(*xs: Any, **kw: Any) -> Any:
+        try:
+            return fn(*xs, **kw)
+        except (MismatchedCallError, InvalidCallError):
+            raise
+        except EngineMismatchError as exc:
+            raise MismatchedCallError(str(exc)) from exc
+        except EngineInvalidCallError as exc:
+            raise InvalidCallError(str(exc)) from exc
+
+    return call
+
+
 # The last collective node of each graph: the next one waits for it (see the module docstring).
 _last: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
@@ -94,6 +130,7 @@ def run(
     ``tout`` and ``shapes`` describe the outputs for the graph (a shape may have ``None``
     dimensions, or be ``None`` when unknown).
     """
+    fn = _tf_errors(fn)
     if tf.executing_eagerly():
         return list(fn(*inputs))
     graph = tf.compat.v1.get_default_graph()
