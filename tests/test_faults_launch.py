@@ -87,8 +87,11 @@ def start(args, tmp_path, name):
     script = tmp_path / name
     script.write_text(FOREVER)
     log = open(tmp_path / f"{name}.log", "w")  # noqa: SIM115 - the launcher writes it while the test runs
+    # A terminal's foreground job takes Ctrl-C even when this run was started with SIGINT ignored
+    # (a background job of a non-interactive shell): give the launcher the default disposition.
     proc = subprocess.Popen([*RINGPIPE, "launch", *args, str(script), str(tmp_path)], stdout=log,
-                            stderr=subprocess.STDOUT, env=env(), start_new_session=True)
+                            stderr=subprocess.STDOUT, env=env(), start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     return proc, script
 
 

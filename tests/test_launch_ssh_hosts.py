@@ -203,7 +203,8 @@ def test_ctrl_c_or_a_killed_launcher_stops_every_host(tmp_path, sig):
         cmd = [*sh.client.prefix(), *LAUNCH, "-np", "4", "-H", f"{a.addr}:2,{b.addr}:1,{c.addr}:1",
                *sh.ssh_options(), str(tmp_path / "wait.py"), "-1"]
         proc = subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, start_new_session=True)
+                                text=True, start_new_session=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as a terminal's job
         reader = _Reader(proc)
         try:
             reader.wait_for(r"\]:ready rank=", 4, timeout=300)
