@@ -13,19 +13,12 @@ import sys
 import keras
 import numpy as np
 import tensorflow as tf
+from tf_problem import raised
 
 import ringpipe.keras as hvd  # Horovod's standalone-Keras import path
 import ringpipe.tensorflow.keras as tfk
 
 LR = 0.5
-
-
-def raised(fn):
-    try:
-        fn()
-    except Exception as exc:  # noqa: BLE001 - reported to the test
-        return [type(exc).__name__, str(exc)]
-    return None
 
 
 def broadcast_with_local_variables(r, n):

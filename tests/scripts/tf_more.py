@@ -13,7 +13,7 @@ import sys
 import keras
 import numpy as np
 import tensorflow as tf
-from tf_problem import regression
+from tf_problem import raised, regression
 from tf_problem import shard as rows_of
 
 import ringpipe.keras as hvd  # Horovod's standalone-Keras import path
@@ -37,14 +37,6 @@ def model(seed):
 
 def weights(net):
     return [w.tolist() for w in net.get_weights()]
-
-
-def raised(fn):
-    try:
-        fn()
-    except Exception as exc:  # noqa: BLE001 - reported to the test
-        return [type(exc).__name__, str(exc)]
-    return None
 
 
 def queries(r, n):

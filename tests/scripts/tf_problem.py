@@ -55,3 +55,12 @@ def sync_bn_case(layer, bounds, r, shape, seed, compiled):
             "grad_gamma": gg.numpy().tolist(), "grad_beta": gb.numpy().tolist(),
             "moving_mean": layer.moving_mean.numpy().tolist(), "moving_variance": layer.moving_variance.numpy().tolist(),
             "inference": inference.numpy().tolist()}
+
+
+def raised(fn):
+    """``[exception class name, message]`` of what ``fn()`` raised, or None (reported to the test)."""
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        return [type(exc).__name__, str(exc)]
+    return None
