@@ -99,7 +99,12 @@ class InvalidCallError(tf.errors.InvalidArgumentError, EngineInvalidCallError):
 
 
 def _tf_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` raising the engine's call errors as the TensorFlow errors Horovod raises (also from a graph node)."""
+    """``fn`` raising the engine's call errors as the TensorFlow errors Horovod raises.
+
+    Eagerly (a public op, or a collective's gradient taken by an eager tape) the caller gets
+    them as they are. Inside a graph the ``tf.py_function`` node reports any exception as
+    ``tf.errors.UnknownError`` carrying the same message (a limit of ``py_function``, not chosen).
+    """
 
     def call(*xs: Any, **kw: Any) -> Any:
         try:
