@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import subprocess
 from collections.abc import Iterator, Sequence
@@ -154,6 +155,16 @@ def mpirun_across(hosts: tuple[Host, ...], argv: list[str], hostfile: Path,
            "--bind-to", "none", "--tag-output", *argv]
     env = {"RP_NETNS_MAP": " ".join(f"{h.addr}={h.ns}:{h.hostname}:{h.cpus or ''}" for h in hosts)}
     return cmd, env
+
+
+def untagged(text: str) -> str:
+    """``mpirun --tag-output``'s output without its tags.
+
+    mpirun tags what each read of a rank's output returns, so one line written at once can come
+    back cut in two with a tag in the middle (``...}[1,0]<stdout>:``); without the tags the
+    line of the one rank that prints is whole again.
+    """
+    return re.sub(r"\[\d+,\d+\]<std(?:out|err)>:", "", text)
 
 
 def launch_across(hosts: Sequence[Host], per_host: Sequence[int], argv: list[str], port: int,

@@ -29,7 +29,8 @@ def _env() -> dict[str, str]:
 
 
 def _report(text):
-    """The JSON report in a launcher's output; mpirun's --tag-output prefixes every line."""
+    """The JSON report in a launcher's output (mpirun's --tag-output tags taken out)."""
+    text = netns.untagged(text)
     return json.JSONDecoder().raw_decode(text, text.index('{"ranks"'))[0]
 
 
@@ -117,8 +118,8 @@ def test_clock_offsets_under_mpirun_agree_on_every_rank_and_find_the_one_clock_t
         out = subprocess.run(cmd, capture_output=True, text=True, env={**_env(), "RINGPIPE_BACKEND": "mpi", **extra},
                              timeout=280)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
-    line = next(x for x in out.stdout.splitlines() if "CLOCK " in x)
-    got = json.loads(line.split("CLOCK ", 1)[1])
+    text = netns.untagged(out.stdout)
+    got = json.JSONDecoder().raw_decode(text, text.index("CLOCK ") + len("CLOCK "))[0]
     assert got["agreed"], got
     assert got["offsets_ns"][:2] == [0, 0]  # rank 1 shares rank 0's host: nothing to estimate
     assert all(abs(o) < 5_000_000 for o in got["offsets_ns"]), got

@@ -334,3 +334,39 @@ def test_join_on_mpi(tmp_path):
     _check_schedule([r["schedule"] for r in per_rank], MPI_BATCHES, "step")
     _check_syncbn_and_metrics([r["syncbn"] for r in per_rank], MPI_BATCHES)
     _check_unservable([r["unservable"] for r in per_rank], "broadcast")
+
+
+def _settle_while_another_thread_reads(comm):
+    """The step's first message is being read on one thread (step() waiting on it) while the engine
+    thread settles before its next collective: settle must wait for that read, whose on_note tells
+    the engine how many ranks have data (whether to announce the next bucket)."""
+    import threading
+    import time
+
+    from ringpipe.comm.base import Work
+    from ringpipe.dp.announce import settle, start_exchange
+
+    seen = []
+    wire = torch.ones(8)
+    pending = start_exchange(comm, "step", wire, 0, 0, on_note=lambda note: seen.append(note.count))
+    arrived = threading.Event()
+    inner = pending.work
+    pending.work = Work(lambda: (arrived.wait(5), inner.wait()), lambda: arrived.is_set())
+    reader = threading.Thread(target=pending.note)
+    reader.start()
+    time.sleep(0.2)  # the reader holds the message, waiting for it to arrive
+    settled = threading.Thread(target=settle, args=(comm,))
+    settled.start()
+    time.sleep(0.2)
+    waited = settled.is_alive() and not seen  # settle has not returned before the note was read
+    arrived.set()
+    settled.join(5)
+    reader.join(5)
+    return waited, seen
+
+
+@pytest.mark.timeout(60)
+def test_settle_waits_for_a_read_of_the_step_header_in_progress_on_another_thread():
+    (waited, seen), = spawn(_settle_while_another_thread_reads, 1)
+    assert waited, "settle returned while the step's header was still being read on another thread"
+    assert seen == [1]  # on_note ran once, before settle returned

@@ -126,10 +126,10 @@ class Pending:
         self._error: BaseException | None = None
 
     def note(self) -> Note:
+        # Another thread reading it meanwhile (step() waiting, the engine settling before its next
+        # collective) waits on the lock and gets the same note: on_note has run before either returns.
         with self._lock:
             if self._note is None and self._error is None:
-                if _UNREAD.get(self.comm) is self:
-                    del _UNREAD[self.comm]
                 try:
                     if self.work is not None:
                         self.work.wait()
@@ -140,6 +140,9 @@ class Pending:
                         self.on_note(self._note)
                 except BaseException as exc:  # noqa: BLE001 - raised again to every reader
                     self._error = exc
+                finally:
+                    if _UNREAD.get(self.comm) is self:
+                        del _UNREAD[self.comm]
             if self._error is not None:
                 raise self._error
             assert self._note is not None
