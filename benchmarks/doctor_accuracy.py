@@ -13,7 +13,8 @@ prints a markdown table; for the shaped link, also the allreduce time with and w
 that the doctor measured (the fix it recommends, proven in the same run).
 
     python benchmarks/doctor_accuracy.py --trials 10 [--launchers launch,mpirun] [--size 256K] [--log FILE]
-    python benchmarks/doctor_accuracy.py --table FILE     # the table of a log
+    python benchmarks/doctor_accuracy.py --trials 10 --log FILE --resume   # go on: skip the trials FILE holds
+    python benchmarks/doctor_accuracy.py --table FILE [--each]   # the table of a log (--each: every trial)
     python benchmarks/doctor_accuracy.py --clock 3        # clock_offsets under each launcher
 
 Where a trial's time goes (8 ranks on a 2-core machine): setting up the namespaces takes 0.4 s and
@@ -223,6 +224,25 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
+def each_trial(rows: list[dict[str, Any]]) -> str:
+    """Every logged trial in the order it ran: round, scenario, launcher, verdict, load at its end."""
+    out = ["| round | scenario | launcher | named | false accusations | s | load | code |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        sc = SCENARIOS.get(r["scenario"])
+        named = ("yes" if r["named"] else "**no**") if sc is None or sc.expected else "-"
+        out.append(f"| {r['trial']} | {r['scenario']} | {r['launcher']} | {named} | "
+                   f"{'; '.join(r['false']) or '0'} | {r['secs']:.0f} | {r['load']:.1f} | {r.get('code', '')} |")
+    return "\n".join(out)
+
+
+def _done(log: str | None) -> set[tuple[int, str, str]]:
+    """The (round, scenario, launcher) trials a log already holds."""
+    if not log or not Path(log).is_file():
+        return set()
+    rows = [json.loads(line) for line in Path(log).read_text().splitlines() if line.strip()]
+    return {(r["trial"], r["scenario"], r["launcher"]) for r in rows}
+
+
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
         compute_worker(sys.argv[2], int(sys.argv[3]))
@@ -237,10 +257,18 @@ def main() -> int:
     ap.add_argument("--clock", type=int, default=0, metavar="BLOCKS",
                     help="only time the clock-offset estimation under each launcher, BLOCKS alternated blocks")
     ap.add_argument("--table", default=None, metavar="LOG", help="print the table of a log and exit")
+    ap.add_argument("--each", action="store_true", help="with --table: also list every trial (round, load)")
+    ap.add_argument("--resume", action="store_true",
+                    help="with --log: skip the trials (round, scenario, launcher) that the log already holds")
+    ap.add_argument("--until", default=None, metavar="HH:MM",
+                    help="start no trial after this time of day (UTC); the log keeps what ran")
+    ap.add_argument("--code", default="", help="a label of the code under trial (a commit), logged with each trial")
     args = ap.parse_args()
     if args.table:
         rows = [json.loads(line) for line in Path(args.table).read_text().splitlines() if line.strip()]
         print(table(rows))
+        if args.each:
+            print("\n" + each_trial(rows))
         return 0
     reason = netns.can_create()
     if reason:
@@ -255,15 +283,27 @@ def main() -> int:
         return 0
     rows: list[dict[str, Any]] = []
     port = 29700
+    done = _done(args.log) if args.resume else set()
+    until = None
+    if args.until:
+        hh, mm = (int(x) for x in args.until.split(":"))
+        now = time.gmtime()
+        until = time.time() + ((hh - now.tm_hour) * 60 + mm - now.tm_min) * 60 - now.tm_sec
     with tempfile.TemporaryDirectory(prefix="rp-doctor-accuracy-") as tmp:
         names = [n for n in SCENARIOS if not args.only or args.only in n]
-        total = args.trials * len(names) * len(launchers)
+        total = args.trials * len(names) * len(launchers) - len(done)
         for trial in range(args.trials):
             for name, sc in SCENARIOS.items():
                 if args.only and args.only not in name:
                     continue
                 for launcher in launchers:
                     port += 1
+                    if (trial, name, launcher) in done:
+                        continue
+                    if until is not None and time.time() >= until:
+                        print(f"  stopped at {args.until} UTC: {len(rows)} trials run", file=sys.stderr)
+                        print("\n" + table(rows))
+                        return 0
                     t0 = time.time()
                     try:
                         report = run_trial(sc, launcher, args.size, port, Path(tmp))
@@ -276,7 +316,8 @@ def main() -> int:
                         print(f"  {name} / {launcher}: trial failed: {str(exc)[-600:]}", file=sys.stderr)
                         ok, false, gain, phases = False, ["(trial failed)"], None, {}
                     row = {"scenario": name, "launcher": launcher, "trial": trial, "named": ok, "false": false,
-                           "gain": gain, "secs": time.time() - t0, "load": os.getloadavg()[0], "phases": phases}
+                           "gain": gain, "secs": time.time() - t0, "load": os.getloadavg()[0], "phases": phases,
+                           "code": args.code}
                     rows.append(row)
                     if args.log:
                         with open(args.log, "a") as f:

@@ -194,3 +194,13 @@ def launch_across(hosts: Sequence[Host], per_host: Sequence[int], argv: list[str
                 os.killpg(p.pid, 9)
                 p.wait()
     return done
+
+
+def rank_lines(text: str, rank: int = 0) -> str:
+    """The stdout lines that ``mpirun --tag-output`` tagged as rank ``rank``'s, with the tag taken off the front.
+
+    What a user gets with ``sed -n 's/^\\[1,0\\]<stdout>://p'``: unlike :func:`untagged`, a tag in
+    the middle of a line (a line cut between two reads) is left there.
+    """
+    tag = re.compile(rf"^\[\d+,{rank}\]<stdout>:")
+    return "".join(tag.sub("", line, count=1) for line in text.splitlines(keepends=True) if tag.match(line))

@@ -403,3 +403,20 @@ def test_a_busy_machine_is_said_as_information_and_accuses_nobody():
     assert _problems(found) == []
     busy = [f for f in found if "busy: load average 30.0 on 2 CPUs" in f.what]
     assert len(busy) == 1 and busy[0].severity == "info" and busy[0].hosts == ("rp-host-a", "rp-host-b", "rp-host-c")
+
+
+def test_the_json_report_under_an_mpi_launcher_is_the_same_object_in_short_lines():
+    """Under mpirun every line is short (each reaches --tag-output whole); elsewhere one line; same JSON."""
+    import json
+
+    from ringpipe.observe.cli import json_text
+
+    report = {"ranks": 8, "hosts": ["rp-host-a"] * 8,
+              "links": [{"src": s, "dst": d, "latency_us": 15.0, "gbps": 1.5} for s in range(8) for d in range(s + 1, 8)],
+              "findings": [{"severity": "problem", "what": "host c's link is slow " + "x" * 200, "evidence": "e" * 300}]}
+    one = json_text(report, short_lines=False)
+    assert one.endswith("\n") and one.count("\n") == 1 and len(one) > 2000
+    short = json_text(report, short_lines=True)
+    assert short.startswith('{"ranks": 8,\n')
+    assert max(len(line) for line in short.splitlines()) < 400
+    assert json.loads(short) == json.loads(one) == report

@@ -25,7 +25,7 @@ def _print_report(result: dict[str, Any], nbytes: int, as_json: bool) -> None:
 
     job, findings = result["job"], result["findings"]
     if as_json:
-        print(json.dumps({
+        report = {
             "ranks": job.size,
             "hosts": job.hosts(),
             "links": result.get("links", []),
@@ -34,7 +34,8 @@ def _print_report(result: dict[str, Any], nbytes: int, as_json: bool) -> None:
             "findings": [asdict(f) for f in findings],
             "verified": result.get("verified"),
             "phases_s": result.get("phases_s", {}),
-        }), flush=True)
+        }
+        write_whole_lines(json_text(report, short_lines=under_mpi_launcher()))
         return
     extra = []
     if result.get("links"):
@@ -55,6 +56,26 @@ def _print_report(result: dict[str, Any], nbytes: int, as_json: bool) -> None:
         extra.append(f"verify: ring {v['before_ms']:.2f} ms before, {v['fix']} {v['after_ms']:.2f} ms after "
                      f"(median of {v['runs']} interleaved runs each)")
     write_whole_lines(format_report(job, findings, extra) + "\n")
+
+
+def under_mpi_launcher() -> bool:
+    """True in a rank started by an MPI launcher (Open MPI, MPICH / PMI), which may tag its output."""
+    return any(k in os.environ for k in ("OMPI_COMM_WORLD_SIZE", "PMI_RANK", "PMIX_RANK"))
+
+
+def json_text(report: dict[str, Any], short_lines: bool) -> str:
+    """``report`` as JSON text ending in a newline: one line, or with ``short_lines`` one value per line.
+
+    One line suits a reader that takes the last line of the output. Under an MPI launcher the
+    line would be several KB, and ``mpirun --tag-output`` tags what each read of it returns, so
+    it could come back cut with a tag in the middle; there the report is indented (every line
+    short, each written whole by :func:`write_whole_lines`), so that taking the tag off the front
+    of each line leaves valid JSON. Either way the text starts with ``{"ranks"`` on its first line.
+    """
+    if not short_lines:
+        return json.dumps(report) + "\n"
+    text = json.dumps(report, indent=1)
+    return "{" + text[1:].lstrip() + "\n"  # '{"ranks": N,' on the first line, as the one-line form
 
 
 def write_whole_lines(text: str, piece: int = 1024, pause_s: float = 0.02, wait_s: float = 2.0) -> None:
