@@ -528,6 +528,102 @@ def test_a_table_measured_elsewhere_is_refused(tmp_path):
         autotune.load(comm, str(path))  # type: ignore[arg-type]
 
 
+# Measured per size: each candidate's (fastest round, slowest round) in ms, as the probe keeps them.
+_MEASURED = {
+    4096: {"native": (1.0, 1.1), "ring": (1.5, 1.7), "recursive_doubling": (0.5, 0.6)},  # rd clearly faster
+    65536: {"native": (1.0, 1.2), "ring": (1.4, 1.6), "recursive_doubling": (0.85, 1.3)},  # rd's rounds overlap
+    1 << 20: {"native": (1.0, 1.1), "ring": (1.05, 1.2), "recursive_doubling": (1.2, 1.4)},  # native fastest
+    4 << 20: {"native": (1.0, 1.1), "ring": (0.92, 0.95), "recursive_doubling": (1.3, 1.5)},  # ring < 10 % faster
+    64 << 20: {"native": (1.0, 1.3), "ring": (0.7, 0.85), "recursive_doubling": (0.8, 0.86)},  # both clearly faster
+}
+# The rule written plainly: another algorithm replaces native only if its slowest round is at
+# least MARGIN (10 %) below native's fastest; of those, the one with the fastest slowest round.
+_EXPECTED_CHOICE = {4096: "recursive_doubling", 65536: "native", 1 << 20: "native", 4 << 20: "native",
+                    64 << 20: "ring"}
+
+
+def test_the_probe_keeps_native_where_native_measured_fastest_or_the_rounds_overlap():
+    from ringpipe.collectives import autotune
+
+    assert autotune.MARGIN == 0.10
+    for nbytes, times in _MEASURED.items():
+        best = {a: lo for a, (lo, _) in times.items()}
+        worst = {a: hi for a, (_, hi) in times.items()}
+        assert autotune.decide(best, worst) == _EXPECTED_CHOICE[nbytes], nbytes
+        fastest = min(best, key=best.__getitem__)
+        if fastest == "native":
+            assert autotune.decide(best, worst) == "native"
+
+
+def test_auto_follows_the_table_the_probe_writes_at_every_size():
+    from types import SimpleNamespace
+
+    from ringpipe.collectives import autotune
+
+    comm = SimpleNamespace(size=2, global_ranks=[0, 1], topology=SimpleNamespace(hostnames=["h", "h"]),
+                           backend="gloo")
+    rows = [(n, autotune.decide({a: lo for a, (lo, _) in t.items()}, {a: hi for a, (_, hi) in t.items()}),
+             {a: lo for a, (lo, _) in t.items()}) for n, t in _MEASURED.items()]
+    table = autotune.Table(rows, autotune.key(comm))  # type: ignore[arg-type]
+    autotune._TABLES[table.key] = table
+    try:
+        assert {n: C.resolve("allreduce", "auto", n, comm) for n in _MEASURED} == _EXPECTED_CHOICE  # type: ignore[arg-type]
+    finally:
+        autotune.forget()
+
+
+def test_the_probe_and_the_bench_take_turns_in_rotated_and_reversed_order():
+    from ringpipe.collectives.autotune import block_order
+
+    names = ["native", "ring", "recursive_doubling", "rabenseifner"]
+    rounds = [block_order(names, r) for r in range(2 * len(names))]
+    assert rounds[0] == names and rounds[1] == names[::-1]  # a pair of rounds: forward, then backward
+    assert rounds[2] == ["ring", "recursive_doubling", "rabenseifner", "native"]
+    for order in rounds:
+        assert sorted(order) == sorted(names)  # every candidate once per round
+    assert {o[0] for o in rounds} == set(names) and {o[-1] for o in rounds} == set(names)
+    assert block_order([], 3) == []
+
+
+def _auto_native(comm, seed) -> dict:  # noqa: ANN001
+    from ringpipe.collectives import autotune
+
+    autotune._TABLES[autotune.key(comm)] = autotune.Table([(4096, "native", {})], autotune.key(comm))
+    own = comm.allreduce
+    called: list[int] = []
+
+    def counted(tensor, op=ReduceOp.SUM):  # noqa: ANN001, ANN202
+        called.append(tensor.numel())
+        return own(tensor, op)
+
+    comm.allreduce = counted
+    try:
+        out = []
+        for n in (1, 1000, 300_000):  # every size resolves to the one measured choice
+            x = torch.randn(n, generator=torch.Generator().manual_seed(seed + 7 * comm.rank + n))
+            C.allreduce(comm, x, "sum", "auto")
+            out.append(x.tolist())
+        return {"results": out, "called": called, "chose": C.resolve("allreduce", "auto", 1 << 26, comm)}
+    finally:
+        comm.allreduce = own
+        autotune.forget()
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("nprocs", [2, 3])
+def test_auto_with_a_native_choice_calls_the_backends_own_allreduce(nprocs):
+    seed = 11
+    out = spawn(_auto_native, nprocs, args=(seed,))
+    for k, n in enumerate((1, 1000, 300_000)):
+        # one process, the global batch: the sum of every rank's tensor
+        want = sum(torch.randn(n, generator=torch.Generator().manual_seed(seed + 7 * r + n)) for r in range(nprocs))
+        for res in out:
+            assert torch.allclose(torch.tensor(res["results"][k]), want, rtol=1e-5, atol=1e-5)
+    for res in out:
+        assert res["called"] == [1, 1000, 300_000]  # the backend's collective, once per call, whole buffer
+        assert res["chose"] == "native"
+
+
 def test_unknown_algorithm_lists_the_valid_ones():
     with pytest.raises(ValueError, match="valid algorithms: auto, ring, rabenseifner"):
         C.resolve("allreduce", "bogus", 4, None)  # type: ignore[arg-type]
@@ -664,12 +760,22 @@ def test_bench_cli_under_torchrun(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", RINGPIPE_BACKEND="gloo")
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=80, cwd=tmp_path, env=env)
     assert out.returncode == 0, out.stdout + out.stderr
-    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    lines = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    rows = [r for r in lines if not r.get("summary")]
     assert {r["algorithm"] for r in rows} == set(C.SUPPORTED["allreduce"])
     assert {r["bytes"] for r in rows} == {4096, 16384, 65536}
     for r in rows:
         assert r["wrong"] == 0 and r["backend"] == "gloo" and r["busbw_gbps"] > 0
         assert r["busbw_gbps"] == pytest.approx(r["algbw_gbps"], rel=1e-3)  # factor 2(p-1)/p = 1
+        assert r["repeats"] == 5 and r["time_min_us"] <= r["time_us"] <= r["time_max_us"]
+    # one comparison with native per size, after that size's rows; auto names what it ran
+    summaries = [r for r in lines if r.get("summary")]
+    assert [c["bytes"] for c in summaries] == [4096, 16384, 65536]
+    for c in summaries:
+        by = {r["algorithm"]: r for r in rows if r["bytes"] == c["bytes"]}
+        assert c["auto_chose"] == by["auto"]["chosen"] in C.SUPPORTED["allreduce"]
+        assert c["auto_ratio"] == pytest.approx(by["native"]["time_us"] / by["auto"]["time_us"], rel=1e-2)
+        assert c["auto_verdict"] in ("faster", "slower", "inconclusive")
     assert png.stat().st_size > 1000
 
 

@@ -27,7 +27,8 @@ import torch
 
 from ringpipe.comm.base import Communicator
 
-__all__ = ["MARGIN", "PROBE_SIZES", "Table", "candidates", "forget", "key", "load", "lookup", "probe"]
+__all__ = ["MARGIN", "PROBE_SIZES", "Table", "block_order", "candidates", "decide", "forget", "key", "load",
+           "lookup", "probe"]
 
 #: Another algorithm replaces the native collective only if it is at least this much faster.
 MARGIN = 0.10
@@ -102,14 +103,41 @@ def _iters(nbytes: int) -> int:
     return 20 if nbytes <= 256 * 1024 else 8 if nbytes <= 4 << 20 else 3
 
 
+def block_order(names: list[str], rnd: int) -> list[str]:
+    """The order in which ``names`` take turns in round ``rnd`` of an interleaved measurement.
+
+    Even rounds run forward, odd rounds backward (a drift that grows through a round weighs on
+    every name alike over a pair of rounds), and each pair of rounds starts one name further on,
+    so that over rounds every name runs first and last and beside different neighbours.
+    """
+    if not names:
+        return []
+    shift = (rnd // 2) % len(names)
+    order = names[shift:] + names[:shift]
+    return order if rnd % 2 == 0 else order[::-1]
+
+
+def decide(best: dict[str, float], worst: dict[str, float], margin: float = MARGIN) -> str:
+    """The choice for one size from every candidate's fastest and slowest round (seconds per call).
+
+    The backend's collective (``native``) is kept unless another candidate's *slowest* round beats
+    native's *fastest* by ``margin``: where native measured fastest, or where the rounds of a
+    faster-looking candidate overlap native's, ``auto`` runs native. Without a native candidate,
+    the candidate with the fastest slowest round.
+    """
+    choice = min(worst, key=lambda a: (worst[a], a))
+    if "native" in best and choice != "native" and worst[choice] > (1.0 - margin) * best["native"]:
+        return "native"
+    return choice
+
+
 def probe(comm: Communicator, sizes: tuple[int, ...] | list[int] = PROBE_SIZES, rounds: int = 2,
           dtype: torch.dtype = torch.float32) -> Table:
     """Time every candidate at every size on every rank (collective); keep and return the table.
 
-    Each size is timed in ``rounds`` rounds, the candidates in alternating order; a candidate's
-    time in a round is its median per call on the slowest rank. Another algorithm replaces the
-    native collective only if its slowest round beats native's fastest by :data:`MARGIN`; the
-    table keeps every candidate's fastest round.
+    Each size is timed in ``rounds`` rounds, the candidates taking turns in the order of
+    :func:`block_order`; a candidate's time in a round is its median per call on the slowest rank.
+    :func:`decide` makes the choice; the table keeps every candidate's fastest round.
     """
     from ringpipe import collectives  # the package that uses this module; imported when probing
 
@@ -121,12 +149,12 @@ def probe(comm: Communicator, sizes: tuple[int, ...] | list[int] = PROBE_SIZES, 
     item = torch.empty((), dtype=dtype).element_size()
     rows = []
     for nbytes in sizes:
-        x = torch.ones(max(1, nbytes // item), dtype=dtype)
+        x = torch.zeros(max(1, nbytes // item), dtype=dtype)  # zeros: repeated sums stay finite
         best: dict[str, float] = {}
         worst: dict[str, float] = {}
         for r in range(rounds):
             mine: dict[str, float] = {}
-            for algo in (algos if r % 2 == 0 else algos[::-1]):
+            for algo in block_order(algos, r):
                 collectives.allreduce(comm, x, algorithm=algo)  # warm-up
                 times = []
                 for _ in range(_iters(nbytes)):
@@ -139,11 +167,7 @@ def probe(comm: Communicator, sizes: tuple[int, ...] | list[int] = PROBE_SIZES, 
                 slowest = max(e[algo] for e in every)
                 best[algo] = min(best.get(algo, math.inf), slowest)
                 worst[algo] = max(worst.get(algo, 0.0), slowest)
-        # Conservative: another algorithm must beat native's best round in its own worst round.
-        choice = min(worst, key=lambda a: worst[a])
-        if worst[choice] > (1.0 - MARGIN) * best["native"]:
-            choice = "native"
-        rows.append((x.numel() * item, choice, best))
+        rows.append((x.numel() * item, decide(best, worst), best))
     table = Table(rows, key(comm))
     _TABLES[table.key] = table
     return table
