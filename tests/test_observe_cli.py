@@ -86,7 +86,8 @@ def test_bench_sweeps_that_hung_finish_on_one_rank_with_a_note(sweep, expected):
     (["bench", "allreduce", "-b", "abc"], "ringpipe bench: size 'abc' is not understood"),
     (["bench", "allreduce", "-f", "1"], "ringpipe bench: -f must be > 1"),
     (["bench", "allreduce", "-b", "8K", "-e", "4K"], "ringpipe bench: -b 8192 is larger than -e 4096"),
-    (["bench", "allreduce", "--iters", "0"], "ringpipe bench: --iters (timed iterations per size) must be >= 1"),
+    (["bench", "allreduce", "--iters", "0"], "ringpipe bench: --iters (timed iterations per block) must be >= 1"),
+    (["bench", "allreduce", "-r", "0"], "ringpipe bench: -r (interleaved rounds per size) must be >= 1"),
     (["bench", "allreduce", "-n", "0"], "ringpipe bench: -n (processes to start) must be >= 1"),
     (["bench", "allreduce", "-b", "0", "-e", "0"], "ringpipe bench: -e 0 is smaller than one float32 element (4 bytes)"),
     (["bench", "allreduce", "-a", "nosuch"], "ringpipe bench: allreduce has no algorithm 'nosuch'"),
@@ -194,7 +195,8 @@ def test_bench_n_starts_that_many_processes_and_says_where_the_plot_went(tmp_pat
     out = _run("bench", "allreduce", "-n", "2", "-b", "4K", "-e", "8K", "-a", "ring", "-i", "2", "-w", "0",
                "--plot", "busbw.png", cwd=tmp_path, timeout=110)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.startswith("# ringpipe bench allreduce: 2 ranks, backend gloo, 2 iters"), out.stdout
+    assert out.stdout.startswith("# ringpipe bench allreduce: 2 ranks, backend gloo, 5 interleaved rounds of 2 calls"), \
+        out.stdout
     assert [line.split()[0] for line in out.stdout.splitlines()[2:]] == ["4096", "8192"]
     assert f"busbw plot written to {tmp_path / 'busbw.png'}" in out.stderr
     assert (tmp_path / "busbw.png").stat().st_size > 0
@@ -213,6 +215,58 @@ def test_bench_prints_each_row_as_soon_as_it_is_measured():
     finally:
         proc.kill()
         proc.communicate()
+
+
+def _row(algo: str, lo: float, med: float, hi: float, chosen: str | None = None) -> dict:
+    return {"algorithm": algo, "chosen": chosen or algo, "bytes": 4096, "backend": "gloo", "ranks": 2,
+            "time_min_us": lo, "time_us": med, "time_max_us": hi}
+
+
+def test_bench_claims_a_win_or_loss_against_native_only_when_the_spreads_are_apart():
+    from ringpipe.observe.bench_report import compare, format_comparison
+
+    c = compare([_row("native", 90, 100, 120), _row("ring", 40, 50, 60), _row("recursive_doubling", 70, 80, 95),
+                 _row("auto", 95, 101, 130, chosen="native")])
+    assert c is not None
+    assert c["best"] == "ring" and c["best_ratio"] == pytest.approx(100 / 50) and c["best_verdict"] == "faster"
+    assert c["auto_chose"] == "native" and c["auto_ratio"] == pytest.approx(100 / 101, abs=1e-3)
+    assert c["auto_verdict"] == "inconclusive"  # 95-130 overlaps native's 90-120
+    assert format_comparison(c) == ("# 4 KiB: best own (ring) / native 2.00x [faster]; "
+                                    "auto (native) / native 0.99x [inconclusive]")
+    slower = compare([_row("native", 90, 100, 120), _row("ring", 121, 130, 140)])
+    assert slower is not None and slower["best_verdict"] == "slower" and "auto_chose" not in slower
+    assert compare([_row("ring", 1, 2, 3)]) is None  # nothing to compare with
+
+
+@pytest.mark.timeout(180)
+def test_bench_interleaves_the_variants_and_says_what_auto_chose_per_size():
+    out = _run("bench", "allreduce", "-n", "2", "-b", "4K", "-e", "64K", "-f", "16", "-a", "native,ring,auto",
+               "-i", "2", "-r", "3", "-w", "1", "--no-probe", timeout=170)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "3 interleaved rounds of 2 calls" in out.stdout.splitlines()[0]
+    lines = out.stdout.splitlines()
+    # the recorded rules over gloo without a probe: recursive doubling up to 64 KiB
+    assert any(line.split()[:4] == ["4096", "1024", "float32", "auto>recursive_doubling"] for line in lines), lines
+    assert sum(line.startswith("# 4 KiB: best own (ring) / native ") for line in lines) == 1, lines
+    assert sum(line.startswith("# 64 KiB: best own (ring) / native ") for line in lines) == 1, lines
+    assert any("auto (recursive_doubling) / native" in line for line in lines), lines
+    summary = lines[lines.index(next(x for x in lines if x.startswith("# against native"))) + 2:]
+    assert [line.split()[1:3] for line in summary] == [["4", "KiB"], ["64", "KiB"]], summary
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(not HAVE_MPI, reason="needs mpirun and mpi4py")
+def test_bench_with_mpi_backend_runs_under_mpirun_and_auto_runs_mpis_own_allreduce():
+    out = _run("bench", "allreduce", "-n", "2", "--backend", "mpi", "-b", "4K", "-e", "4K", "-a", "native,ring,auto",
+               "-i", "2", "-r", "2", "-w", "1", "--no-probe", "--json", timeout=220)
+    assert out.returncode == 0, out.stderr[-3000:]
+    objs = [json.loads(line) for line in out.stdout.splitlines()]  # whole lines: no mpirun tags in them
+    rows = [o for o in objs if not o.get("summary")]
+    assert [(r["algorithm"], r["chosen"]) for r in rows] == [("native", "native"), ("ring", "ring"),
+                                                           ("auto", "native")]  # MPI's rules below 64 MiB
+    assert all(r["backend"] == "mpi" and r["ranks"] == 2 and r["wrong"] == 0 for r in rows)
+    assert [o["auto_chose"] for o in objs if o.get("summary")] == ["native"]
 
 
 def test_busbw_plot_has_logarithmic_axes_with_readable_sizes():

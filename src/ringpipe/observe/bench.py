@@ -150,7 +150,8 @@ def _bench_mpirun(args: Any, argv: list[str]) -> int:
     """Start ``-n`` ranks of this same command under mpirun (the mpi backend needs it)."""
     from ringpipe.launch import mpirun_command
 
-    cmd = mpirun_command(args.nprocs, [sys.executable, "-m", "ringpipe.cli", "bench", *argv])
+    # Only rank 0 prints, so mpirun's tags (which may land in the middle of a long line) are left off.
+    cmd = mpirun_command(args.nprocs, [sys.executable, "-m", "ringpipe.cli", "bench", *argv], tag_output=False)
     env = dict(os.environ, RINGPIPE_BACKEND="mpi", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     return subprocess.run(cmd, env=env).returncode
 
