@@ -110,9 +110,28 @@ def test_mismatched_calls_raise_the_same_error_on_every_rank(collectives):
         assert errors[0] == errors[1], key
         assert errors[0][1] is True and "Mismatched" in errors[0][2] and words in errors[0][2], errors[0]
         assert errors[0][3] is True, errors[0]  # eagerly, tf.errors.FailedPreconditionError, as Horovod raises
-    for c in collectives:  # inside tf.function, TensorFlow wraps it; the message names the mismatch
-        assert "Mismatched tensor shapes in allreduce" in c["err_in_function"][2]
+    for c in collectives:  # inside graphs, the same types as eagerly: Horovod's ops fail a graph with them
+        for key, words in [("err_in_function", "Mismatched tensor shapes in allreduce"),
+                           ("err_root_in_function", "Mismatched root ranks"),
+                           ("err_shape_in_session", "Mismatched tensor shapes in allreduce"),
+                           ("err_dtype_in_session", "Mismatched data types")]:
+            assert c[key][0] == "FailedPreconditionError" and c[key][3] is True, (key, c[key])
+            assert words in c[key][2], (key, c[key])
+        for key in ("err_bad_root_in_function", "err_splits_in_function", "err_bad_root_in_session"):
+            assert c[key][0] == "InvalidArgumentError", (key, c[key])  # an invalid call, as Horovod reports it
+        assert c["ok_in_session"] == [2.0]
         assert c["after_errors"] == [2.0]  # the ranks go on
+
+
+def test_compression_on_tf_tensors_is_horovods(collectives):
+    # Horovod: none -> (tensor, None); fp16 casts floating tensors to float16 with their dtype as ctx,
+    # leaves others as they are, and decompress casts back to a floating ctx
+    for c in collectives:
+        comp = c["compression"]
+        for dtype in ("float64", "float32", "float16", "int32", "bool"):
+            floating = dtype.startswith("float")
+            assert comp[f"none_{dtype}"] == [dtype, None, dtype, [1.0] * 3]
+            assert comp[f"fp16_{dtype}"] == ["float16" if floating else dtype, dtype, dtype, [1.0] * 3]
 
 
 # ----------------------------------------------------------------------------- training

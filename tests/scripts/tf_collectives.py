@@ -57,6 +57,18 @@ def main(out_dir):
         res["grouped_rs"] = wrap(lambda t: hvd.grouped_reducescatter([t, 2 * t], op=hvd.Sum))(tf.constant([1.0, 2.0]))
         out[mode] = tf.nest.map_structure(lambda t: np.asarray(t, dtype=np.float64).tolist(), res)
 
+    # Compression on TF tensors: compress -> (tensor, ctx), decompress(tensor, ctx)
+    comp = {}
+    for cname in ("none", "fp16"):
+        c = getattr(hvd.Compression, cname)
+        for dtype in ("float64", "float32", "float16", "int32", "bool"):
+            t = tf.ones([3], dtype)
+            packed, ctx = c.compress(t)
+            back = c.decompress(packed, ctx)
+            comp[f"{cname}_{dtype}"] = [packed.dtype.name, None if ctx is None else tf.as_dtype(ctx).name,
+                                        back.dtype.name, np.asarray(back, np.float64).tolist()]
+    out["compression"] = comp
+
     # IndexedSlices: Horovod allgathers values and indices (Average divides by the size)
     sl = tf.IndexedSlices(tf.constant([[1.0, 2.0]]) * (r + 1), tf.constant([r]), tf.constant([2, 2]))
     got = hvd.allreduce(sl)
@@ -108,6 +120,21 @@ def main(out_dir):
     out["err_root"] = raised(lambda: hvd.broadcast(tf.zeros([2]), root_rank=r))
     out["err_op"] = raised(lambda: hvd.allreduce(tf.zeros([2]), op=hvd.Sum if r == 0 else hvd.Max))
     out["err_in_function"] = raised(lambda: tf.function(lambda t: hvd.allreduce(t))(tf.zeros([2 + r])))
+    out["err_root_in_function"] = raised(lambda: tf.function(lambda t: hvd.broadcast(t, root_rank=r))(tf.zeros([2])))
+    out["err_bad_root_in_function"] = raised(lambda: tf.function(lambda t: hvd.broadcast(t, root_rank=n))(
+        tf.zeros([2])))
+    out["err_splits_in_function"] = raised(lambda: tf.function(lambda t: hvd.alltoall(t, splits=[2, 2]))(
+        tf.zeros([3])))
+    with tf.Graph().as_default():  # a TF1 graph run by a session, as Horovod's graph-mode tests run it
+        shape_op = hvd.allreduce(tf.zeros([2, 2 + r]))
+        dtype_op = hvd.allgather(tf.zeros([2], tf.float32 if r == 0 else tf.int32))
+        bad_root_op = hvd.broadcast(tf.zeros([2]), root_rank=n)
+        ok_op = hvd.allreduce(tf.constant([1.0]), op=hvd.Sum)
+        with tf.compat.v1.Session() as sess:
+            out["err_shape_in_session"] = raised(lambda: sess.run(shape_op))
+            out["err_dtype_in_session"] = raised(lambda: sess.run(dtype_op))
+            out["err_bad_root_in_session"] = raised(lambda: sess.run(bad_root_op))
+            out["ok_in_session"] = sess.run(ok_op).tolist()
     out["after_errors"] = hvd.allreduce(tf.constant([1.0]), op=hvd.Sum).numpy().tolist()
     out["join"] = int(hvd.join())
     hvd.shutdown()

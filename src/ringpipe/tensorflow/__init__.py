@@ -51,9 +51,9 @@ from ringpipe.api.basics import (
     start_timeline,
     stop_timeline,
 )
-from ringpipe.dp.compression import Compression
 
 from . import elastic
+from .compression import Compression
 from .functions import (
     allgather_object,
     broadcast_,

@@ -26,6 +26,8 @@ import torch
 
 from ringpipe.dp.engine import EngineInvalidCallError, EngineMismatchError
 
+from . import status_op
+
 __all__ = ["graph_op", "to_torch", "to_tf", "run", "tf_dtype"]
 
 _TORCH_OF_TF = {
@@ -102,8 +104,9 @@ def _tf_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` raising the engine's call errors as the TensorFlow errors Horovod raises.
 
     Eagerly (a public op, or a collective's gradient taken by an eager tape) the caller gets
-    them as they are. Inside a graph the ``tf.py_function`` node reports any exception as
-    ``tf.errors.UnknownError`` carrying the same message (a limit of ``py_function``, not chosen).
+    them as they are. Inside a graph :func:`run` hands them to a ``RingpipeStatus`` node
+    (:mod:`.status_op`), which fails the graph with the same type and message; any other
+    exception leaves the ``tf.py_function`` node as TensorFlow maps it (mostly ``UnknownError``).
     """
 
     def call(*xs: Any, **kw: Any) -> Any:
@@ -133,20 +136,37 @@ def run(
     """``fn(*inputs)`` (eager TF tensors in, a list of TF tensors out) now, or as a graph node.
 
     ``tout`` and ``shapes`` describe the outputs for the graph (a shape may have ``None``
-    dimensions, or be ``None`` when unknown).
+    dimensions, or be ``None`` when unknown). In a graph the outputs are read through a
+    ``RingpipeStatus`` node (:mod:`.status_op`), so that ranks' mismatched or invalid calls fail
+    the graph as ``FailedPreconditionError`` / ``InvalidArgumentError``, as Horovod's ops do.
     """
     fn = _tf_errors(fn)
     if tf.executing_eagerly():
         return list(fn(*inputs))
+    typed = status_op.available()
+    tout = list(tout)
+
+    def body(*xs: Any) -> list[Any]:
+        if not typed:
+            return list(fn(*xs))
+        try:
+            return [*fn(*xs), tf.constant(0, tf.int64)]
+        except (MismatchedCallError, InvalidCallError) as exc:  # fail the graph with its code (status_op)
+            return [*(tf.zeros([0], d) for d in tout), status_op.file_error(exc)]
+
     graph = tf.compat.v1.get_default_graph()
     previous = _last.get(graph)
     deps = [previous] if previous is not None else []
     with tf.control_dependencies(deps):
-        outs = tf.py_function(lambda *xs: list(fn(*xs)), list(inputs), list(tout), name=name)
+        outs = tf.py_function(body, list(inputs), tout + ([tf.int64] if typed else []), name=name)
     outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
+    if outs:
+        _last[graph] = outs[0].op
+    if typed:
+        check = status_op.status_node(outs.pop(), name)
+        with tf.control_dependencies([check]):
+            outs = [tf.identity(out) for out in outs]
     for out, shape in zip(outs, shapes, strict=True):
         if shape is not None:
             out.set_shape(shape)
-    if outs:
-        _last[graph] = outs[0].op
     return outs

@@ -9,10 +9,10 @@ import tensorflow as tf
 
 from ringpipe.api.calls import parse_op
 from ringpipe.comm.base import ReduceOp
-from ringpipe.dp.compression import Compression
 from ringpipe.dp.process_sets import ProcessSet, global_process_set
 
 from .bridge import graph_op
+from .compression import Compression
 from .mpi_ops import allreduce, fused_allreduce
 
 __all__ = ["DistributedGradientTape", "PartialDistributedGradientTape", "reduce_gradients"]

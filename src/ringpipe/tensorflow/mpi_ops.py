@@ -21,10 +21,10 @@ import torch
 from ringpipe import api as _api
 from ringpipe.api.calls import parse_op
 from ringpipe.comm.base import ReduceOp
-from ringpipe.dp.compression import Compression
 from ringpipe.dp.process_sets import ProcessSet, global_process_set
 
 from .bridge import graph_op, run, to_tf, to_torch
+from .compression import Compression
 
 __all__ = [
     "allgather",
