@@ -179,6 +179,20 @@ def _native(comm: Communicator, check: bool, run: Callable[[], Any]) -> Any:
         return run()
 
 
+def _auto_runs_native(comm: Communicator, tensor: torch.Tensor) -> bool:
+    """Whether ``auto`` picks the backend's own allreduce for ``tensor``.
+
+    Then the call takes the very path of ``algorithm="native"`` (the communicator's check and
+    collective, nothing of ringpipe's in between), so that ``auto`` where native was measured
+    fastest costs what native costs. Ranks that resolve ``auto`` differently still meet in the
+    same header exchange and fail together. Tensors ringpipe's algorithms would refuse take the
+    usual path and its error.
+    """
+    if not isinstance(tensor, torch.Tensor) or tensor.dtype not in DTYPES or comm.size < 2:
+        return False
+    return auto.choose("allreduce", tensor.numel() * tensor.element_size(), comm) == "native"
+
+
 def _done(ctx: Ctx, nbytes: int, t0: int) -> None:
     ctx.comm.log.record(ctx.coll, nbytes, -1, t0, time.perf_counter_ns(), 0, ctx.comm.name,
                         collective=ctx.coll, cid=ctx.seq, algorithm=ctx.algo)
@@ -205,7 +219,7 @@ def allreduce(
                                  f"not {algorithm!r}")
             _refuse(comm, "allreduce", next_seq(comm), algorithm, check, problem)
         return adasum_allreduce(comm, tensor, check=check)
-    if algorithm == "native":
+    if algorithm == "native" or (algorithm == "auto" and _auto_runs_native(comm, tensor)):
         return _native(comm, check, lambda: comm.allreduce(tensor, op))
     seq = next_seq(comm)
     try:

@@ -3,7 +3,9 @@
 Measured first: when :func:`ringpipe.collectives.autotune.probe` (``ringpipe bench`` runs it)
 or :func:`~ringpipe.collectives.autotune.load` has a table for this backend, world size and set
 of hosts, ``auto`` takes the choice of the nearest measured size: the backend's own allreduce
-(``native``) unless one of ringpipe's algorithms beat it there.
+(``native``) unless one of ringpipe's algorithms beat it there in every round of the probe
+(:func:`~ringpipe.collectives.autotune.decide`). A call that resolves to ``native`` runs exactly
+as ``algorithm="native"`` does, so ``auto`` costs no more than native where native won.
 
 Without a table, rules drawn from the ``ringpipe bench`` / ``benchmarks/collectives.py`` runs
 recorded in ``benchmarks/RESULTS.md`` (gloo and Open MPI over loopback on a 2-core host, 2 and 4

@@ -1,10 +1,10 @@
-"""The backend's own allreduce as one of ``auto``'s choices, after ringpipe's header check.
+"""The backend's own allreduce as an entry of the algorithm table, after ringpipe's header check.
 
-``algorithm="native"`` asked for by name runs the communicator's collective with the
-communicator's own check. When ``auto`` picks the native collective from measurements, the call
-has already gone through ringpipe's header exchange (it names the requested ``auto``, so ranks
-that resolve ``auto`` differently still agree or fail together); the payload then travels through
-the backend's collective on the whole buffer, unchecked a second time.
+``allreduce(..., algorithm="auto")`` that resolves to ``native`` does not come here: it takes the
+very path of ``algorithm="native"`` (the communicator's own check and collective), so that it
+costs what native costs. This entry serves callers that run a resolved algorithm from the table
+on a context that has already exchanged ringpipe's header: the payload then travels through the
+backend's collective on the whole buffer, unchecked a second time.
 """
 
 from __future__ import annotations
