@@ -225,13 +225,32 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def each_trial(rows: list[dict[str, Any]]) -> str:
-    """Every logged trial in the order it ran: round, scenario, launcher, verdict, load at its end."""
-    out = ["| round | scenario | launcher | named | false accusations | s | load | code |", "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        sc = SCENARIOS.get(r["scenario"])
-        named = ("yes" if r["named"] else "**no**") if sc is None or sc.expected else "-"
-        out.append(f"| {r['trial']} | {r['scenario']} | {r['launcher']} | {named} | "
-                   f"{'; '.join(r['false']) or '0'} | {r['secs']:.0f} | {r['load']:.1f} | {r.get('code', '')} |")
+    """Every logged trial: a row per scenario and launcher, a column per round; the verdict and the load at its end.
+
+    ``ok``: named (or nothing wrong and nobody accused); ``MISS``: an expected problem not named;
+    ``FALSE n``: n innocent accused (``failed``: the trial did not run the doctor).
+    """
+    rounds = sorted({r["trial"] for r in rows})
+    out = ["| scenario | launcher | " + " | ".join(f"round {k}" for k in rounds) + " |",
+           "|---|---|" + "---|" * len(rounds)]
+    for name in SCENARIOS:
+        for launcher in ("launch", "mpirun"):
+            mine = {r["trial"]: r for r in rows if r["scenario"] == name and r["launcher"] == launcher}
+            if not mine:
+                continue
+            cells = []
+            for k in rounds:
+                r = mine.get(k)
+                if r is None:
+                    cells.append("")
+                    continue
+                if r["false"] == ["(trial failed)"]:
+                    verdict = "failed"
+                else:
+                    verdict = " ".join(x for x in ("" if r["named"] else "MISS",
+                                                   f"FALSE {len(r['false'])}" if r["false"] else "") if x) or "ok"
+                cells.append(f"{verdict}, load {r['load']:.0f}")
+            out.append(f"| {name} | {launcher} | " + " | ".join(cells) + " |")
     return "\n".join(out)
 
 
