@@ -9,7 +9,8 @@ native collective, each of ringpipe's algorithms and ``auto`` in interleaved rou
 size (``ringpipe.observe.bench_measure``). This script prints, per configuration, the load
 average before and after, the exact command, and one Markdown row per size: native, the best
 own algorithm and ``auto`` (median time per call and min-max over the rounds), the ratios
-native time / variant time, and whether the spreads overlap (``inconclusive``) or not.
+native time / variant time, whether the spreads overlap (``inconclusive``) or not, and auto /
+native paired within each round (median and interquartile range of the per-round ratios).
 """
 
 from __future__ import annotations
@@ -56,18 +57,23 @@ def _cell(r: dict) -> str:
     return f"{r['time_us']:.0f} [{r['time_min_us']:.0f}–{r['time_max_us']:.0f}]"
 
 
+def _paired(p: list[float] | None) -> str:
+    return f"{p[0]:.2f} ({p[1]:.2f}–{p[2]:.2f})" if p else "–"
+
+
 def table(objs: list[dict]) -> str:
     """One Markdown row per size from the bench's rows and comparisons."""
     rows = [o for o in objs if not o.get("summary")]
     by = {(r["bytes"], r["algorithm"]): r for r in rows}
     lines = ["| size | native µs [min–max] | best own: algorithm, µs [min–max] | best/native | "
-             "auto chose, µs [min–max] | auto/native |", "| --- | --- | --- | ---: | --- | ---: |"]
+             "auto chose, µs [min–max] | auto/native | auto/native paired per round, median (IQR) |",
+             "| --- | --- | --- | ---: | --- | ---: | ---: |"]
     for c in (o for o in objs if o.get("summary")):
         n = c["bytes"]
         native, best, auto = by[(n, "native")], by[(n, c["best"])], by[(n, "auto")]
         lines.append(f"| {_size(n)} | {_cell(native)} | {c['best']} {_cell(best)} | "
                      f"{c['best_ratio']:.2f} ({c['best_verdict']}) | {c['auto_chose']} {_cell(auto)} | "
-                     f"{c['auto_ratio']:.2f} ({c['auto_verdict']}) |")
+                     f"{c['auto_ratio']:.2f} ({c['auto_verdict']}) | {_paired(c.get('auto_paired'))} |")
     wrong = sum(r["wrong"] for r in rows)
     lines.append(f"\nwrong results: {wrong}; {rows[0]['repeats'] if rows else '?'} interleaved rounds per size")
     return "\n".join(lines)
@@ -78,7 +84,7 @@ def main() -> None:
     ap.add_argument("--configs", default="gloo:2,gloo:4,mpi:2",
                     help="backend:ranks pairs, comma-separated (4 ranks oversubscribe a 2-core host)")
     ap.add_argument("--max-size", default="64M")
-    ap.add_argument("--repeats", type=int, default=5, help="interleaved rounds per size (-r of ringpipe bench)")
+    ap.add_argument("--repeats", type=int, default=9, help="interleaved rounds per size (-r of ringpipe bench)")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per configuration")
     ap.add_argument("--json", default=None, help="also write every row to this file")
     args = ap.parse_args()

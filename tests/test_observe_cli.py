@@ -236,6 +236,12 @@ def test_bench_claims_a_win_or_loss_against_native_only_when_the_spreads_are_apa
     slower = compare([_row("native", 90, 100, 120), _row("ring", 121, 130, 140)])
     assert slower is not None and slower["best_verdict"] == "slower" and "auto_chose" not in slower
     assert compare([_row("ring", 1, 2, 3)]) is None  # nothing to compare with
+    # paired: native / auto within each round (adjacent blocks), here 100/100, 110/100, 90/100
+    native, auto = _row("native", 90, 100, 110), _row("auto", 100, 100, 100, chosen="native")
+    native["times_us"], auto["times_us"] = [100, 110, 90], [100, 100, 100]
+    paired = compare([native, auto])
+    assert paired is not None and paired["auto_paired"] == pytest.approx([1.0, 0.95, 1.05])
+    assert format_comparison(paired).endswith("auto (native) / native 1.00x [inconclusive, paired 1.00x (IQR 0.95-1.05)]")
 
 
 @pytest.mark.timeout(180)

@@ -204,7 +204,7 @@ def run_bench(
     ``iters`` calls each (None: enough calls for about :data:`BLOCK_SECONDS` a block), the
     algorithms interleaved. ``time_us`` is the median over the rounds of the slowest rank's time
     per call; ``time_min_us`` / ``time_q1_us`` / ``time_q3_us`` / ``time_max_us`` its spread over
-    the rounds; bandwidths follow from the median. Sizes whose buffer rounds to the one of the
+    the rounds, ``times_us`` the time of every round in order; bandwidths follow from the median. Sizes whose buffer rounds to the one of the
     size before (below one element) are measured once. ``on_row`` is called with each row and
     ``on_size`` with the rows of each size as soon as they are measured (on every rank).
     """
@@ -261,6 +261,7 @@ def _row(comm: Communicator, collective: str, algo: str, count: int, item: int, 
         "iters": iters, "repeats": repeats,
         "time_us": round(s["median"] * 1e6, 2), "time_min_us": round(s["min"] * 1e6, 2),
         "time_q1_us": round(s["q1"] * 1e6, 2), "time_q3_us": round(s["q3"] * 1e6, 2),
-        "time_max_us": round(s["max"] * 1e6, 2), "algbw_gbps": round(algbw, 4),
+        "time_max_us": round(s["max"] * 1e6, 2), "times_us": [round(t * 1e6, 2) for t in times],
+        "algbw_gbps": round(algbw, 4),
         "busbw_gbps": round(algbw * bus_factor(collective, comm.size), 4), "wrong": wrong,
     }
