@@ -113,8 +113,10 @@ CLOCK = str(Path(__file__).parent / "scripts" / "doctor_clock.py")
 def test_clock_offsets_under_mpirun_agree_on_every_rank_and_find_the_one_clock_the_hosts_share(tmp_path):
     """The namespace hosts run on one kernel, so their monotonic clocks are one clock: the true offset is 0.
 
-    The estimate is within its own error bound (half the best round trip, well under 5 ms here),
-    and every rank gets rank 0's table (sent point to point with quiet waits, not broadcast).
+    The estimate is within its own error bound: half the best round trip, which is shorter than
+    the whole call (on a loaded machine a round trip under mpirun can take tens of ms, so no fixed
+    figure is the bound). Every rank gets rank 0's table (sent point to point with quiet waits,
+    not broadcast).
     """
     with netns.bridged_hosts(3) as hosts:
         cmd, extra = netns.mpirun_across(hosts, [sys.executable, CLOCK, "3"], tmp_path / "hostfile", (2, 1, 1))
@@ -125,4 +127,5 @@ def test_clock_offsets_under_mpirun_agree_on_every_rank_and_find_the_one_clock_t
     got = json.JSONDecoder().raw_decode(text, text.index("CLOCK ") + len("CLOCK "))[0]
     assert got["agreed"], got
     assert got["offsets_ns"][:2] == [0, 0]  # rank 1 shares rank 0's host: nothing to estimate
-    assert all(abs(o) < 5_000_000 for o in got["offsets_ns"]), got
+    # the last call's offsets; its duration (the slowest rank's) exceeds any of its round trips
+    assert all(abs(o) <= got["ms"][-1] * 1e6 / 2 for o in got["offsets_ns"]), got
