@@ -9,7 +9,7 @@ around every forward and backward, and the replay of a recomputed forward happen
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,25 +42,15 @@ def as_tensors(value: Any, stage: int, what: str = "output") -> tuple[torch.Tens
     )
 
 
-class _Checked:
-    """A saved tensor and its version when saved: autograd's in-place check, done by hand."""
-
-    __slots__ = ("tensor", "version")
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor
-        self.version = tensor._version
-
-    def unpack(self) -> torch.Tensor:
-        if self.tensor._version != self.version:
-            kind = f"{self.tensor.type()} {list(self.tensor.shape)}"
-            raise RuntimeError(
-                "one of the variables needed for gradient computation has been modified by an inplace "
-                f"operation: [{kind}] is at version {self.tensor._version}; expected version {self.version} "
-                "instead. The stage keeps its graph until an asynchronous backward: make that operation "
-                "out of place (or use recomputation)"
-            )
-        return self.tensor
+def _modified(tensor: torch.Tensor, version: int) -> RuntimeError:
+    """Autograd's in-place error for a saved tensor found at another version than when it was saved."""
+    kind = f"{tensor.type()} {list(tensor.shape)}"
+    return RuntimeError(
+        "one of the variables needed for gradient computation has been modified by an inplace "
+        f"operation: [{kind}] is at version {tensor._version}; expected version {version} "
+        "instead. The stage keeps its graph until an asynchronous backward: make that operation "
+        "out of place (or use recomputation)"
+    )
 
 
 def _storage(t: torch.Tensor) -> int:
@@ -70,27 +60,38 @@ def _storage(t: torch.Tensor) -> int:
         return 0
 
 
-def live_weights(module: nn.Module) -> Any:
-    """Context in which autograd keeps ``module``'s parameters by reference, without version checks.
+def live_weights(params: nn.Module | Iterable[torch.Tensor]) -> Any:
+    """Context in which autograd keeps the parameters by reference, without version checks.
 
-    A graph kept from a forward then reads, at backward time, whatever the parameter storage
-    holds *then* (the current weights, or the stash a policy loaded), while its saved
-    activations stay the forward-time ones; in-place weight updates between the forward and
-    the backward no longer invalidate it. Every other saved tensor (activations, inputs, a
-    parameter's copy) keeps autograd's check: an in-place operation that overwrites an
-    activation the backward needs still raises, as it does without this context. A saved
-    tensor counts as a parameter when it lives in a parameter's storage (``W.t()`` saved by a
-    linear layer is a view of ``W``). Same semantics as
-    :func:`ringpipe.pipeline.staleness.live_forward`, without re-binding every parameter on
-    each call (a quarter of a small stage's compute time).
+    ``params``: a module (its parameters) or the parameters themselves (a stage lists them once
+    instead of walking its modules on every forward). A graph kept from a forward then reads,
+    at backward time, whatever the parameter storage holds *then* (the current weights, or the
+    stash a policy loaded), while its saved activations stay the forward-time ones; in-place
+    weight updates between the forward and the backward no longer invalidate it. Every other
+    saved tensor (activations, inputs, a parameter's copy) keeps autograd's check: an in-place
+    operation that overwrites an activation the backward needs still raises, as it does
+    without this context. A saved tensor counts as a parameter when it lives in a parameter's
+    storage (``W.t()`` saved by a linear layer is a view of ``W``); the storages are read when
+    the context is made, so a parameter re-bound to new storage (``p.data = ...``) counts as
+    what it holds then. Same semantics as :func:`ringpipe.pipeline.staleness.live_forward`,
+    without re-binding every parameter on each call (a quarter of a small stage's compute
+    time). A checked tensor is saved as a plain ``(tensor, version)`` pair: no Python object
+    is built per saved tensor.
     """
-    weights = frozenset(_storage(p) for p in module.parameters()) - {0}
+    if isinstance(params, nn.Module):
+        params = params.parameters()
+    weights = frozenset(_storage(p) for p in params) - {0}
 
     def pack(t: torch.Tensor) -> Any:
-        return t if _storage(t) in weights else _Checked(t)
+        return t if _storage(t) in weights else (t, t._version)
 
     def unpack(saved: Any) -> torch.Tensor:
-        return saved.unpack() if isinstance(saved, _Checked) else saved
+        if type(saved) is tuple:
+            tensor, version = saved
+            if tensor._version != version:
+                raise _modified(tensor, version)
+            return tensor
+        return saved
 
     return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
@@ -99,15 +100,19 @@ def _call(module: nn.Module, inputs: tuple[torch.Tensor, ...]) -> Any:
     return module(inputs[0]) if len(inputs) == 1 else module(inputs)
 
 
-def renew_buffers(module: nn.Module) -> None:
+def renew_buffers(module: nn.Module | Sequence[nn.Module]) -> None:
     """Give every buffer a fresh copy before a forward whose graph is kept.
+
+    ``module``: a module (it and its submodules), or the list of them (a stage lists them once).
 
     Autograd saves BatchNorm's running statistics with the graph of each forward; the next
     micro-batch's forward would update them in place and invalidate the kept graph ("modified
     by an inplace operation"). Rebinding the buffers to copies first leaves each kept graph
     its own version while the statistics move exactly as in one process.
     """
-    for sub in module.modules():
+    for sub in module.modules() if isinstance(module, nn.Module) else module:
+        if not sub._buffers:
+            continue
         for name, buf in sub._buffers.items():
             if buf is not None:
                 sub._buffers[name] = buf.clone()
@@ -165,6 +170,10 @@ class StageRuntime:
         self.policy = policy or WeightPolicy()
         self.device = device
         self._records: dict[int, _Record] = {}
+        # listed once, not walked on every forward: a stage's modules and parameters are fixed
+        # once its optimizer holds them (their storages are still read on every forward)
+        self._submodules = list(module.modules())
+        self._params = list(module.parameters())
         disable_border_inplace(module, stage)
 
     @property
@@ -211,8 +220,8 @@ class StageRuntime:
                     )
             else:
                 rec.inputs = self._leaves(inputs)
-                renew_buffers(self.module)
-                live = live_weights(self.module) if self.live else contextlib.nullcontext()
+                renew_buffers(self._submodules)
+                live = live_weights(self._params) if self.live else contextlib.nullcontext()
                 with seeded(seed, self.device), live:
                     out = as_tensors(_call(self.module, rec.inputs), self.stage)
                 rec.outputs = out
