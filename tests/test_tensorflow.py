@@ -93,6 +93,16 @@ def test_gradients_of_the_collectives_are_horovods(collectives, mode):
         np.testing.assert_allclose(g["alltoall"], [w[0][r], w[1][r], 0.0])
 
 
+def test_alltoall_gradient_without_splits_when_ranks_hold_different_rows(collectives):
+    # rank r holds 2 (r + 1) rows and sends r + 1 to each rank; rank j receives them in rank order,
+    # so row i of rank r lands at position off(r) + i % (r + 1) of rank i // (r + 1), off(r) = sum_{k<r} (k + 1),
+    # and the gradient of sum(received * (1, 2, ...)) at that row is that position + 1
+    for r, c in enumerate(collectives):
+        off = sum(k + 1 for k in range(r))
+        want = [float(off + i % (r + 1) + 1) for i in range(2 * (r + 1))]
+        assert c["alltoall_even_grad"] == [want, want]
+
+
 def test_variables_objects_process_sets_and_join(collectives):
     for _r, c in enumerate(collectives):
         assert c["bvars"] == [[1.0, 2.0], [0, 0]]

@@ -95,6 +95,19 @@ def main(out_dir):
     out["grads_eager"] = {k: g.numpy().tolist() for k, g in grads(v).items()}
     out["grads_function"] = {k: g.numpy().tolist() for k, g in tf.function(grads)(v).items()}
 
+    # alltoall without splits when ranks hold different dim 0 (rank r: 2 (r + 1) rows, r + 1 to each rank):
+    # the gradient of sum(received * (1, 2, 3, ...)) goes back by what each rank sent
+    def even_alltoall_grad(t):
+        with tf.GradientTape() as tape:
+            tape.watch(t)
+            y = hvd.alltoall(t)
+            loss = tf.reduce_sum(y * tf.cast(tf.range(tf.shape(y)[0]) + 1, t.dtype))
+        return tape.gradient(loss, t)
+
+    rows = tf.ones([2 * (r + 1)], tf.float64)
+    out["alltoall_even_grad"] = [even_alltoall_grad(rows).numpy().tolist(),
+                                 tf.function(even_alltoall_grad)(rows).numpy().tolist()]
+
     # broadcast_variables, broadcast_ (in place), objects, barrier, join
     var = tf.Variable([1.0, 2.0] if r == 0 else [5.0, 6.0])
     ivar = tf.Variable([r, r], dtype=tf.int64)

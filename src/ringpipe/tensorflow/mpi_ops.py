@@ -19,8 +19,9 @@ import tensorflow as tf
 import torch
 
 from ringpipe import api as _api
-from ringpipe.api.calls import parse_op
+from ringpipe.api.calls import Call, parse_op
 from ringpipe.comm.base import ReduceOp
+from ringpipe.dp import ops as _ops
 from ringpipe.dp.process_sets import ProcessSet, global_process_set
 
 from .bridge import graph_op, run, to_tf, to_torch
@@ -271,15 +272,12 @@ def alltoall(tensor: Any, splits: Any = None, name: str | None = None, ignore_na
     @tf.custom_gradient
     def exchange(t: tf.Tensor, s: tf.Tensor) -> Any:
         def fn(v: tf.Tensor, w: tf.Tensor) -> list[tf.Tensor]:
-            out: Any = _api.alltoall(to_torch(v), [int(i) for i in w.numpy()] if given else None, name=name,
-                                     process_set=process_set)
-            if given:
-                received, rsplits = out
-            else:  # the received splits of an even split
-                received = out
-                rsplits = torch.full((_set_size(process_set),), received.shape[0] // _set_size(process_set),
-                                     dtype=torch.int32)
-            return [to_tf(received), to_tf(rsplits.to(torch.int32))]
+            # the torch face's alltoall, keeping the received splits also of an even split (each
+            # rank's own dim 0 / size rows, which differ between ranks): the gradient sends them back
+            call = Call("alltoall", process_set, name)
+            received, rsplits = _ops.alltoall(call.comm, to_torch(v), [int(i) for i in w.numpy()] if given else None,
+                                              call.detail, call.problem)
+            return [to_tf(received), to_tf(torch.tensor(rsplits, dtype=torch.int32))]
 
         shape = None if t.shape.rank is None else [None, *t.shape[1:]]
         y, rsplits = run(fn, [t, s], [t.dtype, tf.int32], [shape, [None]], name="RingpipeAlltoall")
