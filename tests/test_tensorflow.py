@@ -78,6 +78,15 @@ def test_indexed_slices_are_allgathered_and_averaged_by_size(collectives):
         assert c["slices"] == [[[0.5, 1.0], [1.0, 2.0]], [0, 1]]
 
 
+def test_indexed_slices_refuse_other_ops_before_communicating(collectives):
+    # Horovod: only Sum and Average, no scale factors, for tf.IndexedSlices (NotImplementedError)
+    for c in collectives:
+        assert len(c["slices_ops"]) == 4
+        for got in [*c["slices_ops"].values(), c["slices_scaled"]]:
+            assert got is not None and got[0] == "NotImplementedError", got
+        assert c["after_slices"] == [2.0]  # nothing was communicated: the ranks are still in step
+
+
 @pytest.mark.parametrize("mode", ["grads_eager", "grads_function"])
 def test_gradients_of_the_collectives_are_horovods(collectives, mode):
     w = [np.array([1.0, 2.0, 3.0]) * (r + 1) for r in range(2)]  # each rank's output weights

@@ -74,6 +74,13 @@ def main(out_dir):
     sl = tf.IndexedSlices(tf.constant([[1.0, 2.0]]) * (r + 1), tf.constant([r]), tf.constant([2, 2]))
     got = hvd.allreduce(sl)
     out["slices"] = [got.values.numpy().tolist(), got.indices.numpy().tolist()]
+    # ops an IndexedSlices cannot take raise NotImplementedError before anything is communicated,
+    # also when the list mixes it with dense tensors (which alone could be reduced)
+    mixed = [sl, tf.ones([1], tf.int32)]
+    out["slices_ops"] = {str(op): raised(lambda op=op: hvd.grouped_allreduce(mixed, op=op))
+                         for op in (hvd.Min, hvd.Max, hvd.Product, hvd.Adasum)}
+    out["slices_scaled"] = raised(lambda: hvd.grouped_allreduce(mixed, op=hvd.Sum, prescale_factor=2.0))
+    out["after_slices"] = hvd.allreduce(tf.constant([1.0]), op=hvd.Sum).numpy().tolist()
 
     # gradients, eager and in tf.function
     def grads(v):

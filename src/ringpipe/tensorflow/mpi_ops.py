@@ -95,6 +95,17 @@ def _dense_allreduce(x: tf.Tensor, op: ReduceOp, pre: float, post: float, compre
     return reduce(x)
 
 
+def _check_sparse(rop: ReduceOp, pre: float, post: float) -> None:
+    """Horovod's limits for a ``tf.IndexedSlices`` (checked before anything is communicated)."""
+    if rop is ReduceOp.ADASUM:
+        raise NotImplementedError("The Adasum reduction does not currently support sparse tensors. As a "
+                                  "workaround please pass sparse_as_dense=True to DistributedOptimizer")
+    if rop not in (ReduceOp.SUM, ReduceOp.AVERAGE):
+        raise NotImplementedError("Only Sum and Average ops are supported with tf.IndexedSlices")
+    if pre != 1.0 or post != 1.0:
+        raise NotImplementedError("Pre/postscale_factor are not supported with tf.IndexedSlices")
+
+
 @graph_op
 def allreduce(
     tensor: Any,
@@ -116,13 +127,7 @@ def allreduce(
     """
     rop = parse_op(op, average)
     if isinstance(tensor, tf.IndexedSlices):
-        if rop is ReduceOp.ADASUM:
-            raise NotImplementedError("The Adasum reduction does not currently support sparse tensors. As a "
-                                      "workaround please pass sparse_as_dense=True to DistributedOptimizer")
-        if rop not in (ReduceOp.SUM, ReduceOp.AVERAGE):
-            raise NotImplementedError("Only Sum and Average ops are supported with tf.IndexedSlices")
-        if prescale_factor != 1.0 or postscale_factor != 1.0:
-            raise NotImplementedError("Pre/postscale_factor are not supported with tf.IndexedSlices")
+        _check_sparse(rop, prescale_factor, postscale_factor)
         values = allgather(tensor.values, process_set=process_set)
         indices = allgather(tensor.indices, process_set=process_set)
         if rop is ReduceOp.AVERAGE:
@@ -187,6 +192,8 @@ def grouped_allreduce(
     """Reduce several tensors together (one fused message per dtype); ``IndexedSlices`` one by one."""
     rop = parse_op(op, average)
     items = list(tensors)
+    if any(isinstance(t, tf.IndexedSlices) for t in items):
+        _check_sparse(rop, prescale_factor, postscale_factor)
     dense = [i for i, t in enumerate(items) if not isinstance(t, tf.IndexedSlices)]
     out: list[Any] = list(items)
     reduced = fused_allreduce([items[i] for i in dense], rop, prescale_factor, postscale_factor, compression,
