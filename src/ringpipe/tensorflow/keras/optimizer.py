@@ -45,7 +45,23 @@ class Reducing:
             "predivide": gradient_predivide_factor, "op": rop, "passes": backward_passes_per_step,
             "average_aggregated": average_aggregated_gradients, "process_set": process_set,
             "scale_local": scale_local_gradients, "local": set(), "sums": None, "counter": None,
+            "reduced": None,
         })
+        if backward_passes_per_step > 1:
+            with tf.init_scope():  # Horovod's aggregation counter: local passes summed since the last reduction
+                self._rp["counter"] = tf.Variable(0, dtype=tf.int32, trainable=False)
+
+    @property
+    def _agg_helper(self) -> Any:
+        """Horovod's local-aggregation state (``None`` without ``backward_passes_per_step`` > 1).
+
+        Its ``counter`` is the number of backward passes summed locally since the last reduction
+        (``0`` right after the ``backward_passes_per_step``-th pass reduced and applied them).
+        """
+        cfg = getattr(self, "_rp", None)
+        if cfg is None or cfg["passes"] == 1:
+            return None
+        return _AggregationState(cfg["counter"])
 
     def register_local_var(self, var: Any) -> None:
         """Keep ``var``'s gradient local (model-parallel variables)."""
@@ -81,7 +97,6 @@ class Reducing:
             with tf.init_scope():
                 cfg["sums"] = [None if g is None else tf.Variable(tf.zeros(g.shape, g.dtype), trainable=False)
                                for g in grads]
-                cfg["counter"] = tf.Variable(0, dtype=tf.int64, trainable=False)
         sums, counter, passes = cfg["sums"], cfg["counter"], cfg["passes"]
         for s, g in zip(sums, grads, strict=True):
             if s is not None and g is not None:
@@ -111,6 +126,13 @@ class Reducing:
         raise NotImplementedError
 
 
+class _AggregationState:
+    """What Horovod's ``optimizer._agg_helper`` shows: the ``counter`` variable."""
+
+    def __init__(self, counter: Any) -> None:
+        self.counter = counter
+
+
 class DistributedMixin(Reducing):
     """The distributed ``apply`` of a Keras 3 optimizer: reduce the gradients, every ``backward_passes_per_step`` calls."""
 
@@ -125,9 +147,47 @@ class DistributedMixin(Reducing):
         grads = list(grads)
         variables = list(trainable_variables) if trainable_variables is not None else list(
             self._trainable_variables)  # type: ignore[attr-defined]
+        reduced, self._rp["reduced"] = self._rp["reduced"], None
         if self._rp["passes"] == 1:
+            if reduced is not None and len(reduced) == len(grads) and all(
+                    g is r for g, r in zip(grads, reduced, strict=True)):
+                return base.apply(grads, trainable_variables)  # reduced already by _compute_gradients
             return base.apply(self._rp_reduce(grads, variables), trainable_variables)
         return self._rp_accumulate(lambda reduced: base.apply(reduced, trainable_variables), grads, variables)
+
+    def compute_gradients(self, loss: Any, var_list: Any, tape: Any = None) -> list[tuple[Any, Any]]:
+        """Horovod's ``compute_gradients``: ``(gradient, variable)`` pairs, the gradients reduced over ranks."""
+        return self._compute_gradients(loss, var_list, None, tape)
+
+    def _compute_gradients(self, loss: Any, var_list: Any, grad_loss: Any = None,
+                           tape: Any = None) -> list[tuple[Any, Any]]:
+        """The gradients of ``loss`` for ``var_list``, reduced over ranks (Horovod's Keras wrapper method).
+
+        ``loss``: a tensor recorded on ``tape``, or a function of no arguments (run on a new tape);
+        ``var_list``: the variables, or a function returning them. Keras 3 optimizers compute no
+        gradients themselves, so the tape does it here. ``apply_gradients`` given exactly these
+        gradients applies them without reducing again; with ``backward_passes_per_step`` > 1 they
+        are this pass's local gradients, summed and reduced by ``apply_gradients`` as ``fit`` does.
+        """
+        if not hasattr(self, "_rp"):
+            self._rp_setup()
+        tape = tf.GradientTape() if tape is None else tape
+        if callable(loss):
+            with tape:
+                if not callable(var_list):
+                    tape.watch([_tf_variable(v) for v in var_list])
+                loss = loss()
+        variables = list(var_list() if callable(var_list) else var_list)
+        grads = list(tape.gradient(loss, variables, grad_loss))
+        if self._rp["passes"] == 1:
+            grads = self._rp_reduce(grads, variables)
+            self._rp["reduced"] = list(grads)
+        return list(zip(grads, variables, strict=True))
+
+
+def _tf_variable(var: Any) -> Any:
+    """The ``tf.Variable`` behind a Keras 3 variable (what a tape watches)."""
+    return getattr(var, "value", var) if not isinstance(var, tf.Variable) else var
 
 
 
