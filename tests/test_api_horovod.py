@@ -207,8 +207,53 @@ def test_every_rank_raises_the_same_error_and_goes_on(nprocs):
             assert w in text, (case, w, text)
     for o in out:
         kinds, text = o["name"]
-        assert "InvalidCallError" in kinds and "'grad.w' is still in flight" in text
+        # Horovod: a name still in flight is refused at once, on the rank that posted it, as ValueError
+        assert kinds == ["ValueError"] and "'grad.w' is still in flight" in text, o["name"]
         assert o["first"] == 1.0 and o["after"] == float(nprocs)
+
+
+def _named_out_of_order(comm):  # noqa: ANN001
+    """Horovod's duplicate-name pattern: rank 0 posts a named allreduce and waits in a barrier that
+    the others reach first; their allreduce of that name comes after the barrier."""
+    def body():
+        r = hvd.rank()
+        x = torch.full((3,), float(r + 1))
+        out = {}
+        handle = None
+        if r == 0:
+            handle = hvd.allreduce_async(x, name="late", op=hvd.Sum)
+            out["dup0"] = _raised(lambda: hvd.allreduce_async(x, name="late"))
+        hvd.barrier()
+        if r > 0:
+            handle = hvd.allreduce_async(x, name="late", op=hvd.Sum)
+            out["dup"] = _raised(lambda: hvd.allreduce_async(x, name="late"))
+        hvd.barrier()
+        out["sum"] = hvd.synchronize(handle).tolist()
+        # two named operations posted in opposite orders on the two halves of the ranks
+        a, b = torch.full((2,), float(r)), torch.full((4,), 10.0 * r)
+        if r % 2 == 0:
+            ha, hb = hvd.allreduce_async(a, name="a", op=hvd.Sum), hvd.allgather_async(b, name="b")
+        else:
+            hb, ha = hvd.allgather_async(b, name="b"), hvd.allreduce_async(a, name="a", op=hvd.Sum)
+        out["a"], out["b"] = hvd.synchronize(ha).tolist(), hvd.synchronize(hb).tolist()
+        out["after"] = float(hvd.allreduce(torch.ones(1), op=hvd.Sum))
+        return out
+
+    return _with_world(comm, body)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("nprocs", [2, 3])
+def test_named_operations_match_by_name_whatever_order_the_ranks_posted_them_in(nprocs):
+    out = spawn(_named_out_of_order, nprocs)
+    total = float(sum(range(1, nprocs + 1)))
+    for r, o in enumerate(out):
+        dup = o["dup0" if r == 0 else "dup"]
+        assert dup[0] == ["ValueError"] and "'late' is still in flight" in dup[1], dup
+        assert o["sum"] == [total] * 3
+        assert o["a"] == [float(sum(range(nprocs)))] * 2
+        assert o["b"] == [10.0 * k for k in range(nprocs) for _ in range(4)]
+        assert o["after"] == float(nprocs)
 
 
 # ----------------------------------------------------------------------------- numbers

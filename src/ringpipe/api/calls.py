@@ -31,8 +31,10 @@ def set_detail(process_set: ProcessSet | None) -> dict[str, Any]:
 class Call:
     """One API call: the communicator of its process set, its name, and a problem found on this rank.
 
-    A ``name`` still in flight (submitted, not yet synchronized) is a problem, as in Horovod;
-    like every invalid argument it is announced so that every rank raises it.
+    As in Horovod, an operation is known across ranks by its tensor name (``allreduce.grad_w``):
+    ranks match named operations by that name, whatever order they were posted in (see
+    :class:`~ringpipe.dp.engine.Engine`), and posting a name still in flight (submitted, not yet
+    synchronized) raises :class:`ValueError` at once on the rank that posted it, posting nothing.
     """
 
     def __init__(self, what: str, process_set: ProcessSet | None, name: str | None) -> None:
@@ -44,15 +46,24 @@ class Call:
         self.problem: BaseException | None = None
         # The operation this call queues next on the engine carries the name (a timeline row).
         name_next(self.tensor_name)
-        if name is not None:
-            names = current().names
-            earlier = names.get(name)
+        key = self.key
+        if key is not None:
+            earlier = current().names.get(key)
             if earlier is not None and not earlier.done():
-                self.problem = ValueError(
-                    f"{what}: an operation named {name!r} is still in flight; synchronize it first or use "
-                    "another name (Horovod: requested a tensor with the same name as another tensor that is "
-                    "currently being processed)"
+                name_next(None)
+                raise ValueError(
+                    f"{what}: an operation named {name!r} is still in flight on this rank; synchronize it first or "
+                    "use another name (Horovod: Requested to allreduce, allgather, or broadcast a tensor with the "
+                    "same name as another tensor that is currently being processed.  If you want to request another "
+                    "tensor, use a different tensor name.)"
                 )
+
+    @property
+    def key(self) -> str | None:
+        """The name the operation matches by across ranks (None: unnamed, matched by its place in the order)."""
+        if self.name is not None:
+            return f"{self.what}.{self.name}"
+        return "barrier" if self.what == "barrier" else None
 
     @property
     def engine(self) -> Engine:
@@ -65,7 +76,7 @@ class Call:
 
     def submit(self, task: Callable[[], Any], then: Callable[[Any], Any] | None = None) -> Handle:
         name_next(self.tensor_name)
-        handle = self.engine.submit(task, then, name=self.name or self.what)
-        if self.name is not None and self.problem is None:
-            current().names[self.name] = handle
+        handle = self.engine.submit(task, then, name=self.name or self.what, key=self.key)
+        if self.name is not None:
+            current().names[self.key] = handle
         return handle

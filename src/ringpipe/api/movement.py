@@ -138,7 +138,7 @@ def alltoall_async(tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | 
 def barrier(process_set: ProcessSet = global_process_set) -> None:
     """Wait until every rank of the set reaches this call."""
     call = Call("barrier", process_set, None)
-    run_announced(call.comm, "barrier", call.comm.barrier, detail=call.detail)
+    run_announced(call.comm, "barrier", call.comm.barrier, detail=call.detail, key=call.key)
 
 
 def join(device: int = -1, process_set: ProcessSet = global_process_set) -> int:
@@ -162,7 +162,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
     root, problem = set_root(call.ranks, root_rank, "broadcast_object")
     return run_announced(comm, "broadcast_object", lambda: comm.broadcast_object(obj, root), name,
                          detail={**call.detail, "root_rank": root_rank},
-                         validate=checks(comm, "broadcast_object", root=root, problem=call.problem or problem))
+                         validate=checks(comm, "broadcast_object", root=root, problem=problem), key=call.key)
 
 
 def allgather_object(obj: Any, name: str | None = None, process_set: ProcessSet = global_process_set) -> list[Any]:
@@ -170,7 +170,7 @@ def allgather_object(obj: Any, name: str | None = None, process_set: ProcessSet 
     call = Call("allgather_object", process_set, name)
     comm = call.comm
     return run_announced(comm, "allgather_object", lambda: comm.allgather_object(obj), name, detail=call.detail,
-                         validate=checks(comm, "allgather_object", problem=call.problem))
+                         validate=checks(comm, "allgather_object"), key=call.key)
 
 
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, model: Any = None,

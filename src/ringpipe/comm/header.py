@@ -88,8 +88,12 @@ class MismatchError(CommError):
     """Ranks called different collectives (or the same one with different arguments); raised on every rank."""
 
 
-class InvalidCallError(MismatchError):
-    """Some rank called a collective with arguments it cannot run; raised on every rank."""
+class InvalidCallError(MismatchError, ValueError):
+    """Some rank called a collective with arguments it cannot run; raised on every rank.
+
+    Also a :class:`ValueError`, as Horovod raises for invalid arguments (splits that do not add
+    up, a length not divisible by the size...).
+    """
 
 
 def fingerprint(value: object) -> int:

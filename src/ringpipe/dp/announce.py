@@ -51,6 +51,7 @@ from ringpipe.dp.headers import (
     RIDE_CAP,
     SERVED,
     Note,
+    Reorder,
     announcement_bytes,
     decode,
     header,
@@ -225,7 +226,12 @@ def announce(
             validate()
         except ARGUMENT_ERRORS as exc:
             problem = exc
-    note = exchange(comm, op, tensor, reduce_op, detail, problem)
+    while True:
+        try:
+            note = exchange(comm, op, tensor, reduce_op, detail, problem)
+            break
+        except Reorder as reorder:  # every rank runs the named operation they all have first, then retries
+            Engine.of(comm).run_queued(reorder.key)
     if note.joined and op not in SERVED:
         name = {"allgather_object": "allgather", "broadcast_object": "broadcast"}.get(op, op)
         hint = " Specify sparse_as_dense=True if using DistributedOptimizer." if name == "allgather" else ""
@@ -270,18 +276,20 @@ def run_announced(
     tensor: torch.Tensor | None = None,
     detail: dict[str, Any] | None = None,
     validate: Callable[[], None] | None = None,
+    key: str | None = None,
 ) -> Any:
     """Run ``fn`` (a collective ``op`` other than allreduce) on the engine after announcing it.
 
     ``tensor``, ``detail`` and ``validate`` as for :func:`announce`: the call is compared
-    across ranks before ``fn`` runs.
+    across ranks before ``fn`` runs. ``key``: the name it matches by across ranks
+    (:class:`~ringpipe.dp.engine.Engine`).
     """
 
     def task() -> Any:
         announce(comm, op, tensor, None, detail, validate)
         return fn()
 
-    return Engine.of(comm).run(task, name=name or op)
+    return Engine.of(comm).run(task, name=name or op, key=key)
 
 
 def identity(reduce_op: ReduceOp, dtype: torch.dtype, numel: int, device: torch.device) -> torch.Tensor:

@@ -11,14 +11,23 @@ A task is a callable run on the engine thread. If it returns a :class:`~ringpipe
 (an operation still in flight on a thread-safe backend such as gloo or NCCL), the engine moves
 on to the next task and the waiter completes the work; on MPI the engine completes it before
 the next task, so MPI is entered from one thread only.
+
+Named operations match by name, as Horovod's do: a task may carry a ``key`` (Horovod's tensor
+name, such as ``allreduce.grad_w`` or ``barrier``). When the ranks' announced calls differ and
+each rank's current task has a key, the ranks compare their current and queued keys
+(:meth:`Engine.keys`); the first key that every rank has is run first, out of submission order
+(:meth:`Engine.run_queued`), and the others are announced again after it. So a rank that
+posted ``allreduce_async(name="a")`` and then waits in a barrier meets a rank that reached the
+barrier first. Unnamed operations keep their order, as Horovod's (named by a per-process
+counter) do.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import logging
-import queue
 import threading
 import time
 import weakref
@@ -61,9 +70,9 @@ def _run_named(tensor: str, task: Callable[[], Any]) -> Any:
 class Handle:
     """The result of a submitted task: ``wait()`` returns it, ``done()`` polls without blocking."""
 
-    __slots__ = ("_event", "_value", "_error", "_then", "_finished", "_lock", "name")
+    __slots__ = ("_event", "_value", "_error", "_then", "_finished", "_lock", "name", "key")
 
-    def __init__(self, then: Callable[[Any], Any] | None = None, name: str = "") -> None:
+    def __init__(self, then: Callable[[Any], Any] | None = None, name: str = "", key: str | None = None) -> None:
         self._event = threading.Event()
         self._value: Any = _UNSET
         self._error: BaseException | None = None
@@ -71,6 +80,7 @@ class Handle:
         self._finished = False
         self._lock = threading.Lock()
         self.name = name
+        self.key = key  # the name it matches by across ranks (None: by its place in the order)
 
     def __repr__(self) -> str:
         return f"<Handle {self.name or '?'} done={self.done()}>"
@@ -132,7 +142,11 @@ class Engine:
         self.comm = comm
         # MPI must only be entered from this thread, so its works finish here before the next task.
         self.complete_in_engine = comm.backend == "mpi"
-        self._queue: queue.SimpleQueue[tuple[Callable[[], Any], Handle] | None] = queue.SimpleQueue()
+        # Tasks not started yet, in submission order; the engine thread may take a named one out of
+        # order (run_queued). None stops the thread.
+        self._queue: collections.deque[tuple[Callable[[], Any], Handle] | None] = collections.deque()
+        self._ready = threading.Condition(threading.Lock())
+        self._current: list[str | None] = []  # keys of the tasks executing (nested: innermost last)
         self._thread = threading.Thread(target=self._loop, name=f"ringpipe-engine-{comm.name}", daemon=True)
         self._closed = False
         self.optimizers: weakref.WeakSet[Any] = weakref.WeakSet()
@@ -162,9 +176,11 @@ class Engine:
 
     def submit(
         self, task: Callable[[], Any], then: Callable[[Any], Any] | None = None, name: str = "",
-        inline: bool = False,
+        inline: bool = False, key: str | None = None,
     ) -> Handle:
         """Queue ``task``; ``then(result)`` runs once when the result is complete.
+
+        ``key``: the name the task matches by across ranks (see the module docstring).
 
         ``inline``: when nothing submitted earlier is still waiting or running, run ``task`` on
         the calling thread instead (the order of collectives is the same), which saves two
@@ -176,7 +192,7 @@ class Engine:
         tensor = take_next_name()  # the name= of the API call that queues it: its events carry it
         if tensor is not None:
             task = functools.partial(_run_named, tensor, task)
-        handle = Handle(then, name)
+        handle = Handle(then, name, key)
         if self.on_engine_thread:
             self._execute(task, handle)
             return handle
@@ -184,7 +200,7 @@ class Engine:
             here = inline and not self.complete_in_engine and self._pending == 0
             self._pending += 1
         if not here:
-            self._queue.put((task, handle))
+            self._put((task, handle))
             return handle
         try:
             with self._exec_lock:  # tasks submitted meanwhile by other threads run after this one
@@ -194,11 +210,48 @@ class Engine:
                 self._pending -= 1
         return handle
 
-    def run(self, task: Callable[[], Any], name: str = "") -> Any:
+    def run(self, task: Callable[[], Any], name: str = "", key: str | None = None) -> Any:
         """Run ``task`` on the engine thread after everything queued before it; return its result."""
-        return self.submit(task, name=name).wait()
+        return self.submit(task, name=name, key=key).wait()
+
+    def _put(self, item: tuple[Callable[[], Any], Handle] | None) -> None:
+        with self._ready:
+            self._queue.append(item)
+            self._ready.notify()
+
+    def keys(self) -> list[str]:
+        """The key of the executing task, then those of the queued tasks (empty if the executing one has none).
+
+        Called on the engine thread while a task's announcement finds the ranks' calls different.
+        """
+        current = self._current[-1] if self._current else None
+        if current is None:
+            return []
+        with self._ready:
+            queued = [item[1].key for item in self._queue if item is not None and item[1].key is not None]
+        return [current, *queued]
+
+    def run_queued(self, key: str) -> None:
+        """Run now, on this thread, the first queued task with ``key`` (nothing if the executing one has it).
+
+        The ranks chose ``key`` together (:meth:`keys`); the executing task then announces itself again.
+        """
+        if self._current and self._current[-1] == key:
+            return
+        with self._ready:
+            index = next(i for i, item in enumerate(self._queue) if item is not None and item[1].key == key)
+            task, handle = self._queue[index]  # type: ignore[misc]
+            del self._queue[index]
+        try:
+            self._execute(task, handle)
+        finally:
+            with self._count_lock:
+                self._pending -= 1
 
     def _execute(self, task: Callable[[], Any], handle: Handle) -> None:
+        # a task run from inside another (a collective's own steps) is part of that operation
+        outer = self._current[-1] if self._current else None
+        self._current.append(handle.key if handle.key is not None else outer)
         try:
             # Engine tasks agreed on their calls already: each data-parallel collective is
             # announced with a fingerprint of its arguments (ringpipe.dp.announce), and the
@@ -209,6 +262,8 @@ class Engine:
             log.debug("engine task %s failed", handle.name, exc_info=True)
             handle._set(None, exc)
             return
+        finally:
+            self._current.pop()
         handle._set(value, None)
         if self.complete_in_engine and (isinstance(value, Work) or handle._then is not None):
             # A failure is raised again to the waiter through the handle.
@@ -217,7 +272,10 @@ class Engine:
 
     def _loop(self) -> None:
         while True:
-            item = self._queue.get()
+            with self._ready:
+                while not self._queue:
+                    self._ready.wait()
+                item = self._queue.popleft()
             if item is None:
                 return
             try:
@@ -232,7 +290,7 @@ class Engine:
         if self._closed:
             return
         self._closed = True
-        self._queue.put(None)
+        self._put(None)
         if not self.on_engine_thread:
             self._thread.join(timeout=60)
         with self._engines_lock:

@@ -13,6 +13,8 @@ header).
 
 from __future__ import annotations
 
+import os
+import time
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
@@ -23,8 +25,8 @@ from ringpipe.comm.consistency import disagreement
 from ringpipe.comm.header import InvalidCallError, MismatchError, fingerprint
 from ringpipe.dp.engine import Engine
 
-__all__ = ["OPS", "RIDE_CAP", "SERVED", "DTYPES", "Note", "announcement_bytes", "decode", "header", "message", "read",
-           "with_payload"]
+__all__ = ["OPS", "RIDE_CAP", "SERVED", "DTYPES", "Note", "Reorder", "announcement_bytes", "decode", "header", "message",
+           "read", "with_payload"]
 
 # Every announced operation; the header carries its position (plus one; zero: joined).
 OPS = ("step", "bucket", "apply", "allreduce", "barrier", "allgather", "broadcast", "reducescatter", "alltoall",
@@ -192,10 +194,34 @@ def _drain(comm: Communicator, values: list[int], behind: bool) -> None:
     comm.iallreduce(zeros, ReduceOp.SUM).wait()
 
 
+class Reorder(Exception):
+    """The ranks' calls differ, but every rank has the named operation ``key`` current or queued: run it first."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def _common_key(keys: list[list[str]]) -> str | None:
+    """The first of rank 0's keys (current, then queued) that every rank has, unless it is every rank's current."""
+    if not all(keys):
+        return None  # some rank's current operation is unnamed (or it has joined): order decides
+    for key in keys[0]:
+        if all(key in mine for mine in keys[1:]):
+            return None if all(mine[0] == key for mine in keys) else key
+    return None
+
+
 def _disagree(comm: Communicator, fields: dict[str, Any] | None, problem: BaseException | None) -> NoReturn:
-    """Every rank (a joined one too) learns every call and raises the same error."""
-    every = comm._allgather_object((fields, None if problem is None else str(problem)))
-    invalid = [r for r, (_, p) in enumerate(every) if p is not None]
+    """Every rank (a joined one too) learns every call and raises the same error.
+
+    Or, when the calls differ only in which named operation each rank runs now and some named
+    operation is current or queued on every rank, every rank raises :class:`Reorder` with it
+    (Horovod matches operations by name, not by order).
+    """
+    keys = Engine.of(comm).keys() if problem is None else []
+    every = comm._allgather_object((fields, None if problem is None else str(problem), keys))
+    invalid = [r for r, (_, p, _) in enumerate(every) if p is not None]
     if invalid:
         r = invalid[0]
         what = every[r][0]["collective"] if every[r][0] else "a collective"
@@ -203,5 +229,40 @@ def _disagree(comm: Communicator, fields: dict[str, Any] | None, problem: BaseEx
             f"{what} on {comm.name}: rank {r} made an invalid call: {every[r][1]} (raised on every rank; "
             "no tensor was modified)"
         )
-    calls = [(r, f) for r, (f, _) in enumerate(every) if f is not None]
-    raise MismatchError(disagreement(comm.name, calls))
+    keys = [k for _, _, k in every]
+    common = _common_key(keys)
+    if common is None and all(keys) and len({k[0] for k in keys}) > 1:
+        common, keys = _wait_for_names(comm, keys)
+    if common is not None:
+        raise Reorder(common)
+    calls = [(r, f) for r, (f, _, _) in enumerate(every) if f is not None]
+    text = disagreement(comm.name, calls)
+    if all(keys) and len({k[0] for k in keys}) > 1:
+        waits = "; ".join(f"rank {r} has {', '.join(repr(n) for n in k)}" for r, k in enumerate(keys))
+        text += (f" (named operations match by name, whatever their order, but for {_name_wait_s():.0f} s no name "
+                 f"was posted on every rank: {waits})")
+    raise MismatchError(text)
+
+
+def _name_wait_s() -> float:
+    """How long ranks whose current named operations differ wait for a name they all have (the stall threshold)."""
+    try:
+        seconds = float(os.environ.get("RINGPIPE_STALL_CHECK_SECONDS", "") or 60)
+    except ValueError:
+        seconds = 60.0
+    return max(seconds, 5.0)
+
+
+def _wait_for_names(comm: Communicator, keys: list[list[str]]) -> tuple[str | None, list[list[str]]]:
+    """Poll every rank's named operations until one is posted on every rank (as Horovod waits for a tensor
+    name to be ready on all ranks), for at most :func:`_name_wait_s`; rank 0's clock decides for all."""
+    engine = Engine.of(comm)
+    start, pause, limit = time.monotonic(), 0.001, _name_wait_s()
+    while True:
+        time.sleep(pause)
+        pause = min(2 * pause, 0.2)
+        every = comm._allgather_object((engine.keys(), time.monotonic() - start))
+        keys = [k for k, _ in every]
+        common = _common_key(keys)
+        if common is not None or every[0][1] > limit or not all(keys):
+            return common, keys
