@@ -78,8 +78,9 @@ class DistributedOptimizer(GradientReduction, torch.optim.Optimizer):
             each reduced as one bucket (other parameters alone); an integer splits the trainable
             parameters, in registration order, into that many buckets (``num_groups`` is its
             deprecated spelling).
-        sparse_as_dense: reduce sparse gradients as dense ones and keep them dense; without it
-            (the default) they are reduced densely too, and handed back sparse.
+        sparse_as_dense: Horovod's switch between reducing sparse gradients by allgather and as
+            dense tensors; ringpipe reduces them densely either way and, as Horovod documents,
+            hands them back sparse for the update (``SparseAdam`` needs them so).
         process_set: reduce over the ranks of this process set only; on other ranks the optimizer
             steps on local gradients, as in Horovod.
         join_support: announce every step so that ranks that ran out of data can call
@@ -386,6 +387,11 @@ class DistributedOptimizer(GradientReduction, torch.optim.Optimizer):
             return self.comm.broadcast_object(mine, note.have_data[0])
 
         self.engine.run(task, name="update")
+
+    @property
+    def _parameter_names(self) -> dict[torch.Tensor, str]:
+        """Horovod's map from each reduced parameter to its name (unique, the same on every rank)."""
+        return {slot.param: slot.name for slot in self._slots}
 
     def hyperparameters(self) -> list[dict[str, Any]]:
         """Every parameter group's settings (learning rate, momentum, ...) without its parameters."""

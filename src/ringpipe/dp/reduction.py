@@ -243,11 +243,11 @@ class GradientReduction:
             self._peers_joined = self._active < self.comm.size
             if self.clock is not None:
                 self.clock["wait"] = self.clock.get("wait", 0.0) + time.perf_counter() - t0
-        if not self.sparse_as_dense:
-            for slot in self._slots:
-                if slot.sparse and slot.param.grad is not None:
-                    slot.param.grad = slot.param.grad.to_sparse()
-                    slot.sparse = False
+        # Sparse gradients go back sparse, with sparse_as_dense too (Horovod converts them back before the update).
+        for slot in self._slots:
+            if slot.sparse and slot.param.grad is not None:
+                slot.param.grad = slot.param.grad.to_sparse()
+                slot.sparse = False
         # Parameters that no rank produced a gradient for keep no gradient, as in one process.
         for i in self._unused:
             self._slots[i].param.grad = None
