@@ -142,11 +142,10 @@ def test_mismatched_calls_raise_the_same_error_on_every_rank(collectives):
         assert c["after_errors"] == [2.0]  # the ranks go on
 
 
-def test_tf1_sessions_run_the_collectives_their_fetches_need(collectives):
-    for c in collectives:  # rank r contributes 1 + r (and 10 (1 + r)): sums 3 and 30 on 2 ranks
+def test_tf1_sessions_keep_the_collectives_in_order(collectives):
+    for c in collectives:  # rank r contributes (k + 1)(1 + r): sums 3 (k + 1) on 2 ranks
         assert c["session_together"] == [[[3.0], [30.0]]] * 3
-        # built and run one at a time: one engine call per run, not the earlier collectives again
-        assert c["session_one_at_a_time"] == [[[3.0 * k], 1] for k in range(4)]
+        assert c["session_built_between_runs"] == [[[3.0 * (j + 1)] for j in range(k + 1)] for k in range(4)]
 
 
 def test_compression_on_tf_tensors_is_horovods(collectives):

@@ -13,12 +13,11 @@ without Python (SavedModel), and each collective node of a graph waits for the p
 order of collectives, which the engine needs; the lists of gradients go through one node each
 (one fused message per dtype), so a training step pays this once.
 
-In a TF1 graph run by ``Session.run`` a waiting node makes the run execute the node it waits for
-as well. So there a node waits for the previous one only while that one has not run yet: a
-program that builds its collectives and then runs them gets them in order, and one that builds
-a collective, runs it, builds the next (as Horovod's graph-mode tests do) runs each once per
-``Session.run`` instead of every earlier one again. A ``Session.run`` must then not fetch two
-collectives built on either side of a run without one depending on the other.
+In a TF1 graph run by ``Session.run`` the waiting makes a run execute every collective node built
+before the ones it fetches as well (TensorFlow cannot order two nodes only when both run): a
+program that builds a collective, runs it, builds the next, runs it, and so on, pays for all the
+earlier ones again in each run. Build the collectives first and then run them (a training step
+built once), or use ``tf.function``, where every node runs once per call anyway.
 """
 
 from __future__ import annotations
@@ -129,9 +128,8 @@ def _tf_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
-# The last collective node of each graph and whether it has run: the next one waits for it
-# (in a TF1 graph only if it has not run; see the module docstring).
-_last: weakref.WeakKeyDictionary[Any, tuple[Any, list[bool]]] = weakref.WeakKeyDictionary()
+# The last collective node of each graph: the next one waits for it (see the module docstring).
+_last: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
 
 def run(
@@ -154,10 +152,7 @@ def run(
     typed = status_op.available()
     tout = list(tout)
 
-    ran = [False]
-
     def body(*xs: Any) -> list[Any]:
-        ran[0] = True
         if not typed:
             return list(fn(*xs))
         try:
@@ -166,14 +161,13 @@ def run(
             return [*(tf.zeros([0], d) for d in tout), status_op.file_error(exc)]
 
     graph = tf.compat.v1.get_default_graph()
-    previous, previous_ran = _last.get(graph, (None, [False]))
-    wait = previous is not None and (graph.building_function or not previous_ran[0])
-    deps = [previous] if wait else []
+    previous = _last.get(graph)
+    deps = [previous] if previous is not None else []
     with tf.control_dependencies(deps):
         outs = tf.py_function(body, list(inputs), tout + ([tf.int64] if typed else []), name=name)
     outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
     if outs:
-        _last[graph] = (outs[0].op, ran)
+        _last[graph] = outs[0].op
     if typed:
         check = status_op.status_node(outs.pop(), name)
         with tf.control_dependencies([check]):
