@@ -752,14 +752,14 @@ def test_one_wrong_rank_raises_on_every_rank(nprocs, kind, error, pattern):
         assert len({msg for _, msg, _ in out}) == 1  # the same text on every rank
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(300)
 def test_bench_cli_under_torchrun(tmp_path):
     png = tmp_path / "busbw.png"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
            "--master-port", str(_port()), "-m", "ringpipe.cli", "bench", "allreduce",
-           "-b", "4K", "-e", "64K", "-f", "4", "-n", "2", "-w", "1", "--json", "--plot", str(png)]
+           "-b", "4K", "-e", "64K", "-f", "4", "-n", "2", "-w", "1", "-i", "2", "-r", "3", "--json", "--plot", str(png)]
     env = dict(os.environ, OMP_NUM_THREADS="1", RINGPIPE_BACKEND="gloo")
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=80, cwd=tmp_path, env=env)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=280, cwd=tmp_path, env=env)
     assert out.returncode == 0, out.stdout + out.stderr
     lines = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     rows = [r for r in lines if not r.get("summary")]
@@ -768,7 +768,7 @@ def test_bench_cli_under_torchrun(tmp_path):
     for r in rows:
         assert r["wrong"] == 0 and r["backend"] == "gloo" and r["busbw_gbps"] > 0
         assert r["busbw_gbps"] == pytest.approx(r["algbw_gbps"], rel=1e-3)  # factor 2(p-1)/p = 1
-        assert r["repeats"] == 5 and r["time_min_us"] <= r["time_us"] <= r["time_max_us"]
+        assert r["repeats"] == 3 and len(r["times_us"]) == 3 and r["time_min_us"] <= r["time_us"] <= r["time_max_us"]
     # one comparison with native per size, after that size's rows; auto names what it ran
     summaries = [r for r in lines if r.get("summary")]
     assert [c["bytes"] for c in summaries] == [4096, 16384, 65536]
