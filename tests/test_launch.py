@@ -152,7 +152,7 @@ def test_dead_rank_stops_the_job(mode, signal_env, cause):
     assert left.stdout.strip() == "", "orphan processes left behind"
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(240)  # five launcher start-ups, each refused before any rank starts
 def test_bad_launch_arguments():
     out = run([*RINGPIPE, "launch", "--backend", "tcp", CHECKS])
     assert out.returncode != 0 and "valid: gloo, nccl, mpi" in out.stderr
