@@ -13,6 +13,7 @@ All sends are ``isend`` and complete in the background; receives can be posted a
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -89,20 +90,32 @@ class Meta:
 
 
 class _Sends:
-    """Outstanding isends, kept alive until they complete."""
+    """Outstanding isends, kept alive until they complete, oldest first.
 
-    def __init__(self) -> None:
-        self.works: list[Work] = []
+    Completed sends are dropped from the front (a backend whose handles report completion,
+    MPI's, frees them as it goes). gloo's handles report completion only once waited for, so
+    beyond ``limit`` outstanding sends the oldest is waited for: without it a stream that never
+    closes its run (the asynchronous pipeline, window after window) would keep every tensor it
+    ever sent, and polling the whole list on every send would cost time growing with the
+    stream. The oldest of ``limit`` sends has long been received in any schedule whose stages
+    hold fewer micro-batches in flight than that, so this wait does not block in practice.
+    """
+
+    def __init__(self, limit: int = 64) -> None:
+        self.works: deque[Work] = deque()
+        self.limit = limit
 
     def add(self, work: Work) -> None:
-        self.works.append(work)
-        if len(self.works) > 8:
-            self.works = [w for w in self.works if not w.is_completed()]
+        works = self.works
+        works.append(work)
+        while works and works[0].is_completed():
+            works.popleft()
+        while len(works) > self.limit:
+            works.popleft().wait()
 
     def wait(self) -> None:
-        for w in self.works:
-            w.wait()
-        self.works.clear()
+        while self.works:
+            self.works.popleft().wait()
 
 
 class ActivationSender:
