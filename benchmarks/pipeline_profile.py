@@ -25,6 +25,7 @@ micro-batch. The variants run in blocks, alternating their order; figures are me
 blocks.
 
     python benchmarks/pipeline_profile.py --steps 20 --repeats 5
+    python benchmarks/pipeline_profile.py --bookkeeping   # the live-weight hooks' cost per micro-batch
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from ringpipe.launch import spawn
 from ringpipe.pipeline import PipelineTrainer
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from pipeline_timeline import predict, threads_cpu  # noqa: E402
+from pipeline_timeline import bookkeeping, predict, threads_cpu  # noqa: E402
 from pipeline_vs_torch import Split, add_model_args, choose_split, data, make_layers, split_line  # noqa: E402
 
 __all__ = ["main", "profile_run"]
@@ -217,7 +218,7 @@ def bounds(args: argparse.Namespace, med: dict[tuple[str, int], dict[str, float]
     """async / 1F1B: measured (median of per-block wall ratios) against what the measured CPU allows.
 
     The schedules' bound (``pipeline_timeline.predict``: each stage busy with exactly its
-    measured main-thread CPU per action, messages free) leaves the other threads out: 1F1B's
+    measured main-thread CPU per action, the same for both schedules, messages free) leaves the other threads out: 1F1B's
     bubble gives them an idle core. The asynchronous stream has no bubble, so on a machine with
     as many cores as stages its step also needs the CPU of every thread of both ranks shared
     over the cores: the second bound.
@@ -229,12 +230,15 @@ def bounds(args: argparse.Namespace, med: dict[tuple[str, int], dict[str, float]
         return {"F": c["F"], "B": c["B"], "S": c["S"], "msg": c["get_cpu"] + c["prefetch"] + c["send"],
                 "other": c["other"]}
 
-    sync = predict([cost("1f1b", r) for r in range(2)], m, args.steps)["1f1b"]
-    stream = predict([cost("async", r) for r in range(2)], m, args.steps)["async"]
-    every = sum(sum(cost("async", r).values()) + med[("async", r)]["threads"] for r in range(2))
+    # the same work in both schedules: each action's cost is the mean of the two variants' medians
+    both = [{k: (cost("1f1b", r)[k] + cost("async", r)[k]) / 2 for k in cost("1f1b", r)} for r in range(2)]
+    pr = predict(both, m, args.steps)
+    sync, stream = pr["1f1b"], pr["async"]
+    every = sum(sum(both[r].values()) + med[("async", r)]["threads"] for r in range(2))
     machine = max(stream, m * every / cores)
     walls = [res[0]["1f1b"][b]["wall"] / res[0]["async"][b]["wall"] for b in range(args.repeats)]
-    print(f"\n# 1f1b from its measured main-thread CPU: {sync:.1f} ms/step; async from its own: {stream:.1f} ms/step "
+    print(f"\n# from the measured main-thread CPU per action (mean of both variants): 1f1b {sync:.1f} ms/step, "
+          f"async {stream:.1f} ms/step "
           f"(bound {sync / stream:.3f}x); with every thread's CPU of both ranks shared over {cores} cores: "
           f"{machine:.1f} ms/step (bound {sync / machine:.3f}x)")
     print(f"# measured async / 1f1b (wall, median of per-block ratios): {statistics.median(walls):.3f}x "
@@ -249,7 +253,16 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5, help="blocks: every variant runs once per block")
     ap.add_argument("--variants", default="1f1b,async", help="comma-separated ringpipe schedules")
     ap.add_argument("--top", type=int, default=12, help="Python functions listed per rank from cProfile (0: no cProfile pass)")
+    ap.add_argument("--bookkeeping", action="store_true",
+                    help="only time, in this process, forward + backward of a 16-block stage of width 8 "
+                         "(bookkeeping dominates) plain and with the asynchronous stage's live-weight hooks")
     args = ap.parse_args()
+    if args.bookkeeping:
+        for _ in range(3):
+            bk = bookkeeping(8, 4, reps=2000, blocks=16)
+            print("# forward+backward of one micro-batch, 16 blocks of width 8, thread CPU us (median of 2000): "
+                  + ", ".join(f"{k} {v:.0f}" for k, v in bk.items()) + f"; hooks {bk['live_weights'] - bk['plain']:.0f}")
+        return
     names = [v.strip() for v in args.variants.split(",")]
     load = os.getloadavg()[0]
     args.first_blocks, args.stage_ms, args.balance_how = choose_split(args)

@@ -67,7 +67,11 @@ def stamped(log: list[Event], kind: str, fn: Callable[..., Any], mb: bool = True
 
 
 def threads_cpu() -> dict[str, float]:
-    """CPU seconds of each of this process's threads, by thread id and name (Linux ``/proc``)."""
+    """CPU seconds of each of this process's threads, by thread name and id (Linux ``/proc``).
+
+    From ``schedstat`` (nanoseconds on CPU) where the kernel has it, else from ``stat`` (clock ticks,
+    10 ms: too coarse for a thread that runs a millisecond per micro-batch over a short run).
+    """
     out: dict[str, float] = {}
     tick = os.sysconf("SC_CLK_TCK")
     try:
@@ -75,6 +79,12 @@ def threads_cpu() -> dict[str, float]:
             with open(f"/proc/self/task/{tid}/stat") as f:
                 raw = f.read()
             name = raw[raw.index("(") + 1: raw.rindex(")")]
+            try:
+                with open(f"/proc/self/task/{tid}/schedstat") as f:
+                    out[f"{name}:{tid}"] = int(f.read().split()[0]) / 1e9
+                continue
+            except (OSError, ValueError, IndexError):
+                pass
             fields = raw[raw.rindex(")") + 2:].split()
             out[f"{name}:{tid}"] = (int(fields[11]) + int(fields[12])) / tick
     except OSError:
@@ -238,10 +248,11 @@ def predict(costs: list[dict[str, float]], m: int, steps: int, latency: float = 
     return {"1f1b": sync / steps, "async": stream / steps}
 
 
-def bookkeeping(width: int, rows: int, reps: int = 200) -> dict[str, float]:
-    """Microseconds per forward + backward of a 2-block stage, plain and with live weights (tiny compute)."""
+def bookkeeping(width: int, rows: int, reps: int = 200, blocks: int = 2) -> dict[str, float]:
+    """Microseconds per forward + backward of a stage of ``blocks`` Linear+ReLU blocks, plain and with
+    live weights (thread CPU, median; with a tiny width the stage's bookkeeping dominates)."""
     torch.set_num_threads(1)
-    mods = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU())
+    mods = nn.Sequential(*(m for _ in range(blocks) for m in (nn.Linear(width, width), nn.ReLU())))
     rts = {"plain": StageRuntime(mods, 1, 3), "live_weights": StageRuntime(mods, 1, 3, live_weights=True)}
     x, g = torch.randn(rows, width), torch.randn(rows, width)
     times: dict[str, list[float]] = {k: [] for k in rts}
