@@ -103,7 +103,7 @@ def exchange(
     wire = message(comm, digits, None, 0)
     with internal():  # ringpipe's bookkeeping: listed apart from the program's calls
         comm.allreduce(wire, ReduceOp.SUM)
-    note = read(comm, decode(wire, digits.numel()), fields, problem)
+    note = read(comm, decode(wire, digits.numel()), fields, problem, by_name=True)
     return with_payload(note, wire[digits.numel():])
 
 

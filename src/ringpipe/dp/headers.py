@@ -154,8 +154,12 @@ def header(comm: Communicator, op: str | None, tensor: torch.Tensor | None, redu
 
 
 def read(comm: Communicator, values: list[int], fields: dict[str, Any] | None,
-          problem: BaseException | None, behind: bool = False) -> Note:
-    """What every rank learns from the summed header (``behind``: this rank posted data behind it)."""
+          problem: BaseException | None, behind: bool = False, by_name: bool = False) -> Note:
+    """What every rank learns from the summed header (``behind``: this rank posted data behind it).
+
+    ``by_name``: read on the thread running the announced task, whose named operations may be
+    matched by name (:class:`Reorder`); an optimizer step's first message is not.
+    """
     size = comm.size
     have_data = tuple(r for r in range(size) if values[r] > 0)
     joined = tuple(r for r in range(size) if values[r] <= 0)
@@ -164,7 +168,7 @@ def read(comm: Communicator, values: list[int], fields: dict[str, Any] | None,
         return Note("", (), joined)
     if values[2 * size + _FIELDS] or len({values[size + r] for r in have_data}) > 1:
         _drain(comm, values, behind)
-        _disagree(comm, fields, problem)
+        _disagree(comm, fields, problem, by_name)
     code, rop, dtype, numel, cuda = (v // count for v in values[2 * size : 2 * size + _FIELDS])
     return Note(
         OPS[code - 1] if 0 < code <= len(OPS) else f"unknown operation {code}",
@@ -212,14 +216,15 @@ def _common_key(keys: list[list[str]]) -> str | None:
     return None
 
 
-def _disagree(comm: Communicator, fields: dict[str, Any] | None, problem: BaseException | None) -> NoReturn:
+def _disagree(comm: Communicator, fields: dict[str, Any] | None, problem: BaseException | None,
+              by_name: bool = False) -> NoReturn:
     """Every rank (a joined one too) learns every call and raises the same error.
 
     Or, when the calls differ only in which named operation each rank runs now and some named
     operation is current or queued on every rank, every rank raises :class:`Reorder` with it
     (Horovod matches operations by name, not by order).
     """
-    keys = Engine.of(comm).keys() if problem is None else []
+    keys = Engine.of(comm).keys() if problem is None and by_name else []
     every = comm._allgather_object((fields, None if problem is None else str(problem), keys))
     invalid = [r for r, (_, p, _) in enumerate(every) if p is not None]
     if invalid:
