@@ -16,6 +16,11 @@ with SGD at rate 1 the weights move by exactly what was applied. The expected va
 numbers, written here. The infinite-gradient case uses an optimizer without state (``w -= g``,
 as Horovod's own test does): tf-keras's SGD keeps a momentum buffer even without momentum, and
 an infinite update leaves NaN there by itself.
+
+``load_model`` takes the user's optimizer classes both ways Horovod documents:
+``custom_optimizers=[Cls]`` (wrapped as the built-in ones are) and ``custom_objects={"Cls": f}``
+with ``f(**config)`` making the optimizer (Keras 2 called such functions; Keras 3 itself takes
+only classes there), keeping the settings ``f`` chose; the optimizer state saved comes back.
 """
 
 from __future__ import annotations
@@ -92,3 +97,15 @@ def test_an_infinite_gradient_stays_in_its_aggregation_cycle(ranks):
             assert np.isinf(case["grads"][0]) and np.isfinite(case["grads"][2:]).all(), (kind, case)
             # x set back to 0 after the first cycle; the second sums two gradients of 1 on each rank
             assert case["x"] == pytest.approx(-2.0), (kind, case)
+
+
+@pytest.mark.parametrize("how", ["custom_optimizers", "custom_objects"])
+def test_load_model_takes_custom_optimizers_and_optimizer_factories(ranks, how):
+    for got in ranks:
+        case = got["load"][how]
+        assert case["class"] == "Custom" and case["custom"] and case["distributed"], case
+        assert case["passes"] == (2 if how == "custom_objects" else 1)
+        assert case["lr"] == pytest.approx(0.01)
+        assert len(case["loaded"]) == len(case["saved"]) > 1  # iterations and the RMSprop buffers
+        for a, b in zip(case["loaded"], case["saved"], strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -110,6 +110,48 @@ def infinite_first_cycle(kind, make):
     return {"grads": grads, "x": float(x.numpy())}
 
 
+class Custom(tf.keras.optimizers.RMSprop):
+    """An optimizer class of the user's own, as in Horovod's load_model tests."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+
+
+def load_custom(out_dir):
+    """Save a model trained one step with ``DistributedOptimizer(Custom)``; load it back the two Horovod ways.
+
+    ``custom_optimizers=[Custom]``, and ``custom_objects={"Custom": factory}`` whose factory wraps
+    with ``backward_passes_per_step=2`` (settings ``load_model`` must keep). Each rank saves its own file.
+    """
+    keras = tf.keras
+    ext = ".h5" if KERAS2 else ".keras"  # each Keras's native file
+    x, y = np.ones((2, 3), "float32"), np.zeros((2, 2), "float32")
+    found = {}
+    for how in ("custom_optimizers", "custom_objects"):
+        net = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+        net.compile(loss="mse", optimizer=hvd.DistributedOptimizer(Custom(learning_rate=0.01)))
+        net.train_on_batch(x, y)
+        saved = [np.asarray(v).tolist() for v in _optimizer_variables(net.optimizer)]
+        path = os.path.join(out_dir, f"rank{hvd.rank()}-{how}{ext}")
+        net.save(path)
+        if how == "custom_optimizers":
+            loaded = hvd.load_model(path, custom_optimizers=[Custom])
+        else:
+            loaded = hvd.load_model(path, custom_objects={
+                "Custom": lambda **kw: hvd.DistributedOptimizer(Custom(**kw), backward_passes_per_step=2)})
+        opt = loaded.optimizer
+        found[how] = {"class": type(opt).__name__, "custom": isinstance(opt, Custom),
+                      "distributed": hasattr(opt, "_rp"), "passes": opt._rp["passes"] if hasattr(opt, "_rp") else None,
+                      "lr": float(np.asarray(opt.learning_rate)), "saved": saved,
+                      "loaded": [np.asarray(v).tolist() for v in _optimizer_variables(opt)]}
+    return found
+
+
+def _optimizer_variables(opt):
+    found = opt.variables
+    return list(found() if callable(found) else found)
+
+
 def main(out_dir):
     hvd.init()
     out = {"rank": hvd.rank(), "size": hvd.size(), "keras2": bool(KERAS2), "kinds": {}}
@@ -125,6 +167,7 @@ def main(out_dir):
         got["no_helper"] = hvd.DistributedOptimizer(make())._agg_helper is None
         got["infinite"] = infinite_first_cycle(kind, make)
         out["kinds"][kind] = got
+    out["load"] = load_custom(out_dir)
     with open(os.path.join(out_dir, f"rank{hvd.rank()}.json"), "w") as f:
         json.dump(out, f)
 

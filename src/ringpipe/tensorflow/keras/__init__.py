@@ -18,6 +18,7 @@ from ringpipe.dp.compression import Compression
 from .. import *  # noqa: F403 - the TensorFlow face's API
 from .. import __all__ as _tf_all
 from ..functions import broadcast_variables
+from ._factories import is_factory, optimizer_factories_as_classes
 from ._which import KERAS2, keras
 from .optimizer import DistributedOptimizer, distributed_class  # type: ignore[assignment]  # noqa: F401 - the Keras one
 
@@ -56,7 +57,9 @@ def load_model(filepath: Any, custom_optimizers: list[type] | None = None, custo
 
     ``custom_optimizers``: optimizer classes of your own to wrap as well; ``wrap``: further
     arguments of :func:`DistributedOptimizer` (``op``, ``backward_passes_per_step``...).
-    ``legacy_opts=True``: the model was saved with a ``tf.keras.optimizers.legacy`` optimizer
+    ``custom_objects`` may map the saved optimizer's class name to a function that makes the
+    optimizer from its config (``lambda **kw: DistributedOptimizer(MyOpt(**kw))``), as in Keras 2;
+    its optimizer is kept as the function made it. ``legacy_opts=True``: the model was saved with a ``tf.keras.optimizers.legacy`` optimizer
     (tf-keras only; Keras 3 has none).
     """
     if legacy_opts and not KERAS2:
@@ -75,9 +78,12 @@ def load_model(filepath: Any, custom_optimizers: list[type] | None = None, custo
         # Keras 2 looks optimizers up by the lower-case name too (Horovod registers that one)
         objects[cls.__name__] = objects[cls.__name__.lower()] = wrap_class(cls)
     objects.update(custom_objects or {})
+    if not KERAS2:  # a factory function named like the saved optimizer, as Keras 2 took it
+        objects = optimizer_factories_as_classes(filepath, objects)
     model = keras.models.load_model(filepath, custom_objects=objects)
     optimizer = getattr(model, "optimizer", None)
-    if optimizer is not None and hasattr(optimizer, "_rp_setup"):
+    made_by_user = optimizer is not None and is_factory((custom_objects or {}).get(type(optimizer).__name__))
+    if optimizer is not None and hasattr(optimizer, "_rp_setup") and not made_by_user:  # a factory's settings stay
         optimizer._rp_setup(compression=compression, **wrap)
     return model
 
