@@ -99,6 +99,29 @@ def test_process_sets_run_collectives_among_their_ranks():
     assert all(o["after"] == 6.0 for o in out)
 
 
+def _static_duplicates(comm):  # noqa: ANN001
+    size = comm.size
+    dup = _raised(lambda: hvd.init(comm, process_sets=[hvd.ProcessSet([0]), hvd.ProcessSet(range(1, size)),
+                                                       hvd.ProcessSet(range(size - 1, -1, -1))]))
+    initialized = hvd.is_initialized()
+    again = _raised(lambda: hvd.init(comm, process_sets=[hvd.ProcessSet([0]), hvd.ProcessSet([0])]))
+    sets = [hvd.ProcessSet([0]), hvd.ProcessSet(reversed(range(1, size)))]  # the order of the ranks does not matter
+
+    def body():
+        return [ps.process_set_id for ps in sets], sets[1].ranks
+
+    return dup, initialized, again, _with_world(comm, body, process_sets=sets)
+
+
+@pytest.mark.timeout(120)
+def test_init_refuses_a_process_set_listed_twice_or_equal_to_the_global_one_as_horovod():
+    for dup, initialized, again, (ids, ranks) in spawn(_static_duplicates, 3):
+        assert dup[0] == ["ValueError"] and "process_sets entry number 2 is a duplicate" in dup[1], dup
+        assert again[0] == ["ValueError"] and "process_sets entry number 1 is a duplicate" in again[1], again
+        assert not initialized  # nothing is left half made: init can be called again
+        assert ids == [1, 2] and ranks == [1, 2]
+
+
 def _dynamic(comm):  # noqa: ANN001
     def body():
         out = {"static": _raised(lambda: hvd.add_process_set([0, 1]))}
