@@ -95,6 +95,11 @@ def test_timeline_of_a_program_killed_with_sigkill_is_valid_and_has_both_ranks(t
         proc.wait(timeout=60)
     events = _events(timeline)  # valid JSON after SIGKILL of every process of the job
     assert _named_spans(events, "allreduce.avg_loss", 16) == {0: 3, 1: 3}
+    # before each named call, the ranks' agreement on it: Horovod's NEGOTIATE_ALLREDUCE on the tensor's row
+    rows = _rows(events)
+    negotiations = {e["pid"] for e in events if e["ph"] == "X" and e["name"] == "NEGOTIATE_ALLREDUCE"
+                    and rows.get((e["pid"], e["tid"])) == "allreduce.avg_loss"}
+    assert negotiations == {0, 1}
     # the unnamed allreduce stays on its communicator's row, apart from the named one
     assert {(pid, row) for (pid, _), row in _rows(events).items()} >= {(0, "world"), (1, "world")}
     names = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}

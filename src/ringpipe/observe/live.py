@@ -5,7 +5,7 @@ leaving the file valid JSON. ringpipe records events on every rank, so every ran
 own to the one file: rank 0 creates it (``{"otherData": {...}, "traceEvents": [`` then ``]}``),
 and a rank appends by taking the file's lock (``flock``), writing its new records over the final
 ``]}`` and closing the array again, in one write. The file is therefore valid JSON between any
-two writes: after a SIGKILL it holds everything flushed before it (a flush every second), and a
+two writes: after a SIGKILL it holds everything flushed before it (a flush every 50 ms), and a
 normal exit, an uncaught exception, SIGINT and SIGTERM flush the rest first.
 
 Rows: one process per rank (``rank R @ host``), one thread row per tensor name (the ``name=`` of
@@ -50,7 +50,7 @@ from ringpipe.comm.events import (
     EventLog,
     default_log,
 )
-from ringpipe.observe.timeline import row_of
+from ringpipe.observe.timeline import row_of, span_name
 
 __all__ = ["LiveTimeline", "active", "create_file", "start", "stop"]
 
@@ -58,7 +58,7 @@ log = logging.getLogger(__name__)
 
 CLOSE = b"]}"
 _ORIGIN = re.compile(rb'"start_time_since_epoch_in_micros":\s*(\d+)')
-FLUSH_SECONDS = 1.0
+FLUSH_SECONDS = 0.05  # Horovod's writer thread writes as events come; a rank's flush with nothing new costs nothing
 _BOOKKEEPING = ("training", "expected work")  # rows of ringpipe's own records, not operations
 
 
@@ -138,7 +138,10 @@ class LiveTimeline:
 
     def _take(self, final: bool) -> list[list[Any]]:
         """Events finished since the last flush (all of them, finished or not, when ``final``)."""
-        raw = list(self.events._events)  # atomic under the GIL
+        log_ = self.events._events
+        if not final and not self._pending and (not log_ or log_[-1] is self._last):
+            return []  # nothing new: no copy of the log
+        raw = list(log_)  # atomic under the GIL
         new: list[list[Any]] = []
         for ev in reversed(raw):
             if ev is self._last:
@@ -180,7 +183,7 @@ class LiveTimeline:
             if not ev[END]:
                 args["unfinished"] = True
             end = ev[END] or time.perf_counter_ns()
-            out.append({"ph": "X", "name": ev[OP], "cat": "comm", "pid": self.rank, "tid": tid,
+            out.append({"ph": "X", "name": span_name(ev[OP], detail), "cat": "comm", "pid": self.rank, "tid": tid,
                         "ts": self._us(ev[START]), "dur": round(max(0, end - ev[START]) / 1e3, 3), "args": args})
             if self.mark_cycles and ev[PEER] < 0 and "." not in ev[OP] and ev[COMM] not in _BOOKKEEPING:
                 out.append({"ph": "i", "name": "CYCLE_START", "s": "p", "pid": self.rank, "tid": 0,

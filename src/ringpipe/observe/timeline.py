@@ -14,7 +14,7 @@ from typing import Any
 
 from ringpipe.observe.collect import JobEvents
 
-__all__ = ["chrome_trace", "row_of", "write_timeline"]
+__all__ = ["span_name", "chrome_trace", "row_of", "write_timeline"]
 
 
 def row_of(op: str, comm: str, name: str | None = None) -> str:
@@ -23,6 +23,18 @@ def row_of(op: str, comm: str, name: str | None = None) -> str:
     if "." in op:
         return f"{name or comm}: {op.split('.', 1)[0]} steps"
     return name or comm or "world"
+
+
+def span_name(op: str, detail: dict[str, Any]) -> str:
+    """A span's name: the operation, or Horovod's ``NEGOTIATE_ALLREDUCE`` for the announcement before a named call.
+
+    The announcement is where the ranks agree on the call (Horovod's negotiation phase); its own
+    message is an allreduce whatever the call is, so it is named after the call's tensor name.
+    """
+    name = detail.get("name")
+    if detail.get("internal") and isinstance(name, str) and "." in name and "." not in op:
+        return "NEGOTIATE_" + name.split(".", 1)[0].upper()
+    return op
 
 
 def chrome_trace(job: JobEvents) -> dict[str, Any]:
@@ -50,7 +62,7 @@ def chrome_trace(job: JobEvents) -> dict[str, Any]:
             args.update({k: v for k, v in e.detail.items() if isinstance(v, (int, float, str, bool))})
             out.append({
                 "ph": "X",
-                "name": e.op,
+                "name": span_name(e.op, e.detail),
                 "cat": "comm",
                 "pid": r.rank,
                 "tid": tids[row],
