@@ -5,8 +5,9 @@ place, ``op_async`` / ``op_async_`` return a :class:`~ringpipe.dp.engine.Handle`
 ``synchronize(handle)`` (which returns the result) or ``poll(handle)``. Every collective takes
 ``process_set=``; the process state (the world communicator, its engine, the process sets)
 lives once in :mod:`ringpipe.dp.world`, below this face. Every call is compared across ranks
-before data moves: ranks that disagree (dtype, shape, op, root rank, scale factors, process set,
-a name still in flight) all raise the same :class:`HorovodInternalError`.
+before data moves: ranks that disagree (dtype, shape, op, root rank, scale factors, process set)
+all raise the same :class:`HorovodInternalError`. Operations with a ``name=`` match across ranks
+by that name, as in Horovod; a name still in flight raises :class:`ValueError` on its rank.
 """
 
 from ringpipe.dp.announce import JoinError as JoinError
