@@ -29,7 +29,7 @@ def set_detail(process_set: ProcessSet | None) -> dict[str, Any]:
 
 
 class Call:
-    """One API call: the communicator of its process set, its name, and a problem found on this rank.
+    """One API call: the communicator of its process set and its name.
 
     As in Horovod, an operation is known across ranks by its tensor name (``allreduce.grad_w``):
     ranks match named operations by that name, whatever order they were posted in (see
@@ -43,20 +43,18 @@ class Call:
         self.comm, self.ranks = resolve(process_set, what)
         self.detail = set_detail(process_set)
         self.name = name
-        self.problem: BaseException | None = None
-        # The operation this call queues next on the engine carries the name (a timeline row).
-        name_next(self.tensor_name)
         key = self.key
         if key is not None:
             earlier = current().names.get(key)
             if earlier is not None and not earlier.done():
-                name_next(None)
                 raise ValueError(
                     f"{what}: an operation named {name!r} is still in flight on this rank; synchronize it first or "
                     "use another name (Horovod: Requested to allreduce, allgather, or broadcast a tensor with the "
                     "same name as another tensor that is currently being processed.  If you want to request another "
                     "tensor, use a different tensor name.)"
                 )
+        # The operation this call queues next on the engine carries the name (a timeline row).
+        name_next(self.tensor_name)
 
     @property
     def key(self) -> str | None:
@@ -77,6 +75,7 @@ class Call:
     def submit(self, task: Callable[[], Any], then: Callable[[Any], Any] | None = None) -> Handle:
         name_next(self.tensor_name)
         handle = self.engine.submit(task, then, name=self.name or self.what, key=self.key)
-        if self.name is not None:
-            current().names[self.key] = handle
+        key = self.key
+        if self.name is not None and key is not None:
+            current().names[key] = handle
         return handle

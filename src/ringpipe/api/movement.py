@@ -45,14 +45,14 @@ def allgather(tensor: torch.Tensor, name: str | None = None,
               process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Concatenate every rank's tensor along dim 0 (first dimensions may differ); differentiable."""
     call = Call("allgather", process_set, name)
-    return ops.allgather(call.comm, tensor, call.detail, call.problem)
+    return ops.allgather(call.comm, tensor, call.detail)
 
 
 def _gather_task(call: Call, x: torch.Tensor) -> Any:
     comm = call.comm
 
     def task() -> torch.Tensor:
-        announce(comm, "allgather", x, detail=call.detail, validate=checks(comm, "allgather", x, problem=call.problem))
+        announce(comm, "allgather", x, detail=call.detail, validate=checks(comm, "allgather", x))
         parts = comm.allgather(x)
         return torch.stack(parts) if x.dim() == 0 else torch.cat(parts, 0)
 
@@ -84,7 +84,7 @@ def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
     """A new tensor with ``root_rank``'s values; differentiable."""
     call = Call("broadcast", process_set, name)
     root, problem = set_root(call.ranks, root_rank, "broadcast")
-    return ops.broadcast(call.comm, tensor, root, call.detail, call.problem or problem)
+    return ops.broadcast(call.comm, tensor, root, call.detail, problem)
 
 
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
@@ -95,7 +95,7 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = No
 
     def task() -> torch.Tensor:
         announce(comm, "broadcast", tensor, detail={**call.detail, "root_rank": root},
-                 validate=checks(comm, "broadcast", tensor, root, problem=call.problem or problem))
+                 validate=checks(comm, "broadcast", tensor, root, problem=problem))
         return comm.broadcast(tensor, root)
 
     return call.submit(task)
@@ -121,7 +121,7 @@ def alltoall(tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | None =
     """
     call = Call("alltoall", process_set, name)
     out, received = ops.alltoall(call.comm, tensor, None if splits is None else [int(s) for s in splits],
-                                 call.detail, call.problem)
+                                 call.detail)
     if splits is None:
         return out
     return out, torch.tensor(received, dtype=torch.int32)
@@ -132,7 +132,7 @@ def alltoall_async(tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | 
     call = Call("alltoall", process_set, name)
     x = tensor.detach().clone()
     spl = None if splits is None else [int(s) for s in splits]
-    return call.submit(lambda: ops.alltoall(call.comm, x, spl, call.detail, call.problem)[0])
+    return call.submit(lambda: ops.alltoall(call.comm, x, spl, call.detail)[0])
 
 
 def barrier(process_set: ProcessSet = global_process_set) -> None:

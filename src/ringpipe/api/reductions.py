@@ -55,7 +55,7 @@ def allreduce(
     comp = Compression.parse(compression)
     wire, ctx = comp.compress(tensor)
     out = ops.allreduce(call.comm, wire, parse_op(op, average), prescale_factor, postscale_factor,
-                        detail=call.detail, problem=call.problem)
+                        detail=call.detail)
     return comp.decompress(out, ctx)
 
 
@@ -74,7 +74,7 @@ def allreduce_async_(
     detail = {**call.detail, **(ops.scale_detail(prescale_factor, postscale_factor) or {})}
 
     def task() -> Any:
-        announce(comm, "allreduce", tensor, rop, detail, checks(comm, "allreduce", tensor, problem=call.problem))
+        announce(comm, "allreduce", tensor, rop, detail, checks(comm, "allreduce", tensor))
         ops.scale_(tensor, prescale_factor)
         return ops.start_reduction(comm, tensor, rop)
 
@@ -116,8 +116,8 @@ def grouped_allreduce_async_(
     if not items:
         return call.submit(lambda: [])
     kinds = {(t.dtype, t.device) for t in items}
-    problem = call.problem
-    if problem is None and len(kinds) != 1:
+    problem = None
+    if len(kinds) != 1:
         problem = ValueError(f"grouped_allreduce needs tensors of one dtype and device, got {sorted(map(str, kinds))}")
     flat = torch.cat([t.detach().reshape(-1).to(items[0].dtype) for t in items])
     detail = {**call.detail, "shapes": [list(t.shape) for t in items],
@@ -205,7 +205,7 @@ def reducescatter(tensor: torch.Tensor, name: str | None = None, compression: An
     comp = Compression.parse(compression)
     wire, ctx = comp.compress(tensor)
     out = ops.reducescatter(call.comm, wire, parse_op(op, None), prescale_factor, postscale_factor,
-                            detail=call.detail, problem=call.problem)
+                            detail=call.detail)
     return comp.decompress(out, ctx)
 
 
@@ -215,7 +215,7 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: Reduc
     call = Call("reducescatter", process_set, name)
     rop, x = parse_op(op, None), tensor.detach().clone()
     return call.submit(lambda: ops.reducescatter_blocks(call.comm, x, rop, prescale_factor, postscale_factor,
-                                                        detail=call.detail, problem=call.problem))
+                                                        detail=call.detail))
 
 
 def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | None = None,
@@ -228,8 +228,8 @@ def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | Non
     xs = [t.detach().clone() for t in tensors]
 
     def task() -> list[torch.Tensor]:
-        return [ops.reducescatter_blocks(call.comm, x, rop, prescale_factor, postscale_factor, detail=call.detail,
-                                         problem=call.problem) for x in xs]
+        return [ops.reducescatter_blocks(call.comm, x, rop, prescale_factor, postscale_factor, detail=call.detail)
+                for x in xs]
 
     return call.submit(task)
 

@@ -206,6 +206,11 @@ class Reorder(Exception):
         self.key = key
 
 
+def _names_differ(keys: list[list[str]]) -> bool:
+    """Whether every rank's current operation is named and they are not all the same name."""
+    return all(keys) and len({k[0] for k in keys}) > 1
+
+
 def _common_key(keys: list[list[str]]) -> str | None:
     """The first of rank 0's keys (current, then queued) that every rank has, unless it is every rank's current."""
     if not all(keys):
@@ -224,8 +229,8 @@ def _disagree(comm: Communicator, fields: dict[str, Any] | None, problem: BaseEx
     operation is current or queued on every rank, every rank raises :class:`Reorder` with it
     (Horovod matches operations by name, not by order).
     """
-    keys = Engine.of(comm).keys() if problem is None and by_name else []
-    every = comm._allgather_object((fields, None if problem is None else str(problem), keys))
+    mine = Engine.of(comm).keys() if problem is None and by_name else []
+    every = comm._allgather_object((fields, None if problem is None else str(problem), mine))
     invalid = [r for r, (_, p, _) in enumerate(every) if p is not None]
     if invalid:
         r = invalid[0]
@@ -236,13 +241,13 @@ def _disagree(comm: Communicator, fields: dict[str, Any] | None, problem: BaseEx
         )
     keys = [k for _, _, k in every]
     common = _common_key(keys)
-    if common is None and all(keys) and len({k[0] for k in keys}) > 1:
+    if common is None and _names_differ(keys):
         common, keys = _wait_for_names(comm, keys)
     if common is not None:
         raise Reorder(common)
     calls = [(r, f) for r, (f, _, _) in enumerate(every) if f is not None]
     text = disagreement(comm.name, calls)
-    if all(keys) and len({k[0] for k in keys}) > 1:
+    if _names_differ(keys):
         waits = "; ".join(f"rank {r} has {', '.join(repr(n) for n in k)}" for r, k in enumerate(keys))
         text += (f" (named operations match by name, whatever their order, but for {_name_wait_s():.0f} s no name "
                  f"was posted on every rank: {waits})")

@@ -132,7 +132,7 @@ def register_initial(world: World, process_sets: Sequence[ProcessSet] | str | No
             raise ValueError(f"process_sets must be a list of ProcessSet or 'dynamic', got {process_sets!r}")
         world.dynamic_sets = True
         return
-    duplicates = []
+    duplicate: tuple[int, ProcessSet] | None = None  # the first entry naming a registered set's ranks
     for index, ps in enumerate(process_sets or []):
         if not isinstance(ps, ProcessSet):
             raise ValueError(f"process_sets must hold ProcessSet objects, got {type(ps).__name__}")
@@ -148,11 +148,11 @@ def register_initial(world: World, process_sets: Sequence[ProcessSet] | str | No
             continue
         if any(o.ranks == ps.ranks for o in world.sets.values()):
             ps._invalidate()  # Horovod: a second object with the ranks of a registered set is not valid
-            duplicates.append((index, ps))
+            duplicate = duplicate or (index, ps)
             continue
         _register(world, ps)
-    if duplicates:  # Horovod's init refuses them (the global set's ranks included) after registering the rest
-        index, ps = duplicates[0]
+    if duplicate is not None:  # Horovod's init refuses it (the global set's ranks included) after registering the rest
+        index, ps = duplicate
         raise ValueError(f"Horovod could not be initialized because process_sets entry number {index} is a "
                          f"duplicate: {ps} (every rank list may appear once, and not as all ranks, which is "
                          "hvd.global_process_set)")

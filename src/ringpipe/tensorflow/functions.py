@@ -27,7 +27,7 @@ def _broadcast_values(values: Sequence[tf.Tensor], root_rank: int, process_set: 
     detail = {**call.detail, "root_rank": root_rank, "variables": layout}
     call.engine.run(lambda: announce(call.comm, "broadcast", detail=detail,
                                      validate=checks(call.comm, "broadcast_variables", root=root,
-                                                     problem=call.problem or problem)),
+                                                     problem=problem)),
                     name="broadcast_variables")
     broadcast_tensors(copies, root, call.comm, announced=True)
     return [to_tf(t) for t in copies]

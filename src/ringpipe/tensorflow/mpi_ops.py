@@ -283,7 +283,7 @@ def alltoall(tensor: Any, splits: Any = None, name: str | None = None, ignore_na
             # rank's own dim 0 / size rows, which differ between ranks): the gradient sends them back
             call = Call("alltoall", process_set, name)
             received, rsplits = _ops.alltoall(call.comm, to_torch(v), [int(i) for i in w.numpy()] if given else None,
-                                              call.detail, call.problem)
+                                              call.detail)
             return [to_tf(received), to_tf(torch.tensor(rsplits, dtype=torch.int32))]
 
         shape = None if t.shape.rank is None else [None, *t.shape[1:]]
