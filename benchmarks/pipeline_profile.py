@@ -44,12 +44,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ringpipe.launch import spawn
 from ringpipe.pipeline import PipelineTrainer
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from pipeline_timeline import bookkeeping, predict, threads_cpu  # noqa: E402
-from pipeline_vs_torch import Split, add_model_args, choose_split, data, make_layers, split_line  # noqa: E402
+from pipeline_timeline import add_variant_args, bookkeeping, predict, run_variants, threads_cpu  # noqa: E402
+from pipeline_vs_torch import Split, data, make_layers  # noqa: E402
 
 __all__ = ["main", "profile_run"]
 
@@ -247,11 +246,7 @@ def bounds(args: argparse.Namespace, med: dict[tuple[str, int], dict[str, float]
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_model_args(ap)
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--repeats", type=int, default=5, help="blocks: every variant runs once per block")
-    ap.add_argument("--variants", default="1f1b,async", help="comma-separated ringpipe schedules")
+    add_variant_args(ap)
     ap.add_argument("--top", type=int, default=12, help="Python functions listed per rank from cProfile (0: no cProfile pass)")
     ap.add_argument("--bookkeeping", action="store_true",
                     help="only time, in this process, forward + backward of a 16-block stage of width 8 "
@@ -263,14 +258,7 @@ def main() -> None:
             print("# forward+backward of one micro-batch, 16 blocks of width 8, thread CPU us (median of 2000): "
                   + ", ".join(f"{k} {v:.0f}" for k, v in bk.items()) + f"; hooks {bk['live_weights'] - bk['plain']:.0f}")
         return
-    names = [v.strip() for v in args.variants.split(",")]
-    load = os.getloadavg()[0]
-    args.first_blocks, args.stage_ms, args.balance_how = choose_split(args)
-    print(split_line(args), flush=True)
-    res = spawn(worker, 2, args=(args, names), env={"OMP_NUM_THREADS": "1"})
-    print(f"# {os.cpu_count()} cores, load average {load:.2f} -> {os.getloadavg()[0]:.2f}; width {args.width}, "
-          f"{args.blocks} blocks + head, batch {args.batch}, {args.microbatches} micro-batches, {args.steps} steps, "
-          f"medians of {args.repeats} blocks; ms per micro-batch (thread CPU unless marked wall)")
+    names, res = run_variants(args, worker, "; ms per micro-batch (thread CPU unless marked wall)")
     cols = [(n, r) for n in names for r in range(2)]
     print("| | " + " | ".join(f"{n} rank {r}" for n, r in cols) + " |")
     print("| --- |" + " --- |" * len(cols))

@@ -49,7 +49,15 @@ from ringpipe.pipeline.executor import PipelineExecutor
 from ringpipe.pipeline.stage import StageRuntime
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from pipeline_vs_torch import Split, add_model_args, choose_split, data, make_layers, split_line  # noqa: E402
+from pipeline_vs_torch import (  # noqa: E402
+    Split,
+    add_model_args,
+    add_run_args,
+    choose_split,
+    data,
+    make_layers,
+    split_line,
+)
 
 __all__ = ["main", "breakdown"]
 
@@ -265,15 +273,16 @@ def bookkeeping(width: int, rows: int, reps: int = 200, blocks: int = 2) -> dict
     return {k: 1e6 * statistics.median(v[reps // 10:]) for k, v in times.items()}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+
+def add_variant_args(ap: argparse.ArgumentParser) -> None:
+    """The model, the timed run and the ringpipe schedules to compare (this script and pipeline_profile.py)."""
     add_model_args(ap)
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--repeats", type=int, default=5)
+    add_run_args(ap)
     ap.add_argument("--variants", default="1f1b,async", help="comma-separated ringpipe schedules")
-    ap.add_argument("--check-bookkeeping", action="store_true")
-    args = ap.parse_args()
+
+
+def run_variants(args: argparse.Namespace, worker: Callable[..., Any], unit: str) -> tuple[list[str], list[Any]]:
+    """Choose the split, run ``worker(comm, args, names)`` on 2 ranks, print the run's header; return names, results."""
     names = [v.strip() for v in args.variants.split(",")]
     load = os.getloadavg()[0]
     args.first_blocks, args.stage_ms, args.balance_how = choose_split(args)
@@ -281,7 +290,15 @@ def main() -> None:
     res = spawn(worker, 2, args=(args, names), env={"OMP_NUM_THREADS": "1"})
     print(f"# {os.cpu_count()} cores, load average {load:.2f} -> {os.getloadavg()[0]:.2f}; width {args.width}, "
           f"{args.blocks} blocks + head, batch {args.batch}, {args.microbatches} micro-batches, {args.steps} steps, "
-          f"medians of {args.repeats} blocks, ms per step")
+          f"medians of {args.repeats} blocks{unit}")
+    return names, res
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_variant_args(ap)
+    ap.add_argument("--check-bookkeeping", action="store_true")
+    args = ap.parse_args()
+    names, res = run_variants(args, worker, ", ms per step")
     print("| schedule | rank | wall | F | B | S | waiting | recv | send | other | after last action |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for n in names:

@@ -556,12 +556,17 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--microbatches", type=int, default=4)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_model_args(ap)
+
+def add_run_args(ap: argparse.ArgumentParser) -> None:
+    """Steps, warm-up and blocks of a timed run, alike in every pipeline benchmark."""
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=5, help="blocks: every variant runs once per block")
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_model_args(ap)
+    add_run_args(ap)
     ap.add_argument("--only", help="comma-separated variants to run (e.g. 'ringpipe async_1f1b,ringpipe 1f1b')")
     ap.add_argument("--profile", metavar="DIR", help="write each rank's cProfile statistics of each run to DIR")
     ap.add_argument("--json", action="store_true")
