@@ -1,10 +1,12 @@
+import contextlib as _contextlib
+import os as _os
+
 from packaging import version as _v
+
+
 def is_version_greater_equal_than(ver, target):  # SHIM: helper, same semantics as Horovod's
     return _v.parse(ver) >= _v.parse(target)
 
-
-import contextlib as _contextlib
-import os as _os
 
 
 @_contextlib.contextmanager

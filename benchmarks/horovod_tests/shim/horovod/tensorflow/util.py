@@ -1,2 +1,3 @@
 import tensorflow as _tf
+
 _executing_eagerly = _tf.executing_eagerly  # SHIM: Horovod-internal helper

@@ -1,6 +1,8 @@
 import sys as _sys
+
 import ringpipe.tensorflow.keras as _rp
 from ringpipe.tensorflow.keras import *  # noqa
+
 callbacks = _rp.callbacks
 elastic = _rp.elastic
 _sys.modules[__name__ + ".callbacks"] = _rp.callbacks
