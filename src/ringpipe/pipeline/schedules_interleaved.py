@@ -19,7 +19,7 @@ one step. ``microbatches`` must be a multiple of ``stages``.
 
 from __future__ import annotations
 
-from ringpipe.pipeline.schedules import Action, ScheduleError, _check_args
+from ringpipe.pipeline.actions import Action, ScheduleError, check_args
 
 __all__ = ["interleaved_1f1b", "chunk_of_part", "part_of_chunk"]
 
@@ -36,7 +36,7 @@ def chunk_of_part(num_stages: int, part: int) -> tuple[int, int]:
 
 def interleaved_1f1b(num_stages: int, num_microbatches: int, stage: int, chunks: int = 2) -> list[Action]:
     """Interleaved 1F1B on ``stage`` with ``chunks`` model chunks per rank; ends with one step."""
-    _check_args(num_stages, num_microbatches, stage)
+    check_args(num_stages, num_microbatches, stage)
     if chunks < 1:
         raise ScheduleError(f"chunks must be >= 1, got {chunks}")
     if chunks > 1 and num_microbatches % num_stages:

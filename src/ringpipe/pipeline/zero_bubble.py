@@ -35,14 +35,14 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from ringpipe.pipeline.schedules import Action, _check_args
+from ringpipe.pipeline.actions import Action, check_args
 
 __all__ = ["zb_h1", "zb_h1_pipeline", "zb_h2", "zb_h2_pipeline", "zb_h2_limit"]
 
 
 def zb_h1(num_stages: int, num_microbatches: int, stage: int) -> list[Action]:
     """Stage ``stage``'s ZB-H1 actions: ``F``, input-gradient ``B``, weight-gradient ``W``, one ``S``."""
-    _check_args(num_stages, num_microbatches, stage)
+    check_args(num_stages, num_microbatches, stage)
     m = num_microbatches
     warmup = min(num_stages - stage - 1, m)
     delay = stage  # W passes held back, so every stage holds min(stages, microbatches) micro-batches
@@ -77,7 +77,7 @@ def zb_h2_limit(num_stages: int) -> int:
 
 def zb_h2(num_stages: int, num_microbatches: int, stage: int) -> list[Action]:
     """Stage ``stage``'s ZB-H2 actions: extra warm-up forwards, then ``F``, ``B``, ``W``; one ``S``."""
-    _check_args(num_stages, num_microbatches, stage)
+    check_args(num_stages, num_microbatches, stage)
     return list(_zb_h2(num_stages, num_microbatches)[stage])
 
 
