@@ -440,8 +440,10 @@ def test_every_rank_learns_the_same_verdict(data, size):
 
 @pytest.mark.parametrize(("backend", "nbytes", "hosts", "want"), [
     ("gloo", 4096, ["h"] * 4, "recursive_doubling"),
-    ("gloo", 64 * 1024, ["h"] * 4, "recursive_doubling"),  # at or above gloo's own in every record
-    ("gloo", 64 * 1024 + 4, ["h"] * 4, "native"),  # gloo's allreduce was faster from 256 KiB to 16 MiB
+    ("gloo", 256 * 1024, ["h"] * 4, "recursive_doubling"),  # 1.3-2.9x gloo's own at 2 ranks, level or above at 4
+    ("gloo", 256 * 1024 + 4, ["h"] * 4, "native"),  # gloo's allreduce was ahead or level from 1 MiB to 16 MiB
+    ("gloo", 256 * 1024, ["h"] * 2, "recursive_doubling"),
+    ("gloo", 1 << 20, ["h"] * 2, "native"),
     ("gloo", 16 << 20, ["h"] * 4, "native"),
     ("gloo", 64 << 20, ["h"] * 4, "ring"),  # 1.05-1.07x gloo's at 64 MiB
     ("mpi", 4096, ["h"] * 4, "native"),  # Open MPI's shared-memory collective: 2-10x faster below 64 MiB
@@ -453,7 +455,8 @@ def test_every_rank_learns_the_same_verdict(data, size):
 def test_auto_without_measurements_follows_the_recorded_ones(backend, nbytes, hosts, want):
     from types import SimpleNamespace
 
-    comm = SimpleNamespace(size=4, global_ranks=[0, 1, 2, 3], topology=SimpleNamespace(hostnames=hosts),
+    comm = SimpleNamespace(size=len(hosts), global_ranks=list(range(len(hosts))),
+                           topology=SimpleNamespace(hostnames=hosts),
                            backend=backend)
     assert C.resolve("allreduce", "auto", nbytes, comm) == want  # type: ignore[arg-type]
     assert C.resolve("broadcast", "auto", nbytes, comm) == "tree"  # type: ignore[arg-type]
@@ -483,8 +486,8 @@ def test_auto_takes_the_choice_of_the_nearest_measured_size():
 def _probe_and_use(comm, path) -> dict:  # noqa: ANN001
     from ringpipe.collectives import autotune
 
-    table = autotune.probe(comm, sizes=(4096, 256 * 1024), rounds=1)
-    out = {"rows": [(b, c, sorted(t)) for b, c, t in table.rows]}
+    table = autotune.probe(comm, sizes=(4096, 256 * 1024), rounds=2)
+    out = {"rows": [(b, c, sorted(t)) for b, c, t in table.rows], "times": [t for _, _, t in table.rows]}
     # force the native collective behind auto: the sum is still the sum, and the trace names it
     autotune._TABLES[table.key] = autotune.Table([(4096, "native", {})], table.key)
     default_log().clear()
@@ -506,9 +509,11 @@ def _probe_and_use(comm, path) -> dict:  # noqa: ANN001
 def test_the_probe_gives_every_rank_the_same_table_and_auto_can_run_the_native_collective(tmp_path):
     out = spawn(_probe_and_use, 2, args=(str(tmp_path / "auto.json"),))
     assert out[0]["rows"] == out[1]["rows"]
-    for _b, choice, timed in out[0]["rows"]:
+    assert out[0]["times"] == out[1]["times"]  # the slowest rank's time of every round, on every rank
+    for (_b, choice, timed), times in zip(out[0]["rows"], out[0]["times"], strict=True):
         assert timed == ["native", "rabenseifner", "recursive_doubling", "ring"]
         assert choice in timed
+        assert all(len(t) == 2 and min(t) > 0 for t in times.values())  # two rounds each
     for res in out:
         assert res["x"] == [3.0 * i for i in range(10)]  # (1 + 2) * arange
         assert res["algorithms"] == [None]
@@ -528,31 +533,93 @@ def test_a_table_measured_elsewhere_is_refused(tmp_path):
         autotune.load(comm, str(path))  # type: ignore[arg-type]
 
 
-# Measured per size: each candidate's (fastest round, slowest round) in ms, as the probe keeps them.
-_MEASURED = {
-    4096: {"native": (1.0, 1.1), "ring": (1.5, 1.7), "recursive_doubling": (0.5, 0.6)},  # rd clearly faster
-    65536: {"native": (1.0, 1.2), "ring": (1.4, 1.6), "recursive_doubling": (0.85, 1.3)},  # rd's rounds overlap
-    1 << 20: {"native": (1.0, 1.1), "ring": (1.05, 1.2), "recursive_doubling": (1.2, 1.4)},  # native fastest
-    4 << 20: {"native": (1.0, 1.1), "ring": (0.92, 0.95), "recursive_doubling": (1.3, 1.5)},  # ring < 10 % faster
-    64 << 20: {"native": (1.0, 1.3), "ring": (0.7, 0.85), "recursive_doubling": (0.8, 0.86)},  # both clearly faster
+# Measured per size: each candidate's time per call in each of the probe's rounds (ms), the slowest
+# rank's, written out as the probe gathers them. The rounds of one column ran next to each other.
+_ROUNDS = {
+    # recursive doubling noisy but consistently faster: its spread (0.5-2.2) overlaps native's (0.9-4.0),
+    # yet per round rd / native = 0.60 0.65 0.58 1.06 0.55 0.45 0.60 0.56 0.62: median 0.60, faster in 8 of 9
+    4096: {"native": [1.0, 3.1, 1.2, 0.9, 4.0, 1.1, 1.0, 2.5, 1.3],
+           "recursive_doubling": [0.6, 2.0, 0.7, 0.95, 2.2, 0.5, 0.6, 1.4, 0.8],
+           "ring": [1.5, 4.0, 1.6, 1.4, 5.0, 1.7, 1.5, 3.0, 1.9]},
+    # inconsistent: rd / native = 0.3 0.4 0.5 0.6 0.85 1.1 1.2 1.3 1.4 has median 0.85 but is faster in
+    # only 5 of 9 rounds; the ring is faster in all 9 but by 5 % (0.95), less than the margin: native
+    65536: {"native": [2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0],
+            "recursive_doubling": [0.6, 2.8, 1.0, 2.4, 1.7, 2.2, 0.8, 2.6, 1.2],
+            "ring": [1.9, 1.9, 1.9, 1.9, 1.9, 1.9, 1.9, 1.9, 1.9]},
+    # equal: the ring's rounds are native's, round for round (ratio 1, never faster): native
+    1 << 20: {"native": [5.0, 7.5, 5.2, 6.0, 5.1, 9.0, 5.3],
+              "ring": [5.0, 7.5, 5.2, 6.0, 5.1, 9.0, 5.3]},
+    # two qualify: ring / native 0.80 0.80 0.82 0.78 1.10 (median 0.80, 4 of 5) and rd / native
+    # 0.85 0.85 0.85 0.85 0.85 (median 0.85, 5 of 5): the smaller median ratio, the ring
+    64 << 20: {"native": [40.0, 50.0, 50.0, 50.0, 40.0],
+               "ring": [32.0, 40.0, 41.0, 39.0, 44.0],
+               "recursive_doubling": [34.0, 42.5, 42.5, 42.5, 34.0]},
 }
-# The rule written plainly: another algorithm replaces native only if its slowest round is at
-# least MARGIN (10 %) below native's fastest; of those, the one with the fastest slowest round.
-_EXPECTED_CHOICE = {4096: "recursive_doubling", 65536: "native", 1 << 20: "native", 4 << 20: "native",
-                    64 << 20: "ring"}
+_EXPECTED_CHOICE = {4096: "recursive_doubling", 65536: "native", 1 << 20: "native", 64 << 20: "ring"}
 
 
-def test_the_probe_keeps_native_where_native_measured_fastest_or_the_rounds_overlap():
+def test_the_probe_picks_a_consistently_faster_candidate_from_paired_rounds_and_keeps_native_otherwise():
     from ringpipe.collectives import autotune
 
-    assert autotune.MARGIN == 0.10
-    for nbytes, times in _MEASURED.items():
-        best = {a: lo for a, (lo, _) in times.items()}
-        worst = {a: hi for a, (_, hi) in times.items()}
-        assert autotune.decide(best, worst) == _EXPECTED_CHOICE[nbytes], nbytes
-        fastest = min(best, key=best.__getitem__)
-        if fastest == "native":
-            assert autotune.decide(best, worst) == "native"
+    assert autotune.MARGIN == 0.10 and autotune.MAJORITY == 2 / 3
+    for nbytes, times in _ROUNDS.items():
+        assert autotune.decide(times) == _EXPECTED_CHOICE[nbytes], nbytes
+    # the old reading of the same 4 KiB rounds: rd's slowest round (2.2) is not below native's fastest (0.9)
+    assert max(_ROUNDS[4096]["recursive_doubling"]) > min(_ROUNDS[4096]["native"])
+    assert autotune.paired(_ROUNDS[4096], "recursive_doubling") == (pytest.approx(0.6), 8, 9)
+    assert autotune.paired(_ROUNDS[65536], "recursive_doubling") == (pytest.approx(0.85), 5, 9)
+
+
+def test_the_majority_is_two_thirds_of_the_rounds_and_every_round_when_there_are_one_or_two():
+    from ringpipe.collectives import autotune
+
+    def rounds(ratios: list[float]) -> dict[str, list[float]]:
+        return {"native": [1.0] * len(ratios), "ring": ratios}
+
+    assert autotune.decide(rounds([0.5] * 6 + [1.2] * 3)) == "ring"  # 6 of 9
+    assert autotune.decide(rounds([0.5] * 5 + [1.2] * 4)) == "native"  # 5 of 9: median 0.5, but no clear majority
+    assert autotune.decide(rounds([0.5] * 4 + [1.2])) == "ring"  # 4 of 5
+    assert autotune.decide(rounds([0.5] * 3 + [1.2] * 2)) == "native"  # 3 of 5
+    assert autotune.decide(rounds([0.5, 1.2])) == "native"  # 1 of 2
+    assert autotune.decide(rounds([0.5, 0.5])) == "ring"
+    assert autotune.decide(rounds([0.5])) == "ring"
+    assert autotune.decide(rounds([0.9] * 9)) == "ring"  # exactly 1 - MARGIN qualifies
+    assert autotune.decide(rounds([0.91] * 9)) == "native"
+    assert autotune.decide(rounds([0.5] * 9), margin=0.6) == "native"
+    # without native: the smallest median time
+    assert autotune.decide({"ring": [3.0, 1.0, 3.0], "recursive_doubling": [2.0, 2.0, 2.0]}) == "recursive_doubling"
+
+
+def test_the_decision_refuses_rounds_that_do_not_pair():
+    from ringpipe.collectives import autotune
+
+    with pytest.raises(ValueError, match="ring has 2 rounds and native 3"):
+        autotune.decide({"native": [1.0, 1.0, 1.0], "ring": [0.5, 0.5]})
+    with pytest.raises(ValueError, match="at least one candidate"):
+        autotune.decide({})
+
+
+def test_the_probe_spends_more_rounds_and_calls_on_small_sizes_than_on_large_ones():
+    from ringpipe.collectives import autotune
+
+    plan = [autotune.schedule(n) for n in autotune.PROBE_SIZES]
+    assert plan[0] == (9, 20) and plan[-1] == (5, 3)
+    assert all(a[0] >= b[0] and a[1] >= b[1] for a, b in zip(plan, plan[1:], strict=False))
+    assert all(r >= 5 for r, _ in plan)  # a two-thirds majority needs at least 4 of 5 rounds faster
+
+
+def test_a_table_keeps_every_round_through_json_and_reads_single_numbers_as_one_round(tmp_path):
+    from ringpipe.collectives import autotune
+
+    table = autotune.Table([(4096, "recursive_doubling", _ROUNDS[4096])], ("gloo", 2, ("h", "h")))
+    path = tmp_path / "auto.json"
+    table.save(str(path))
+    back = autotune.Table.from_json(json.loads(path.read_text()))
+    assert back.rows == table.rows and back.key == table.key
+    assert "recursive_doubling (0.60x native's time, faster in 8/9 rounds)" in repr(back)
+    old = autotune.Table.from_json({"key": ["gloo", 2, None],
+                                    "rows": [{"bytes": 4096, "choice": "native", "seconds": {"native": 0.001}}]})
+    assert old.rows == [(4096, "native", {"native": [0.001]})]
 
 
 def test_auto_follows_the_table_the_probe_writes_at_every_size():
@@ -562,12 +629,11 @@ def test_auto_follows_the_table_the_probe_writes_at_every_size():
 
     comm = SimpleNamespace(size=2, global_ranks=[0, 1], topology=SimpleNamespace(hostnames=["h", "h"]),
                            backend="gloo")
-    rows = [(n, autotune.decide({a: lo for a, (lo, _) in t.items()}, {a: hi for a, (_, hi) in t.items()}),
-             {a: lo for a, (lo, _) in t.items()}) for n, t in _MEASURED.items()]
+    rows = [(n, autotune.decide(t), t) for n, t in _ROUNDS.items()]
     table = autotune.Table(rows, autotune.key(comm))  # type: ignore[arg-type]
     autotune._TABLES[table.key] = table
     try:
-        assert {n: C.resolve("allreduce", "auto", n, comm) for n in _MEASURED} == _EXPECTED_CHOICE  # type: ignore[arg-type]
+        assert {n: C.resolve("allreduce", "auto", n, comm) for n in _ROUNDS} == _EXPECTED_CHOICE  # type: ignore[arg-type]
     finally:
         autotune.forget()
 

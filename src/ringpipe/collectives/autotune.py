@@ -4,11 +4,15 @@ Why: which allreduce is fastest depends on the backend, the number of ranks, the
 message size (on a 2-core loopback host gloo's own allreduce wins at some sizes, ringpipe's
 recursive doubling or ring at others; Open MPI's shared-memory collective wins below tens of MiB).
 :func:`probe` times, on every rank together, the backend's own allreduce and each of ringpipe's
-algorithms at a sweep of sizes, in the form ``auto`` would run them (checked), and keeps for each
-size the fastest; the backend's collective is kept unless another is faster by more than
-:data:`MARGIN` in every round, so that ``auto`` is never slower than native by more than the noise. The
-choice of every size is decided from timings gathered from every rank (the slowest rank counts),
-so every rank holds the same table and ``auto`` resolves the same way everywhere.
+algorithms at a sweep of sizes, in the form ``auto`` would run them (checked), the candidates
+taking turns round after round (:func:`block_order`), and :func:`decide` makes each size's choice
+from *paired* ratios: a candidate's time over native's time in the same round. Pairing removes
+most of a busy host's drift (both blocks ran seconds apart), so a candidate that is consistently
+faster is recognised although the rounds' min-max spreads overlap; the backend's collective is
+kept unless another is faster by more than :data:`MARGIN` in the median round and faster in at
+least :data:`MAJORITY` of the rounds, so that ``auto`` is never slower than native by more than
+the noise. Every round's time is the slowest rank's, gathered from every rank, so every rank
+holds the same table and ``auto`` resolves the same way everywhere.
 
 The table lives in this process, keyed by backend, number of ranks and the hosts of the ranks
 (:func:`key`); :meth:`Table.save` writes it as JSON and :func:`load` reads one back on every rank
@@ -27,11 +31,14 @@ import torch
 
 from ringpipe.comm.base import Communicator
 
-__all__ = ["MARGIN", "PROBE_SIZES", "Table", "block_order", "candidates", "decide", "forget", "key", "load",
-           "lookup", "probe"]
+__all__ = ["MAJORITY", "MARGIN", "PROBE_SIZES", "Table", "block_order", "candidates", "decide", "forget", "key",
+           "load", "lookup", "paired", "probe", "schedule"]
 
-#: Another algorithm replaces the native collective only if it is at least this much faster.
+#: Another algorithm replaces the native collective only if its median paired ratio to native
+#: (its time over native's in the same round) is at most ``1 - MARGIN``...
 MARGIN = 0.10
+#: ... and it was faster than native in at least this fraction of the rounds.
+MAJORITY = 2 / 3
 #: The sizes the probe times by default: 4 KiB to 64 MiB by factors of 4.
 PROBE_SIZES = tuple(4096 * 4**i for i in range(9))
 
@@ -45,11 +52,51 @@ def key(comm: Communicator) -> tuple[Any, ...]:
     return (getattr(comm, "backend", "?"), comm.size, members)
 
 
-class Table:
-    """Per measured size: the chosen algorithm and every candidate's time in seconds."""
+def paired(times: dict[str, list[float]], algo: str) -> tuple[float, int, int]:
+    """``algo`` against ``native`` round by round: (median of algo / native, rounds algo was faster, rounds).
 
-    def __init__(self, rows: list[tuple[int, str, dict[str, float]]], for_key: tuple[Any, ...]) -> None:
-        self.rows = sorted(rows)
+    ``times`` holds each candidate's time per call in every round of one size (the slowest rank's),
+    the rounds in the same order for every candidate.
+    """
+    mine, native = times[algo], times["native"]
+    if len(mine) != len(native) or not mine:
+        raise ValueError(f"{algo} has {len(mine)} rounds and native {len(native)}: the probe times every "
+                         "candidate once per round, so the rounds must match and not be empty")
+    ratios = [a / max(n, 1e-12) for a, n in zip(mine, native, strict=True)]
+    return statistics.median(ratios), sum(a < n for a, n in zip(mine, native, strict=True)), len(ratios)
+
+
+def decide(times: dict[str, list[float]], margin: float = MARGIN, majority: float = MAJORITY) -> str:
+    """The choice for one size from every candidate's time per call in each round (seconds).
+
+    The rule, with ``r_k = t_candidate,k / t_native,k`` the paired ratio of round ``k`` of ``n``:
+    a candidate *qualifies* when the median of its ``r_k`` is at most ``1 - margin`` **and** it
+    was faster than native (``r_k < 1``) in at least ``majority * n`` rounds (6 of 9, 5 of 7,
+    4 of 5; with one or two rounds, every round). Of the qualifying candidates the one with the
+    smallest median ratio is chosen (ties by name); with none, ``native``. So a candidate whose
+    rounds are noisy but consistently faster is taken, and one that is faster only in its median,
+    or only in some rounds, or by less than the margin, is not: ``auto`` then runs native.
+    Without a native candidate: the candidate with the smallest median time.
+    """
+    if not times:
+        raise ValueError("decide needs the times of at least one candidate")
+    if "native" not in times:
+        return min(times, key=lambda a: (statistics.median(times[a]), a))
+    best, best_ratio = "native", math.inf
+    for algo in sorted(times):
+        if algo == "native":
+            continue
+        ratio, wins, n = paired(times, algo)
+        if ratio <= 1.0 - margin and wins >= majority * n - 1e-9 and ratio < best_ratio:
+            best, best_ratio = algo, ratio
+    return best
+
+
+class Table:
+    """Per measured size: the chosen algorithm and every candidate's time per round, in seconds."""
+
+    def __init__(self, rows: list[tuple[int, str, dict[str, list[float]]]], for_key: tuple[Any, ...]) -> None:
+        self.rows = sorted(rows, key=lambda r: r[0])
         self.key = for_key
 
     def choose(self, nbytes: int) -> str:
@@ -66,15 +113,22 @@ class Table:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Table:
         k = data["key"]
-        return cls([(r["bytes"], r["choice"], r["seconds"]) for r in data["rows"]],
-                   (k[0], k[1], tuple(k[2]) if k[2] else None))
+        # a single number per candidate (tables of earlier versions): one round
+        rows = [(r["bytes"], r["choice"], {a: v if isinstance(v, list) else [v] for a, v in r["seconds"].items()})
+                for r in data["rows"]]
+        return cls(rows, (k[0], k[1], tuple(k[2]) if k[2] else None))
 
     def save(self, path: str) -> None:
         with open(path, "w") as f:
             json.dump(self.to_json(), f, indent=1)
 
     def __repr__(self) -> str:
-        return "Table(" + ", ".join(f"{b}: {c}" for b, c, _ in self.rows) + ")"
+        def one(b: int, c: str, t: dict[str, list[float]]) -> str:
+            if c == "native" or "native" not in t or c not in t:
+                return f"{b}: {c}"
+            ratio, wins, n = paired(t, c)
+            return f"{b}: {c} ({ratio:.2f}x native's time, faster in {wins}/{n} rounds)"
+        return "Table(" + ", ".join(one(*r) for r in self.rows) + ")"
 
 
 def lookup(comm: Communicator) -> Table | None:
@@ -99,8 +153,18 @@ def candidates(comm: Communicator) -> list[str]:
     return out
 
 
-def _iters(nbytes: int) -> int:
-    return 20 if nbytes <= 256 * 1024 else 8 if nbytes <= 4 << 20 else 3
+def schedule(nbytes: int) -> tuple[int, int]:
+    """(rounds, calls per block) the probe spends on a size by default.
+
+    Small messages are cheap and noisy (a call takes about a millisecond, a busy host's time slice
+    as much), so they get many rounds of many calls; large ones are long enough to time in a few
+    calls and few rounds: 9 x 20 up to 256 KiB, 7 x 8 up to 4 MiB, 5 x 3 above.
+    """
+    if nbytes <= 256 * 1024:
+        return 9, 20
+    if nbytes <= 4 << 20:
+        return 7, 8
+    return 5, 3
 
 
 def block_order(names: list[str], rnd: int) -> list[str]:
@@ -117,30 +181,20 @@ def block_order(names: list[str], rnd: int) -> list[str]:
     return order if rnd % 2 == 0 else order[::-1]
 
 
-def decide(best: dict[str, float], worst: dict[str, float], margin: float = MARGIN) -> str:
-    """The choice for one size from every candidate's fastest and slowest round (seconds per call).
-
-    The backend's collective (``native``) is kept unless another candidate's *slowest* round beats
-    native's *fastest* by ``margin``: where native measured fastest, or where the rounds of a
-    faster-looking candidate overlap native's, ``auto`` runs native. Without a native candidate,
-    the candidate with the fastest slowest round.
-    """
-    choice = min(worst, key=lambda a: (worst[a], a))
-    if "native" in best and choice != "native" and worst[choice] > (1.0 - margin) * best["native"]:
-        return "native"
-    return choice
-
-
-def probe(comm: Communicator, sizes: tuple[int, ...] | list[int] = PROBE_SIZES, rounds: int = 2,
+def probe(comm: Communicator, sizes: tuple[int, ...] | list[int] = PROBE_SIZES, rounds: int | None = None,
           dtype: torch.dtype = torch.float32) -> Table:
     """Time every candidate at every size on every rank (collective); keep and return the table.
 
-    Each size is timed in ``rounds`` rounds, the candidates taking turns in the order of
-    :func:`block_order`; a candidate's time in a round is its median per call on the slowest rank.
-    :func:`decide` makes the choice; the table keeps every candidate's fastest round.
+    Each size is timed in ``rounds`` rounds (None: :func:`schedule`'s number for the size), the
+    candidates taking turns in the order of :func:`block_order` after one warm-up call each; a
+    candidate's time in a round is its median per call over a block, on the slowest rank.
+    :func:`decide` makes the choice from those times; the table keeps them. On 2 ranks the default
+    schedule over :data:`PROBE_SIZES` takes about 10 s on a quiet 2-core host.
     """
     from ringpipe import collectives  # the package that uses this module; imported when probing
 
+    if rounds is not None and rounds < 1:
+        raise ValueError(f"the probe needs at least one round per size, got rounds={rounds}")
     if comm.size < 2:
         table = Table([], key(comm))
         _TABLES[table.key] = table
@@ -150,24 +204,24 @@ def probe(comm: Communicator, sizes: tuple[int, ...] | list[int] = PROBE_SIZES, 
     rows = []
     for nbytes in sizes:
         x = torch.zeros(max(1, nbytes // item), dtype=dtype)  # zeros: repeated sums stay finite
-        best: dict[str, float] = {}
-        worst: dict[str, float] = {}
-        for r in range(rounds):
+        n_rounds, iters = schedule(x.numel() * item)
+        n_rounds = rounds or n_rounds
+        for algo in algos:
+            collectives.allreduce(comm, x, algorithm=algo)  # warm-up
+        times: dict[str, list[float]] = {algo: [] for algo in algos}
+        for r in range(n_rounds):
             mine: dict[str, float] = {}
             for algo in block_order(algos, r):
-                collectives.allreduce(comm, x, algorithm=algo)  # warm-up
-                times = []
-                for _ in range(_iters(nbytes)):
+                block = []
+                for _ in range(iters):
                     t0 = time.perf_counter()
                     collectives.allreduce(comm, x, algorithm=algo)
-                    times.append(time.perf_counter() - t0)
-                mine[algo] = statistics.median(times)
+                    block.append(time.perf_counter() - t0)
+                mine[algo] = statistics.median(block)
             every = comm.allgather_object(mine)
             for algo in algos:
-                slowest = max(e[algo] for e in every)
-                best[algo] = min(best.get(algo, math.inf), slowest)
-                worst[algo] = max(worst.get(algo, 0.0), slowest)
-        rows.append((x.numel() * item, decide(best, worst), best))
+                times[algo].append(max(e[algo] for e in every))
+        rows.append((x.numel() * item, decide(times), times))
     table = Table(rows, key(comm))
     _TABLES[table.key] = table
     return table

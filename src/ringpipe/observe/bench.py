@@ -15,9 +15,9 @@ gives the best own algorithm / native and auto / native and whether their spread
 
 ``auto`` rows name the algorithm ``auto`` ran at that size (``auto>native``, ``auto>ring``...).
 Before an allreduce sweep that includes ``auto``, every rank runs the probe of
-:mod:`ringpipe.collectives.autotune` once over the sweep's sizes, in :data:`PROBE_ROUNDS` rounds
+:mod:`ringpipe.collectives.autotune` once over the sweep's sizes, in the probe's own rounds per size
 (``--no-probe``: the recorded rules instead; ``--auto-table FILE``: read the table from FILE when
-it exists, else write it there).
+it exists, else write it there), and prints its choices with their paired ratios to native.
 
 Buffers live where the communicator takes tensors (the pinned GPU under NCCL, the CPU under
 gloo and MPI), and CUDA work is synchronised before the clock is read.
@@ -60,9 +60,6 @@ __all__ = ["COLLECTIVES", "add_parser", "bench_main", "bus_factor", "check_algor
 
 log = logging.getLogger(__name__)
 
-#: Rounds of the probe before a sweep with ``auto``: more rounds than a job's default probe, so a
-#: burst of load in one round cannot make it leave native (a choice must win in every round).
-PROBE_ROUNDS = 4
 
 def _options(args: Any) -> tuple[list[int], list[str] | None, torch.dtype]:
     """Sizes, algorithms and dtype from the command line; ValueError with the reason when wrong."""
@@ -142,7 +139,7 @@ def _probe(comm: Communicator, args: Any, sizes: list[int], dtype: torch.dtype, 
         how = f"read from {path}"
     else:
         t0 = time.perf_counter()
-        table = autotune.probe(comm, sorted({max(s, 4) for s in sizes}), rounds=PROBE_ROUNDS, dtype=dtype)
+        table = autotune.probe(comm, sorted({max(s, 4) for s in sizes}), dtype=dtype)
         how = f"probed in {time.perf_counter() - t0:.1f} s"
         if path and root:
             table.save(path)
