@@ -40,7 +40,7 @@ MARGIN = 0.10
 #: ... and it was faster than native in at least this fraction of the rounds.
 MAJORITY = 2 / 3
 #: The sizes the probe times by default: 4 KiB to 64 MiB by factors of 4.
-PROBE_SIZES = tuple(4096 * 4**i for i in range(9))
+PROBE_SIZES = tuple(4096 * 4**i for i in range(8))
 
 _TABLES: dict[tuple[Any, ...], Table] = {}
 
@@ -56,14 +56,21 @@ def paired(times: dict[str, list[float]], algo: str) -> tuple[float, int, int]:
     """``algo`` against ``native`` round by round: (median of algo / native, rounds algo was faster, rounds).
 
     ``times`` holds each candidate's time per call in every round of one size (the slowest rank's),
-    the rounds in the same order for every candidate.
+    the rounds in the same order for every candidate. A candidate the probe stopped timing early
+    (it could no longer win enough rounds) has fewer rounds than native: its rounds pair with
+    native's first ones, and the rounds it missed count as not faster.
     """
     mine, native = times[algo], times["native"]
-    if len(mine) != len(native) or not mine:
+    if not mine or len(mine) > len(native):
         raise ValueError(f"{algo} has {len(mine)} rounds and native {len(native)}: the probe times every "
-                         "candidate once per round, so the rounds must match and not be empty")
-    ratios = [a / max(n, 1e-12) for a, n in zip(mine, native, strict=True)]
-    return statistics.median(ratios), sum(a < n for a, n in zip(mine, native, strict=True)), len(ratios)
+                         "candidate once per round, so a candidate needs at least one round and no more than native")
+    ratios = [a / max(n, 1e-12) for a, n in zip(mine, native, strict=False)]
+    return statistics.median(ratios), sum(r < 1.0 for r in ratios), len(native)
+
+
+def _needed(rounds: int, majority: float) -> int:
+    """Rounds a candidate must win out of ``rounds``: at least ``majority`` of them."""
+    return math.ceil(majority * rounds - 1e-9)
 
 
 def decide(times: dict[str, list[float]], margin: float = MARGIN, majority: float = MAJORITY) -> str:
@@ -72,7 +79,8 @@ def decide(times: dict[str, list[float]], margin: float = MARGIN, majority: floa
     The rule, with ``r_k = t_candidate,k / t_native,k`` the paired ratio of round ``k`` of ``n``:
     a candidate *qualifies* when the median of its ``r_k`` is at most ``1 - margin`` **and** it
     was faster than native (``r_k < 1``) in at least ``majority * n`` rounds (6 of 9, 5 of 7,
-    4 of 5; with one or two rounds, every round). Of the qualifying candidates the one with the
+    4 of 5; with one or two rounds, every round; rounds a candidate was not timed in, after the
+    probe dropped it, count as not faster). Of the qualifying candidates the one with the
     smallest median ratio is chosen (ties by name); with none, ``native``. So a candidate whose
     rounds are noisy but consistently faster is taken, and one that is faster only in its median,
     or only in some rounds, or by less than the margin, is not: ``auto`` then runs native.
@@ -87,7 +95,7 @@ def decide(times: dict[str, list[float]], margin: float = MARGIN, majority: floa
         if algo == "native":
             continue
         ratio, wins, n = paired(times, algo)
-        if ratio <= 1.0 - margin and wins >= majority * n - 1e-9 and ratio < best_ratio:
+        if ratio <= 1.0 - margin and wins >= _needed(n, majority) and ratio < best_ratio:
             best, best_ratio = algo, ratio
     return best
 
@@ -187,9 +195,12 @@ def probe(comm: Communicator, sizes: tuple[int, ...] | list[int] = PROBE_SIZES, 
 
     Each size is timed in ``rounds`` rounds (None: :func:`schedule`'s number for the size), the
     candidates taking turns in the order of :func:`block_order` after one warm-up call each; a
-    candidate's time in a round is its median per call over a block, on the slowest rank.
-    :func:`decide` makes the choice from those times; the table keeps them. On 2 ranks the default
-    schedule over :data:`PROBE_SIZES` takes about 10 s on a quiet 2-core host.
+    candidate's time in a round is its median per call over a block, on the slowest rank. A
+    candidate that has lost so many rounds to native that it can no longer win the
+    :data:`MAJORITY` :func:`decide` asks for is not timed in the rounds left (the choice is the
+    same, the probe shorter). :func:`decide` makes the choice from those times; the table keeps
+    them. On 2 ranks the default schedule over :data:`PROBE_SIZES` takes about 10 s on a quiet
+    2-core host.
     """
     from ringpipe import collectives  # the package that uses this module; imported when probing
 
@@ -209,9 +220,10 @@ def probe(comm: Communicator, sizes: tuple[int, ...] | list[int] = PROBE_SIZES, 
         for algo in algos:
             collectives.allreduce(comm, x, algorithm=algo)  # warm-up
         times: dict[str, list[float]] = {algo: [] for algo in algos}
+        alive = list(algos)
         for r in range(n_rounds):
             mine: dict[str, float] = {}
-            for algo in block_order(algos, r):
+            for algo in block_order(alive, r):
                 block = []
                 for _ in range(iters):
                     t0 = time.perf_counter()
@@ -219,8 +231,11 @@ def probe(comm: Communicator, sizes: tuple[int, ...] | list[int] = PROBE_SIZES, 
                     block.append(time.perf_counter() - t0)
                 mine[algo] = statistics.median(block)
             every = comm.allgather_object(mine)
-            for algo in algos:
+            for algo in alive:
                 times[algo].append(max(e[algo] for e in every))
+            # drop who can no longer win enough rounds (the same gathered times on every rank)
+            alive = [a for a in alive if a == "native" or paired(times, a)[1] + n_rounds - r - 1
+                     >= _needed(n_rounds, MAJORITY)]
         rows.append((x.numel() * item, decide(times), times))
     table = Table(rows, key(comm))
     _TABLES[table.key] = table
