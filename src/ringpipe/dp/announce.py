@@ -59,6 +59,7 @@ from ringpipe.dp.headers import (
     read,
     with_payload,
 )
+from ringpipe.dp.transport import ANNOUNCE_TAG, isum
 
 __all__ = [
     "OPS",
@@ -102,7 +103,7 @@ def exchange(
     digits, fields = header(comm, op, tensor, reduce_op, detail, problem)
     wire = message(comm, digits, None, 0)
     with internal():  # ringpipe's bookkeeping: listed apart from the program's calls
-        comm.allreduce(wire, ReduceOp.SUM)
+        isum(comm, wire, ReduceOp.SUM, ANNOUNCE_TAG).wait()
     note = read(comm, decode(wire, digits.numel()), fields, problem, by_name=True)
     return with_payload(note, wire[digits.numel():])
 
@@ -190,10 +191,10 @@ def start_exchange(comm: Communicator, op: str, wire: torch.Tensor, ride: int, b
     # with gradients in it, the message is the program's reduction, not only ringpipe's bookkeeping
     with internal() if not ride else contextlib.nullcontext():
         if blocking:
-            comm.allreduce(out, ReduceOp.SUM)
+            isum(comm, out, ReduceOp.SUM, ANNOUNCE_TAG).wait()
             work = None
         else:
-            work = comm.iallreduce(out, ReduceOp.SUM)
+            work = isum(comm, out, ReduceOp.SUM, ANNOUNCE_TAG)
     pending = Pending(comm, out, work, fields, digits.numel(), wire[:ride] if ride else None, on_note, bool(behind))
     _UNREAD[comm] = pending
     return pending

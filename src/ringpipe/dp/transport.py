@@ -1,0 +1,51 @@
+"""How the data-parallel path moves a sum: the backend's allreduce, or one pairwise exchange.
+
+Every sum the data-parallel API posts (the announcements, the optimizer's buckets, the
+announced allreduces, and a joined rank's zeros standing in for any of them) goes through
+:func:`isum`, so that the ranks with data and a joined rank always pick the same transport for
+a message: the choice depends only on what every rank of the call shares (backend, number of
+ranks, dtype, device and length).
+
+On two gloo ranks, floating-point messages up to :data:`PAIRWISE_BYTES` go as one exchange of
+point-to-point messages (:func:`ringpipe.collectives.pairwise.iallreduce_pair`): gloo's
+allreduce took 1.7-2x as long from 4 KiB to 256 KiB and about as long from 1 MiB (loopback,
+quiet 2-vCPU host, ``benchmarks/RESULTS.md``). Everything else takes the backend's allreduce.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ringpipe.collectives.pairwise import ANNOUNCE_TAG, DATA_TAG, DTYPES, iallreduce_pair
+from ringpipe.comm.base import Communicator, ReduceOp, Work, nbytes_of
+
+__all__ = ["ANNOUNCE_TAG", "DATA_TAG", "PAIRWISE_BYTES", "isum", "pairwise"]
+
+#: The largest message (bytes) exchanged pairwise on two gloo ranks.
+PAIRWISE_BYTES = 1 << 20
+
+
+def pairwise(comm: Communicator, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> bool:
+    """Whether :func:`isum` exchanges ``tensor`` pairwise on ``comm`` (the same answer on every rank)."""
+    return (
+        comm.size == 2
+        and comm.backend == "gloo"
+        and op in (ReduceOp.SUM, ReduceOp.AVERAGE)
+        and tensor.dtype in DTYPES
+        and tensor.device.type == "cpu"
+        and tensor.is_contiguous()
+        and 0 < nbytes_of(tensor) <= PAIRWISE_BYTES
+    )
+
+
+def isum(comm: Communicator, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, tag: int = DATA_TAG) -> Work:
+    """Start reducing ``tensor`` in place (Sum, or the Average of floating-point tensors too); a Work.
+
+    ``tag`` keeps the announcements' exchanges apart from the data's (:data:`ANNOUNCE_TAG`).
+    """
+    if not pairwise(comm, tensor, op):
+        return comm.iallreduce(tensor, op)
+    work = iallreduce_pair(comm, tensor, tag)
+    if op is ReduceOp.AVERAGE:
+        return Work(work.wait, work.is_completed, result=tensor, post=lambda: tensor.div_(comm.size))
+    return work
