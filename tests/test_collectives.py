@@ -630,6 +630,9 @@ def test_a_table_keeps_every_round_through_json_and_reads_single_numbers_as_one_
     back = autotune.Table.from_json(json.loads(path.read_text()))
     assert back.rows == table.rows and back.key == table.key
     assert "recursive_doubling (0.60x native's time, faster in 8/9 rounds)" in repr(back)
+    kept = autotune.Table([(65536, "native", _ROUNDS[65536])], ("gloo", 2, ("h", "h")))
+    assert repr(kept) == ("Table(65536: native (best other recursive_doubling: 0.85x native's time, "
+                          "faster in 5/9 rounds))")
     old = autotune.Table.from_json({"key": ["gloo", 2, None],
                                     "rows": [{"bytes": 4096, "choice": "native", "seconds": {"native": 0.001}}]})
     assert old.rows == [(4096, "native", {"native": [0.001]})]

@@ -132,10 +132,13 @@ class Table:
 
     def __repr__(self) -> str:
         def one(b: int, c: str, t: dict[str, list[float]]) -> str:
-            if c == "native" or "native" not in t or c not in t:
+            others = [a for a in t if a != "native" and t[a]]
+            if "native" not in t or not t["native"] or not others:
                 return f"{b}: {c}"
-            ratio, wins, n = paired(t, c)
-            return f"{b}: {c} ({ratio:.2f}x native's time, faster in {wins}/{n} rounds)"
+            shown = c if c != "native" else min(others, key=lambda a: (paired(t, a)[0], a))
+            ratio, wins, n = paired(t, shown)
+            what = f"{ratio:.2f}x native's time, faster in {wins}/{n} rounds"
+            return f"{b}: {c} ({what})" if c != "native" else f"{b}: native (best other {shown}: {what})"
         return "Table(" + ", ".join(one(*r) for r in self.rows) + ")"
 
 
