@@ -8,7 +8,8 @@ sections are read only by the modes that use them; setting them for another mode
 The defaults are the default run: an MLP on the embedded digits, data-parallel on 2 processes.
 
 The sections live in :mod:`ringpipe.train.config_sections` (models, data, optimizers, schedules,
-checkpoints) and :mod:`ringpipe.train.config_parallel` (pipeline, dp); every name is re-exported here.
+checkpoints) and :mod:`ringpipe.train.config_parallel` (pipeline, dp), the ``--set`` overrides in
+:mod:`ringpipe.train.config_overrides`; every name is re-exported here.
 
 The asynchronous pipeline's keys (``pipeline.step_every``, ``pipeline.mitigations`` and their
 options) may also be written at the top level, with ``pipeline.recompute`` (``--set
@@ -30,6 +31,7 @@ import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from ringpipe.train.config_errors import did_you_mean, format_error
+from ringpipe.train.config_overrides import apply_overrides, parse_override
 from ringpipe.train.config_parallel import (
     ASYNC_KEYS,
     GA_STAGE_POLICIES,
@@ -262,46 +264,6 @@ class TrainConfig(_Section):
 
 
 # --------------------------------------------------------------------------------- loading
-
-
-def parse_override(item: str) -> tuple[list[str], Any]:
-    """``a.b=value`` -> (["a", "b"], value); the value is read as YAML (numbers, bools, lists, null)."""
-    key, sep, text = item.partition("=")
-    key = key.strip()
-    if not sep or not key or any(not p for p in key.split(".")):
-        raise ConfigError(f"--set {item!r}: expected key=value with a dotted key, e.g. --set optimizer.lr=0.1")
-    try:
-        value = yaml.safe_load(text) if text.strip() else ""
-    except yaml.YAMLError:
-        value = text
-    return key.split("."), value
-
-
-def apply_overrides(raw: dict[str, Any], overrides: Iterable[str]) -> dict[str, Any]:
-    """Apply ``--set key=value`` items to a raw config dict (a copy is returned).
-
-    Setting ``section.name`` to another variant drops the section's keys that the old variant
-    had and the new one does not read, so ``--set model.name=cnn`` works on an MLP config.
-    A top-level pipeline short key (``--set step_every=2``) sets ``pipeline.step_every``.
-    """
-    out = json.loads(json.dumps(raw, default=str))
-    for item in overrides:
-        path, value = parse_override(item)
-        if len(path) == 1 and path[0] in PIPELINE_SHORT_KEYS:
-            path = ["pipeline", path[0]]  # the short form of a pipeline key
-        node = out
-        for p in path[:-1]:
-            child = node.get(p)
-            if child is None:
-                child = node[p] = {}
-            if not isinstance(child, dict):
-                raise ConfigError(f"--set {item!r}: {p!r} is a value ({child!r}), not a section")
-            node = child
-        last = path[-1]
-        if last == "name" and node.get("name") not in (None, value) and len(path) == 2:
-            node.clear()
-        node[last] = value
-    return out
 
 
 #: The example configurations shipped with ringpipe (``--config NAME`` finds them by name).

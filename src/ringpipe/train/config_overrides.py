@@ -1,0 +1,59 @@
+"""``--set key=value`` overrides of a raw trainer configuration, applied before validation.
+
+The value is read as YAML (numbers, bools, lists, null); a dotted key walks into sections; a
+top-level pipeline short key (``step_every``, ``recompute``, ...) means the ``pipeline``
+section's key. :mod:`ringpipe.train.config` re-exports both functions.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from typing import Any
+
+import yaml
+
+from ringpipe.train.config_parallel import PIPELINE_SHORT_KEYS
+from ringpipe.train.config_sections import ConfigError
+
+__all__ = ["apply_overrides", "parse_override"]
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """``a.b=value`` -> (["a", "b"], value); the value is read as YAML (numbers, bools, lists, null)."""
+    key, sep, text = item.partition("=")
+    key = key.strip()
+    if not sep or not key or any(not p for p in key.split(".")):
+        raise ConfigError(f"--set {item!r}: expected key=value with a dotted key, e.g. --set optimizer.lr=0.1")
+    try:
+        value = yaml.safe_load(text) if text.strip() else ""
+    except yaml.YAMLError:
+        value = text
+    return key.split("."), value
+
+
+def apply_overrides(raw: dict[str, Any], overrides: Iterable[str]) -> dict[str, Any]:
+    """Apply ``--set key=value`` items to a raw config dict (a copy is returned).
+
+    Setting ``section.name`` to another variant drops the section's keys that the old variant
+    had and the new one does not read, so ``--set model.name=cnn`` works on an MLP config.
+    A top-level pipeline short key (``--set step_every=2``) sets ``pipeline.step_every``.
+    """
+    out = json.loads(json.dumps(raw, default=str))
+    for item in overrides:
+        path, value = parse_override(item)
+        if len(path) == 1 and path[0] in PIPELINE_SHORT_KEYS:
+            path = ["pipeline", path[0]]  # the short form of a pipeline key
+        node = out
+        for p in path[:-1]:
+            child = node.get(p)
+            if child is None:
+                child = node[p] = {}
+            if not isinstance(child, dict):
+                raise ConfigError(f"--set {item!r}: {p!r} is a value ({child!r}), not a section")
+            node = child
+        last = path[-1]
+        if last == "name" and node.get("name") not in (None, value) and len(path) == 2:
+            node.clear()
+        node[last] = value
+    return out
