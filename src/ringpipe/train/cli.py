@@ -3,21 +3,18 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
-import multiprocessing
 import os
 import re
-import shlex
-import signal
 import subprocess
 import sys
-import typing
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 from ringpipe.train.cli_help import epilog_when_shown
+from ringpipe.train.cli_stop import forward_stop as _forward_stop
+from ringpipe.train.cli_stop import interrupted as _interrupted
+from ringpipe.train.cli_stop import stop_children as _stop_children
 from ringpipe.train.config import (
     MODE_NAMES,
     PIPELINE_MODES,
@@ -28,9 +25,6 @@ from ringpipe.train.config import (
     resolve_raw,
     validate,
 )
-
-if typing.TYPE_CHECKING:
-    from ringpipe.train.loop import StopRequest
 
 __all__ = ["add_parser", "add_train_parser", "run_train", "resolve_run_dir"]
 
@@ -148,52 +142,6 @@ def _worker(comm: Any, raw: dict[str, Any], run_dir: str, resume: bool, progress
         return {"nothing_to_resume": str(exc)}
     return summary if comm.rank == 0 else {"stop_reason": summary.get("stop_reason", "")}
 
-
-def _forward_stop() -> StopRequest:
-    """SIGINT in the parent of spawned ranks: the first is passed on to the ranks, which stop
-    gracefully and report (a terminal's Ctrl-C reaches them too: they take both as one); a
-    repeat raises ``KeyboardInterrupt`` here, and the parent stops the ranks at once. A forked
-    rank inherits the handler, and with it a request made before its training loop took over."""
-    from ringpipe.train.loop import StopRequest
-
-    parent = os.getpid()
-
-    class ForwardStop(StopRequest):
-        def __call__(self, signum: int, frame: FrameType | None) -> None:
-            first = not self.requested
-            super().__call__(signum, frame)
-            if first and os.getpid() == parent:
-                for child in multiprocessing.active_children():
-                    if child.pid is not None:
-                        with contextlib.suppress(ProcessLookupError):
-                            os.kill(child.pid, signal.SIGINT)
-
-    return ForwardStop()
-
-
-def _stop_children(timeout: float = 5.0) -> None:
-    """Terminate the spawned ranks (a second Ctrl-C), killing those that do not exit in ``timeout``."""
-    children = multiprocessing.active_children()
-    for child in children:
-        child.terminate()
-    for child in children:
-        child.join(timeout)
-        if child.is_alive():
-            child.kill()
-
-
-def _interrupted(run_dir: Path) -> int:
-    """Say where an interrupted run can continue from; the exit code of Ctrl-C."""
-    from ringpipe.train.checkpoint import checkpoint_step, latest_checkpoint
-
-    ckpt = latest_checkpoint(run_dir / "checkpoints")
-    if ckpt is None:
-        print(f"ringpipe train: interrupted before the first checkpoint; nothing to resume in {run_dir}",
-              file=sys.stderr)
-    else:
-        print(f"ringpipe train: interrupted at step {checkpoint_step(ckpt)}; continue with: "
-              f"ringpipe train --resume --run-dir {shlex.quote(str(run_dir))}", file=sys.stderr)
-    return 130
 
 
 # A rank's failure that every rank meets alike (a config or checkpoint problem) needs no rank number.
