@@ -215,3 +215,32 @@ def test_validator_rejects_bad_split_backwards_and_chunks():
     with pytest.raises(ScheduleError, match="forwards in different orders"):
         validate_pipeline([parse("F0 F1 F0.1 F1.1 B0.1 B1.1 B0 B1 S"),
                            parse("F0 F1 F1.1 F0.1 B0.1 B1.1 B0 B1 S")], 2)
+
+
+# ------------------------------------------------------------------------------ module layout
+
+SCHEDULE_MODULES = ["actions", "schedule_checks", "schedules", "schedules_interleaved", "zero_bubble"]
+
+
+@pytest.mark.parametrize("module", SCHEDULE_MODULES)
+def test_each_schedule_module_imports_first_in_a_fresh_interpreter(module):
+    """No import cycle: whichever schedule module a program imports first, it loads, and the registry is whole."""
+    import subprocess
+    import sys
+
+    code = (f"import ringpipe.pipeline.{module}; from ringpipe.pipeline.schedules import SCHEDULES; "
+            "print(' '.join(sorted(SCHEDULES)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == sorted(["seq", "gpipe", "1f1b", "async_1f1b", "interleaved_1f1b", "zb_h1", "zb_h2"])
+
+
+def test_schedules_module_still_offers_every_public_name():
+    """Action, the checks and the schedules live in their own modules; ``schedules`` re-exports them all."""
+    from ringpipe.pipeline import actions, schedule_checks, schedules
+
+    for name in ["Action", "ScheduleError", "SCHEDULES", "ASYNC_SCHEDULES", "parse", "format_actions", "seq", "gpipe",
+                 "one_f_one_b", "async_1f1b", "async_1f1b_window", "async_staleness", "get_schedule", "validate",
+                 "validate_pipeline", "num_chunks", "max_in_flight", "staleness_at_forward", "render"]:
+        assert name in schedules.__all__ and hasattr(schedules, name), name
+    assert schedules.Action is actions.Action and schedules.validate is schedule_checks.validate
