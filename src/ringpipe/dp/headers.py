@@ -46,7 +46,6 @@ _TAIL = 3
 RIDE_CAP = 32768
 _DIGIT_BITS, _DIGITS = 12, 6  # an int64 word (at most 72 bits) as six float32 digits
 _SHIFTS = torch.arange(_DIGITS, dtype=torch.int64) * _DIGIT_BITS
-_HALF_SHIFTS, _HALF_BITS = _SHIFTS[: _DIGITS // 2], _DIGIT_BITS * (_DIGITS // 2)
 
 
 @dataclass(frozen=True)
@@ -117,11 +116,8 @@ def _encode(header: torch.Tensor) -> torch.Tensor:
 
 def decode(message: torch.Tensor, size: int) -> list[int]:
     """The summed int64 words of a summed header (its first ``size`` digits)."""
-    # Each half of a word's digits fits an int64 (3 digits of at most 24 bits after the sum, 12 bits apart);
-    # the halves are joined in Python, whose integers hold the up to 72 bits of a summed word.
-    digits = message[:size].round().to(torch.int64).view(-1, 2, _DIGITS // 2)
-    halves = (digits << _HALF_SHIFTS).sum(2).tolist()
-    return [low + (high << _HALF_BITS) for low, high in halves]
+    digits = [round(v) for v in message[:size].cpu().tolist()]
+    return [sum(digits[i + j] << (_DIGIT_BITS * j) for j in range(_DIGITS)) for i in range(0, size, _DIGITS)]
 
 
 _CONSTANT: dict[tuple[Any, ...], torch.Tensor] = {}
