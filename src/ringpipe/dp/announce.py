@@ -53,10 +53,9 @@ from ringpipe.dp.headers import (
     Note,
     Reorder,
     announcement_bytes,
-    decode,
     header,
     message,
-    read,
+    read_message,
     with_payload,
 )
 from ringpipe.dp.transport import ANNOUNCE_TAG, isum
@@ -104,7 +103,7 @@ def exchange(
     wire = message(comm, digits, None, 0)
     with internal():  # ringpipe's bookkeeping: listed apart from the program's calls
         isum(comm, wire, ReduceOp.SUM, ANNOUNCE_TAG).wait()
-    note = read(comm, decode(wire, digits.numel()), fields, problem, by_name=True)
+    note = read_message(comm, wire, digits.numel(), fields, problem, by_name=True)
     return with_payload(note, wire[digits.numel():])
 
 
@@ -135,7 +134,7 @@ class Pending:
                 try:
                     if self.work is not None:
                         self.work.wait()
-                    self._note = read(self.comm, decode(self.message, self.size), self.fields, None, self.behind)
+                    self._note = read_message(self.comm, self.message, self.size, self.fields, None, self.behind)
                     if self.target is not None:
                         self.target.copy_(self.message[self.size : self.size + self.target.numel()])
                     if self.on_note is not None:
