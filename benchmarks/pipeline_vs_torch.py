@@ -24,12 +24,21 @@ reported, and the ratios are medians of the per-block ratios. Peak activation me
 measured the same way on both sides: live bytes of the storages autograd saves for backward
 (a saved-tensors hook; each storage counted once, a parameter's storage not at all) plus the
 stage inputs ringpipe keeps for recomputation, peak over the run, per rank. Next to the
-measured figures: the bubble fraction of one step and the time per step the schedules imply,
-computed from their action lists (``schedule_timing.py``: F = 1, B = 2, I = W = 1 per stage),
-and the time per step they imply with each variant's own measured thread CPU per action. Times
-per step are those of the steady state of consecutive steps: a rank starts the next step when
-it is done with this one (neither system has a barrier between steps), which shortens a step
-of the schedules whose first rank finishes first (ZB-H2, V shapes).
+measured figures: what the schedules imply, computed from their action lists
+(``schedule_timing.py``: F = 1, B = 2, I = W = 1 per stage), and the time per step they imply
+with each variant's own measured thread CPU per action. Times per step are those of the steady
+state of consecutive steps: a rank starts the next step when it is done with this one (neither
+system has a barrier between steps), which shortens a step of the schedules whose first rank
+finishes first (ZB-H2, V shapes); for the asynchronous schedule, which has no steps to separate,
+it is the mean over the timed stream of ``--steps`` steps (one fill and one drain). Two bubble
+columns, both fractions of the ranks' time that no rank computes:
+
+- ``bubble, one step``: of one step run alone, from its first action to its last (for async,
+  of the whole stream of ``--steps`` steps);
+- ``bubble, steady state``: ``1 - ideal / time per step``, where time per step is the column
+  beside it (units per micro-batch) and ideal is a rank's compute per micro-batch (F + B = 3
+  units); it is what consecutive steps idle and the figure the throughput ratios follow (ZB-H2
+  and torch's ZBV: 0.077 and 0.040 for one step, 0 in the steady state; async: its stream's).
 
     python benchmarks/pipeline_vs_torch.py --batch 256 --microbatches 4 --steps 20 --repeats 5
 """
@@ -413,13 +422,16 @@ def probe_torch(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
     return ok, failed
 
 
-def theory(args: argparse.Namespace, r0: dict[str, list[dict]], r1: dict[str, list[dict]]) -> dict[str, tuple[float, float, float]]:
-    """Per variant: bubble fraction and time per step (units of one stage's forward of a
-    micro-batch) that the schedule implies with F = 1, B = 2, I = W = 1 per stage, and the ms per
-    step it implies with the variant's own measured CPU costs per chunk and kind of action
-    (medians over blocks of the median call; messages and optimizer step not counted)."""
+def theory(args: argparse.Namespace, r0: dict[str, list[dict]], r1: dict[str, list[dict]]) -> dict[str, tuple[float, float, float, float]]:
+    """Per variant: the bubble fraction of one step alone (async: of the whole stream), the time
+    per step per micro-batch in the steady state of consecutive steps (units of one stage's
+    forward of a micro-batch; async: the stream's mean), both with F = 1, B = 2, I = W = 1 per
+    stage, the ms per step the schedule implies with the variant's own measured CPU costs per
+    chunk and kind of action (medians over blocks of the median call; messages and optimizer step
+    not counted), and the steady-state bubble ``1 - ideal / time per step`` (ideal: a rank's
+    compute per micro-batch)."""
     m, t = args.microbatches, args.steps
-    out: dict[str, tuple[float, float, float]] = {}
+    out: dict[str, tuple[float, float, float, float]] = {}
     for name, reps in r0.items():
         sched = name.split()[1].split("+")[0]
         costs: dict[tuple[int, str], float] = {}
@@ -449,7 +461,8 @@ def theory(args: argparse.Namespace, r0: dict[str, list[dict]], r1: dict[str, li
         else:
             unit = tm.makespan / steps
             measured = simulate(per, **kw, costs=costs).makespan / steps if costs else float("nan")
-        out[name] = (tm.bubble, unit / m, measured)
+        ideal = tm.busy / (tm.ranks * steps * m)  # a rank's compute per micro-batch: 3 units
+        out[name] = (tm.bubble, unit / m, measured, 1.0 - ideal / (unit / m))
     return out
 
 
@@ -505,20 +518,23 @@ def report(args: argparse.Namespace, r0: dict[str, list[dict]], r1: dict[str, li
         print(f"- {', '.join(names)}: {key}")
     th = theory(args, r0, r1)
     med = {n: statistics.median(r["samples_per_s"] for r in v) for n, v in r0.items()}
-    print("\n| variant | samples/s median | spread (min-max) | CPU ms/step rank 0 / 1 | bubble (schedule) "
-          "| time/step (schedule, units) | ms/step (schedule x measured costs) | F+B(+I+W) ms/micro-batch rank 0 / 1 "
-          "| peak act. MiB rank 0 / 1 |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("\n| variant | samples/s median | spread (min-max) | CPU ms/step rank 0 / 1 | bubble, one step (schedule) "
+          "| bubble, steady state (1 - 3 / time per step) | time/step (schedule, units per micro-batch) "
+          "| ms/step (schedule x measured costs) | F+B(+I+W) ms/micro-batch rank 0 / 1 | peak act. MiB rank 0 / 1 |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for n, v in r0.items():
         xs = [r["samples_per_s"] for r in v]
-        b, per_step, per_step_ms = th.get(n, (float("nan"), float("nan"), float("nan")))
+        b, per_step, per_step_ms, b_steady = th.get(n, (float("nan"),) * 4)
         cpu = [statistics.median(r["cpu_ms_per_step"] for r in res[n]) for res in (r0, r1)]
         print(f"| {n} | {med[n]:.0f} | {min(xs):.0f}-{max(xs):.0f} ({(max(xs) - min(xs)) / med[n]:.0%}) | "
               f"{cpu[0]:.0f} / {cpu[1]:.0f} | "
-              f"{b:.3f} | {per_step:.2f} | {per_step_ms:.1f} | {stage_cost(r0[n]):.2f} / {stage_cost(r1[n]):.2f} | "
+              f"{b:.3f} | {b_steady:.3f} | {per_step:.3f} | {per_step_ms:.1f} | {stage_cost(r0[n]):.2f} / {stage_cost(r1[n]):.2f} | "
               f"{v[0]['peak_act_mib']:.2f} / {r1[n][0]['peak_act_mib']:.2f} |")
     for name, why in failed.items():
-        print(f"| torch {name} | failed: {why} | | | | |")
+        print(f"| torch {name} | failed: {why} |" + " |" * 8)
+    print("\nbubble, one step: idle share of one step run alone (async: of the whole stream); bubble, steady "
+          "state: 1 - ideal / time per step, ideal = a rank's compute per micro-batch (F + B = 3 units), time "
+          "per step = the steady state of consecutive steps (async: the stream's mean, one fill and drain)")
 
     def ratio(a: str, b: str) -> str:
         if not (equal[a] and equal[b]):
@@ -526,9 +542,10 @@ def report(args: argparse.Namespace, r0: dict[str, list[dict]], r1: dict[str, li
         per_block = [x["samples_per_s"] / y["samples_per_s"] for x, y in zip(r0[a], r0[b], strict=True)]
         pred = th[b][1] / th[a][1] if a in th and b in th else float("nan")
         pred_ms = th[b][2] / th[a][2] if a in th and b in th else float("nan")
+        bubbles = f"{th[a][3]:.3f} / {th[b][3]:.3f}" if a in th and b in th else "n/a"
         return (f"{a} / {b}: {statistics.median(per_block):.3f}x median of per-block ratios "
-                f"(range {min(per_block):.3f}-{max(per_block):.3f}); schedules alone predict {pred:.3f}x, "
-                f"with each side's measured CPU per action {pred_ms:.3f}x")
+                f"(range {min(per_block):.3f}-{max(per_block):.3f}); schedules alone predict {pred:.3f}x "
+                f"(steady-state bubble {bubbles}), with each side's measured CPU per action {pred_ms:.3f}x")
 
     sync_r = [n for n in r0 if n.startswith("ringpipe") and "async" not in n and "+" not in n]
     sync_t = [n for n in r0 if n.startswith("torch")]
@@ -564,7 +581,12 @@ def add_run_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--repeats", type=int, default=5, help="blocks: every variant runs once per block")
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Columns 'bubble, one step': idle share of one step run alone (async: of the whole stream of\n"
+               "--steps steps). 'bubble, steady state': 1 - ideal / time per step, with time per step the\n"
+               "steady state of consecutive steps in units per micro-batch (async: the stream's mean) and\n"
+               "ideal a rank's compute per micro-batch (F + B = 3 units). Both from the schedules' action lists.")
     add_model_args(ap)
     add_run_args(ap)
     ap.add_argument("--only", help="comma-separated variants to run (e.g. 'ringpipe async_1f1b,ringpipe 1f1b')")
