@@ -17,11 +17,12 @@ ranks, 4 KiB to 64 MiB by factors of 4):
   collective was 2-10x faster than any algorithm over point-to-point messages there), the
   ring from it;
 - other backends (gloo): recursive doubling up to :data:`RD_BYTES` = 256 KiB (fewest latencies,
-  the consistency header rides in the data message). Interleaved quiet runs on 2 ranks put it at
-  1.3-2.9x gloo's allreduce at 4-256 KiB: 2.41x, 1.78x, 1.34x, 1.46x at 4, 16, 64, 256 KiB
-  (9 rounds, load 1.5-2.4), 1.28x, 2.87x, 2.49x, 2.06x (7 rounds, load 0.2-1.9; paired
-  per-round medians 1.32x, 2.18x, 2.26x, 2.12x), 632 against 1063 us at 64 KiB and 909 against
-  1864 us at 256 KiB; on 4 ranks it was level with or above gloo's at 4-256 KiB in every record
+  the consistency header rides in the data message). The interleaved quiet runs on 2 ranks (the
+  table opening the collectives section of RESULTS.md and the one before the probe's paired
+  rule) put it at 1.3-2.9x gloo's allreduce at 4-256 KiB: 2.41x, 1.78x, 1.34x, 1.46x at 4, 16,
+  64, 256 KiB (9 rounds, load 1.5-2.4), 1.28x, 2.87x, 2.49x, 2.06x (7 rounds, load 0.2-1.9;
+  paired per-round medians 1.32x, 2.18x, 2.26x, 2.12x; 693 against 1722 us at 64 KiB, 883
+  against 1820 us at 256 KiB); on 4 ranks it was level with or above gloo's at 4-256 KiB in every record
   (busbw 1.33x, 1.20x, 0.98x, 1.23x in the quiet sequential re-run, 1.03-2.5x in the first
   table, 2.3-4.3x interleaved under load). At 1 MiB gloo's own was ahead or level (best own
   0.83x; recursive doubling 1.14x on medians but 0.83x paired) and 2.3-2.6x ahead of recursive
