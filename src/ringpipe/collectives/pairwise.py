@@ -7,9 +7,9 @@ the exact sum, as the backend's widened sum rounds them). It is one message each
 ring needs two steps, and it goes straight to the transport from the posting thread, without
 the backend's collective worker thread in between.
 
-Why it exists: on gloo over loopback, two ranks, a quiet 2-vCPU host (``benchmarks/RESULTS.md``,
-"Data parallelism"), gloo's own allreduce of a 69 KB gradient bucket took about 420 us per
-call and this exchange about 250 us; 1.7-2x less up to 256 KiB, about equal from 4 MiB.
+Why it exists: on gloo over loopback, two ranks, a 2-vCPU host (``benchmarks/pairwise_exchange.py``,
+figures in ``benchmarks/RESULTS.md``), gloo's own allreduce took 2.7-3.5x as long as this exchange
+from 4 KiB to 512 KiB (e.g. 398 against 123 us at 64 KiB); from 4 MiB gloo's was faster.
 :mod:`ringpipe.dp` uses it for the messages of a data-parallel step that are that small
 (:func:`ringpipe.dp.transport.isum`).
 

@@ -8,8 +8,10 @@ ranks, dtype, device and length).
 
 On two gloo ranks, floating-point messages up to :data:`PAIRWISE_BYTES` go as one exchange of
 point-to-point messages (:func:`ringpipe.collectives.pairwise.iallreduce_pair`): gloo's
-allreduce took 1.7-2x as long from 4 KiB to 256 KiB and about as long from 1 MiB (loopback,
-quiet 2-vCPU host, ``benchmarks/RESULTS.md``). Everything else takes the backend's allreduce.
+allreduce took 2.7-3.5x as long from 4 KiB to 512 KiB, about as long at 768 KiB - 1 MiB, and
+the exchange was slower from 4 MiB (0.84x at 4 MiB, 0.59x at 16 MiB; loopback, 2-vCPU host,
+``benchmarks/pairwise_exchange.py``, figures in ``benchmarks/RESULTS.md``). Everything else
+takes the backend's allreduce.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from ringpipe.comm.base import Communicator, ReduceOp, Work, nbytes_of
 __all__ = ["ANNOUNCE_TAG", "DATA_TAG", "PAIRWISE_BYTES", "isum", "pairwise"]
 
 #: The largest message (bytes) exchanged pairwise on two gloo ranks.
-PAIRWISE_BYTES = 1 << 20
+PAIRWISE_BYTES = 512 * 1024
 
 
 def pairwise(comm: Communicator, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> bool:
