@@ -23,9 +23,11 @@ so its cost is never in the step times compared with DDP's. A variant's overhead
 communication was not hidden. Reported per configuration: the median over runs of each run's
 median step time, and the spread (lowest and highest run median).
 
-On a host shared with other jobs, run it under a real-time scheduling class so that both sides
-get the cores alike and other jobs do not preempt them: ``chrt -f 10 python benchmarks/dp_vs_ddp.py``
-(root; the ranks inherit the class).
+On a host shared with other jobs, give the ranks the highest CFS weight so that both sides get
+the cores alike and other jobs hardly take them: ``nice -n -20 python benchmarks/dp_vs_ddp.py``
+(root; the ranks inherit it). Not a real-time class (``chrt -f``): FIFO threads of equal priority
+are not time-sliced, so a bucket's task would wait for backward to end instead of overlapping it,
+on both sides; that distorts exactly what is measured.
 
 Models (``--models``): ``small`` (the trainer's MLP 64-128-64-10, batch 32), ``mlp``
 (1024-2048-2048-2048-10, batch 64), ``resnet`` (ResNet-18: 11.2M parameters, basic blocks
