@@ -101,9 +101,13 @@ def layout_misfit(args: argparse.Namespace, layout: str) -> str | None:
         fix = f"--balance {2 * a},{2 * (args.blocks - a) + 1} ({a} | {args.blocks - a} blocks + head)"
         fix += " or more --blocks" if args.balance_how == "measured" else ""
     else:
-        fix = f"--blocks {2 * low} or more" + ("" if args.balance_how == "measured" else " with a --balance to match")
-    return (f"the split {first} | {rest} blocks ({args.balance_how}) leaves a rank fewer than {low} block(s), and "
-            f"layout {layout!r} ({LAYOUTS[layout]}) needs at least {low} on each rank; use {fix}")
+        fix = (f"--blocks {2 * low} or more" if args.balance_how == "measured"
+               else f"--blocks {2 * low} --balance {2 * low},{2 * low + 1} ({low} | {low} blocks + head)")
+    rank, few = (0, first) if first < low else (1, rest)
+    rank = 1 - rank if layout == "v" else rank  # in a V, rank 0 holds the head's side
+    return (f"the split {first} | {rest} blocks ({args.balance_how}) gives rank {rank} only {few} "
+            f"block{'' if few == 1 else 's'}, and layout {layout!r} ({LAYOUTS[layout]}) needs at least {low} on each "
+            f"rank; use {fix}")
 
 
 class Loss(nn.Module):

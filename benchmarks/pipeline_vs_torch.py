@@ -4,8 +4,10 @@ Both systems get their stages from ONE :class:`Split` of one list of layers (an 
 ``--blocks`` Linear+ReLU blocks and a Linear head, built with the same seed): the split says
 which layers form each model chunk and which rank holds each chunk. Two-stage schedules use
 one chunk per rank; interleaved and V-shaped ones cut the same per-rank layers into two chunks
-per rank. Where the cut between the ranks falls is chosen from measurement (``--balance
-measured``, the default): each block's forward + backward of one micro-batch is timed before the
+per rank, so they need two blocks a rank: when the split leaves a rank fewer, those variants are
+skipped before anything runs, with one line saying which, why and which option fixes it (they
+never appear in a ratio). Where the cut between the ranks falls is chosen from measurement
+(``--balance measured``, the default): each block's forward + backward of one micro-batch is timed before the
 run (one thread, as in the run; the first block without the input gradient that the first stage
 never computes, the head and the loss with the last block) and ringpipe's exact splitter picks
 the cut that makes the slower stage cheapest; the two stages' timed costs are printed, and each
@@ -67,7 +69,8 @@ from pipeline_model import (  # noqa: E402  (re-exported: pipeline_timeline.py a
     split_line,
 )
 from pipeline_theory import theory  # noqa: E402
-from pipeline_variants import probe_torch, worker  # noqa: E402
+from pipeline_torch_run import TORCH_SCHEDULES  # noqa: E402
+from pipeline_variants import misfits, probe_torch, variant_names, worker  # noqa: E402
 
 from ringpipe.launch import spawn  # noqa: E402
 
@@ -80,14 +83,24 @@ def stage_cost(reps: list[dict]) -> float:
     return 1e3 * statistics.median(sum(r.get("costs", {}).values()) for r in reps)
 
 
+def skip_lines(skipped: dict[str, str]) -> list[str]:
+    """One line per reason: the variants skipped for it (never run, never in a ratio), why, and the fix."""
+    by_why: dict[str, list[str]] = {}
+    for name, why in skipped.items():
+        by_why.setdefault(why, []).append(name)
+    return [f"# skipped {', '.join(names)}: {why}" for why, names in by_why.items()]
+
+
 def report(args: argparse.Namespace, r0: dict[str, list[dict]], r1: dict[str, list[dict]],
-           failed: dict[str, str]) -> None:
+           failed: dict[str, str], skipped: dict[str, str] | None = None) -> None:
     load = os.getloadavg()
     print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
           f"gloo, 2 processes x 1 thread; load average before/after {args.load_before} / {load[0]:.2f}")
     print(f"# MLP width {args.width}, {args.blocks} blocks + head, batch {args.batch}, {args.microbatches} "
           f"micro-batches, SGD, {args.warmup} warm-up + {args.steps} timed steps, {args.repeats} blocks")
     print(split_line(args))
+    for line in skip_lines(skipped or {}):
+        print(line)
     ref = (Split.make(len(make_layers(1, args.blocks)), args.blocks, "flat", args.first_blocks),
            make_layers(args.width, args.blocks))
     ref = tuple(describe([nn.Sequential(*(ref[1][i] for i in c))], ref[1]) for c in ref[0].chunks)
@@ -163,19 +176,29 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     args.load_before = f"{os.getloadavg()[0]:.2f}"
+    only = [v.strip() for v in args.only.split(",")] if args.only else None
+    known = variant_names(TORCH_SCHEDULES)
+    unknown = sorted(set(only or ()) - set(known))
+    if unknown:
+        raise SystemExit(f"--only: unknown variants {unknown}; valid: {known}")
     args.first_blocks, args.stage_ms, args.balance_how = choose_split(args)
     print(split_line(args), file=sys.stderr, flush=True)  # early: the run takes minutes
     env = {"OMP_NUM_THREADS": "1"}
-    only = [v.strip() for v in args.only.split(",")] if args.only else None
+    skipped = misfits(args, only or known)  # before anything runs: their layout does not fit the split
+    for line in skip_lines(skipped):
+        print(line, file=sys.stderr, flush=True)
     if only:
+        only = [v for v in only if v not in skipped]
+        if not only:
+            raise SystemExit("--only: every variant asked for is skipped; " + "; ".join(x[2:] for x in skip_lines(skipped)))
         ok, failed = [v.split()[1] for v in only if v.startswith("torch ")], {}
     else:
-        ok, failed = probe_torch(args)
-    r0, r1 = spawn(worker, 2, args=(args, ok, only), env=env)
+        ok, failed = probe_torch(args, [s for s in TORCH_SCHEDULES if f"torch {s}" not in skipped])
+    r0, r1 = spawn(worker, 2, args=(args, ok, only, list(skipped)), env=env)
     if args.json:
-        print(json.dumps({"rank0": r0, "rank1": r1, "failed": failed}, default=str))
+        print(json.dumps({"rank0": r0, "rank1": r1, "failed": failed, "skipped": skipped}, default=str))
         return
-    report(args, r0, r1, failed)
+    report(args, r0, r1, failed, skipped)
 
 
 if __name__ == "__main__":
