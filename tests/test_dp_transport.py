@@ -59,6 +59,11 @@ def _average_and_fallbacks(comm) -> dict[str, object]:
     big = torch.ones(PAIRWISE_BYTES // 4 + 1) * (comm.rank + 1)
     isum(comm, big).wait()
     out["big"] = (bool((big == 3).all()), _tags(comm))
+    base = torch.ones(8, 2) * (comm.rank + 1)
+    strided = base[:, 0] if comm.rank == 1 else base[:, 0].contiguous()  # contiguity is each rank's own
+    assert strided.is_contiguous() == (comm.rank == 0)
+    isum(comm, strided).wait()
+    out["strided"] = (bool((strided == 3).all()) and bool((base[:, 1] == comm.rank + 1).all()), None)
     comm.log.clear()
     mx = torch.full((5,), float(comm.rank))
     isum(comm, mx, ReduceOp.MAX).wait()
@@ -69,6 +74,7 @@ def _average_and_fallbacks(comm) -> dict[str, object]:
 def test_integers_other_ops_and_messages_over_the_limit_take_the_backends_allreduce():
     for r in spawn(_average_and_fallbacks, 2):
         assert r["average"] is True
+        assert r["strided"][0]
         for what in ("ints", "big", "max"):
             ok, tags = r[what]
             assert ok, what

@@ -35,7 +35,6 @@ def pairwise(comm: Communicator, tensor: torch.Tensor, op: ReduceOp = ReduceOp.S
         and op in (ReduceOp.SUM, ReduceOp.AVERAGE)
         and tensor.dtype in DTYPES
         and tensor.device.type == "cpu"
-        and tensor.is_contiguous()
         and 0 < nbytes_of(tensor) <= PAIRWISE_BYTES
     )
 
@@ -47,7 +46,16 @@ def isum(comm: Communicator, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, 
     """
     if not pairwise(comm, tensor, op):
         return comm.iallreduce(tensor, op)
-    work = iallreduce_pair(comm, tensor, tag)
-    if op is ReduceOp.AVERAGE:
-        return Work(work.wait, work.is_completed, result=tensor, post=lambda: tensor.div_(comm.size))
-    return work
+    # (contiguity is this rank's own affair, so it does not decide the transport: a strided tensor is exchanged as a copy)
+    flat = tensor if tensor.is_contiguous() else tensor.contiguous()
+    work = iallreduce_pair(comm, flat, tag)
+    if op is not ReduceOp.AVERAGE and flat is tensor:
+        return work
+
+    def finish() -> None:
+        if op is ReduceOp.AVERAGE:
+            flat.div_(comm.size)
+        if flat is not tensor:
+            tensor.copy_(flat)
+
+    return Work(work.wait, work.is_completed, result=tensor, post=finish)
