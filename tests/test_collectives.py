@@ -611,6 +611,23 @@ def test_rounds_a_dropped_candidate_missed_count_as_lost_and_rounds_that_cannot_
         autotune.decide({})
 
 
+def test_the_probe_stops_timing_a_candidate_only_once_it_can_no_longer_win_two_thirds_of_the_rounds():
+    from ringpipe.collectives import autotune
+
+    names = ["native", "ring", "recursive_doubling", "rabenseifner"]
+    # after 4 of 9 planned rounds (6 wins needed): the ring won none (0 + 5 left < 6), rd won 1
+    # (1 + 5 = 6, still possible), rabenseifner won all 4
+    times = {"native": [1.0] * 4, "ring": [1.5] * 4, "recursive_doubling": [0.5, 1.2, 1.2, 1.2],
+             "rabenseifner": [0.8] * 4}
+    assert autotune.contenders(times, names, 9) == ["native", "recursive_doubling", "rabenseifner"]
+    # after 3 rounds, no candidate is out yet, even one that lost them all (0 + 6 left = 6)
+    three = {a: t[:3] for a, t in times.items()}
+    assert autotune.contenders(three, names, 9) == names
+    # 5 planned rounds need 4 wins: two losses and the candidate is out
+    assert autotune.contenders({"native": [1.0, 1.0], "ring": [1.1, 1.1]}, ["native", "ring"], 5) == ["native"]
+    assert autotune.contenders({"native": [1.0, 1.0], "ring": [0.9, 1.1]}, ["native", "ring"], 5) == ["native", "ring"]
+
+
 def test_the_probe_spends_more_rounds_and_calls_on_small_sizes_than_on_large_ones():
     from ringpipe.collectives import autotune
 

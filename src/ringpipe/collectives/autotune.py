@@ -31,8 +31,8 @@ import torch
 
 from ringpipe.comm.base import Communicator
 
-__all__ = ["MAJORITY", "MARGIN", "PROBE_SIZES", "Table", "block_order", "candidates", "decide", "forget", "key",
-           "load", "lookup", "paired", "probe", "schedule"]
+__all__ = ["MAJORITY", "MARGIN", "PROBE_SIZES", "Table", "block_order", "candidates", "contenders", "decide",
+           "forget", "key", "load", "lookup", "paired", "probe", "schedule"]
 
 #: Another algorithm replaces the native collective only if its median paired ratio to native
 #: (its time over native's in the same round) is at most ``1 - MARGIN``...
@@ -98,6 +98,17 @@ def decide(times: dict[str, list[float]], margin: float = MARGIN, majority: floa
         if ratio <= 1.0 - margin and wins >= _needed(n, majority) and ratio < best_ratio:
             best, best_ratio = algo, ratio
     return best
+
+
+def contenders(times: dict[str, list[float]], names: list[str], planned: int, majority: float = MAJORITY) -> list[str]:
+    """Of ``names``, native and every candidate that can still win ``majority`` of ``planned`` rounds.
+
+    After the rounds timed so far (native's count), a candidate that has won ``w`` of them can
+    still qualify in :func:`decide` only if ``w`` plus the rounds left reach the majority; the
+    others need not be timed again, since no later round can change the choice.
+    """
+    left = planned - len(times["native"])
+    return [a for a in names if a == "native" or paired(times, a)[1] + left >= _needed(planned, majority)]
 
 
 class Table:
@@ -236,9 +247,7 @@ def probe(comm: Communicator, sizes: tuple[int, ...] | list[int] = PROBE_SIZES, 
             every = comm.allgather_object(mine)
             for algo in alive:
                 times[algo].append(max(e[algo] for e in every))
-            # drop who can no longer win enough rounds (the same gathered times on every rank)
-            alive = [a for a in alive if a == "native" or paired(times, a)[1] + n_rounds - r - 1
-                     >= _needed(n_rounds, MAJORITY)]
+            alive = contenders(times, alive, n_rounds)  # the same gathered times on every rank
         rows.append((x.numel() * item, decide(times), times))
     table = Table(rows, key(comm))
     _TABLES[table.key] = table
