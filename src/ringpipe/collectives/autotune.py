@@ -213,8 +213,8 @@ def probe(comm: Communicator, sizes: tuple[int, ...] | list[int] = PROBE_SIZES, 
     candidate that has lost so many rounds to native that it can no longer win the
     :data:`MAJORITY` :func:`decide` asks for is not timed in the rounds left (the choice is the
     same, the probe shorter). :func:`decide` makes the choice from those times; the table keeps
-    them. On 2 ranks the default schedule over :data:`PROBE_SIZES` takes about 10 s on a quiet
-    2-core host.
+    them. On 2 ranks over gloo the default schedule over :data:`PROBE_SIZES` took 7-16 s on a
+    2-core host with a load average of 3 to 5 (the 64 MiB size alone about 3 s).
     """
     from ringpipe import collectives  # the package that uses this module; imported when probing
 
