@@ -214,7 +214,7 @@ def probe(comm: Communicator, sizes: tuple[int, ...] | list[int] = PROBE_SIZES, 
     :data:`MAJORITY` :func:`decide` asks for is not timed in the rounds left (the choice is the
     same, the probe shorter). :func:`decide` makes the choice from those times; the table keeps
     them. On 2 ranks over gloo the default schedule over :data:`PROBE_SIZES` took 7-16 s on a
-    2-core host with a load average of 3 to 5 (the 64 MiB size alone about 3 s).
+    2-core host with a load average of 3 to 5 (the 64 MiB size alone about 4 s).
     """
     from ringpipe import collectives  # the package that uses this module; imported when probing
 
