@@ -58,7 +58,6 @@ from ringpipe.dp.headers import (
     read_message,
     with_payload,
 )
-from ringpipe.dp.transport import ANNOUNCE_TAG, isum
 
 __all__ = [
     "OPS",
@@ -102,7 +101,7 @@ def exchange(
     digits, fields = header(comm, op, tensor, reduce_op, detail, problem)
     wire = message(comm, digits, None, 0)
     with internal():  # ringpipe's bookkeeping: listed apart from the program's calls
-        isum(comm, wire, ReduceOp.SUM, ANNOUNCE_TAG).wait()
+        comm.allreduce(wire, ReduceOp.SUM)
     note = read_message(comm, wire, digits.numel(), fields, problem, by_name=True)
     return with_payload(note, wire[digits.numel():])
 
@@ -190,10 +189,10 @@ def start_exchange(comm: Communicator, op: str, wire: torch.Tensor, ride: int, b
     # with gradients in it, the message is the program's reduction, not only ringpipe's bookkeeping
     with internal() if not ride else contextlib.nullcontext():
         if blocking:
-            isum(comm, out, ReduceOp.SUM, ANNOUNCE_TAG).wait()
+            comm.allreduce(out, ReduceOp.SUM)
             work = None
         else:
-            work = isum(comm, out, ReduceOp.SUM, ANNOUNCE_TAG)
+            work = comm.iallreduce(out, ReduceOp.SUM)
     pending = Pending(comm, out, work, fields, digits.numel(), wire[:ride] if ride else None, on_note, bool(behind))
     _UNREAD[comm] = pending
     return pending

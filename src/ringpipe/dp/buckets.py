@@ -15,7 +15,6 @@ import torch
 
 from ringpipe.comm.base import Communicator, ReduceOp
 from ringpipe.dp.engine import Handle
-from ringpipe.dp.transport import isum
 
 __all__ = ["Slot", "Bucket", "make_buckets", "name_parameters", "timed", "reducer", "groups_setting", "explicit_groups"]
 
@@ -142,7 +141,7 @@ def timed(clock: dict[str, float], bucket: Bucket, task: Callable[[], Any],
 def reducer(comm: Communicator, algorithm: str) -> Callable[[torch.Tensor], Any]:
     """The sum-allreduce used for buckets: returns a Work (native) or the reduced tensor."""
     if algorithm == "native":
-        return lambda t: isum(comm, t, ReduceOp.SUM)
+        return lambda t: comm.iallreduce(t, ReduceOp.SUM)
     try:
         from ringpipe import collectives
     except ImportError:

@@ -24,7 +24,6 @@ from ringpipe.comm.base import Communicator, ReduceOp
 from ringpipe.comm.consistency import disagreement
 from ringpipe.comm.header import InvalidCallError, MismatchError, fingerprint
 from ringpipe.dp.engine import Engine
-from ringpipe.dp.transport import isum
 
 __all__ = ["OPS", "RIDE_CAP", "SERVED", "DTYPES", "Note", "Reorder", "announcement_bytes", "decode", "header", "message",
            "read", "with_payload"]
@@ -221,7 +220,7 @@ def _drain(comm: Communicator, values: list[int], behind: bool) -> None:
             "build the same DistributedOptimizer on every rank"
         )
     zeros = torch.zeros(numel, dtype=DTYPES[code - 1], device=comm._object_device())
-    isum(comm, zeros, ReduceOp.SUM).wait()  # the transport the optimizer's reducer picked for it
+    comm.iallreduce(zeros, ReduceOp.SUM).wait()
 
 
 class Reorder(Exception):

@@ -19,7 +19,6 @@ import torch
 from ringpipe.comm.base import Communicator, ReduceOp, Work
 from ringpipe.dp.announce import announce, checks, run_announced
 from ringpipe.dp.engine import Engine
-from ringpipe.dp.transport import isum
 
 __all__ = [
     "allreduce",
@@ -66,7 +65,7 @@ def start_reduction(comm: Communicator, tensor: torch.Tensor, op: ReduceOp) -> A
         from ringpipe.collectives import adasum_allreduce
 
         return adasum_allreduce(comm, tensor, check=False)  # the announcement compared the calls
-    return isum(comm, tensor, op)
+    return comm.iallreduce(tensor, op)
 
 
 def finish_reduction(pending: Any) -> Any:
