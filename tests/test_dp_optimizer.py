@@ -322,13 +322,13 @@ def test_buckets_are_reduced_while_backward_runs():
         assert pause_end - pause_start >= PAUSE_S * 1e9
 
 
-def _messages_per_step(comm, join_support):
+def _messages_per_step(comm, join_support, compression="none"):
     from ringpipe.comm.events import default_log
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
     opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), comm=comm,
-                               join_support=join_support)
+                               join_support=join_support, compression=compression)
     x, y = data(B)
     counts = []
     for _ in range(3):
@@ -341,8 +341,10 @@ def _messages_per_step(comm, join_support):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("compression", ["none", "fp16", "bf16"])
 @pytest.mark.parametrize("join_support", [True, False])
-def test_a_one_bucket_step_is_one_allreduce_with_or_without_join_support(join_support):
-    """Join support costs no message of its own: the step's announcement carries the gradients."""
-    for counts in spawn(_messages_per_step, 2, args=(join_support,)):
+def test_a_one_bucket_step_is_one_allreduce_with_or_without_join_support(join_support, compression):
+    """Join support costs no message of its own: the step's announcement carries the gradients
+    (half-precision wires ride widened to float32)."""
+    for counts in spawn(_messages_per_step, 2, args=(join_support, compression)):
         assert counts == [1, 1, 1]

@@ -26,6 +26,8 @@ from ringpipe.dp.engine import Engine
 
 __all__ = ["GradientReduction"]
 
+_RIDES = (torch.float32, torch.float16, torch.bfloat16)
+
 
 class GradientReduction:
     """Hooks, bucket launches and waits of a ``DistributedOptimizer`` (a mixin; state set by its constructor)."""
@@ -53,9 +55,14 @@ class GradientReduction:
     _served: torch.Tensor | None
 
     def _ride_of(self, bucket: Bucket) -> int:
-        """How many elements of the first bucket ride in the step's header (float32 wires only)."""
+        """How many elements of the first bucket ride in the step's header (a float32 message).
+
+        float32, and the float16 and bfloat16 wires of compression: float32 holds those values
+        exactly, so they ride widened and are rounded back once summed (a single rounding of the
+        sum, as the backend's widened half-precision sum gives); float64 would lose digits.
+        """
         wire = self.compression.wire_dtype if self.compression.applies_to(bucket.buffer.dtype) else bucket.buffer.dtype
-        return min(RIDE_CAP, bucket.buffer.numel()) if wire == torch.float32 else 0
+        return min(RIDE_CAP, bucket.buffer.numel()) if wire in _RIDES else 0
 
     def _make_hook(self, slot: Slot) -> Callable[[torch.Tensor], None]:
         passes = self.backward_passes_per_step
