@@ -12,106 +12,19 @@ Backends (c10d for gloo/NCCL, mpi4py for MPI) implement only the underscored met
 from __future__ import annotations
 
 import contextlib
-import enum
 import pickle
 import threading
-import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 
-from ringpipe.comm.events import COMM, END, NBYTES, OP, START, EventLog, add_blocked, default_log
+from ringpipe.comm.events import END, START, EventLog, add_blocked, default_log
+from ringpipe.comm.work import CommError, ReduceOp, Work, nbytes_of, raise_departure
 from ringpipe.env import Topology
 
 __all__ = ["ReduceOp", "Work", "Communicator", "CommError", "nbytes_of"]
-
-
-class CommError(RuntimeError):
-    """A communication call was made with arguments the backend cannot serve."""
-
-
-class ReduceOp(enum.Enum):
-    """Reduction operators (Horovod's names are aliases at the top level)."""
-
-    SUM = "sum"
-    AVERAGE = "average"
-    MIN = "min"
-    MAX = "max"
-    PRODUCT = "product"
-    ADASUM = "adasum"  # adaptive summation: ringpipe.collectives.adasum_allreduce
-
-    @classmethod
-    def parse(cls, op: ReduceOp | str) -> ReduceOp:
-        if isinstance(op, ReduceOp):
-            return op
-        try:
-            return cls(str(op).lower())
-        except ValueError:
-            valid = ", ".join(o.value for o in cls)
-            raise ValueError(f"unknown reduce op {op!r}; valid ops: {valid}") from None
-
-
-def nbytes_of(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
-
-
-class Work:
-    """Handle of an operation in flight: ``wait()`` blocks until it completes and returns its result."""
-
-    __slots__ = ("_wait", "_test", "_event", "_result", "_done", "_post")
-
-    def __init__(
-        self,
-        wait: Callable[[], Any] | None,
-        test: Callable[[], bool] | None,
-        event: list[Any] | None = None,
-        result: Any = None,
-        post: Callable[[], Any] | None = None,
-    ) -> None:
-        self._wait = wait
-        self._test = test
-        self._event = event
-        self._result = result
-        self._post = post
-        self._done = wait is None
-
-        if self._done:
-            self._finish()
-
-    def _finish(self) -> None:
-        if self._post is not None:
-            post, self._post = self._post, None
-            out = post()
-            if out is not None:
-                self._result = out
-        if self._event is not None:
-            EventLog.end(self._event)
-        self._done = True
-
-    def wait(self) -> Any:
-        if not self._done:
-            assert self._wait is not None
-            t0 = time.perf_counter_ns()
-            try:
-                self._wait()
-            except RuntimeError as exc:
-                if self._event is not None:
-                    _raise_departure(exc, self._event)
-                raise
-            add_blocked(time.perf_counter_ns() - t0)
-            self._finish()
-        return self._result
-
-    def is_completed(self) -> bool:
-        if not self._done and self._test is not None and self._test():
-            self._finish()
-        return self._done
-
-    @classmethod
-    def done(cls, result: Any = None) -> Work:
-        return cls(None, None, None, result)
 
 
 class Communicator(ABC):
@@ -223,7 +136,7 @@ class Communicator(ABC):
         try:
             return fn()
         except RuntimeError as exc:
-            _raise_departure(exc, ev)
+            raise_departure(exc, ev)
             raise
         finally:
             EventLog.end(ev)
@@ -481,15 +394,6 @@ class Communicator(ABC):
 
     def _object_device(self) -> torch.device:
         return torch.device("cpu")
-
-
-def _raise_departure(exc: RuntimeError, ev: list[Any]) -> None:
-    """Raise a backend's lost-peer error as a PeerDeparted naming the rank that left (if it is one)."""
-    from ringpipe.comm.departures import translate
-
-    named = translate(exc, ev[OP], ev[NBYTES], ev[COMM])  # an inner call's PeerDeparted: named after this one
-    if named is not None:
-        raise named from exc
 
 
 def _nbytes(tensor: Any) -> int:
