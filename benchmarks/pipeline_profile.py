@@ -47,8 +47,8 @@ from torch import nn
 from ringpipe.pipeline import PipelineTrainer
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from pipeline_model import Split, data, make_layers  # noqa: E402
 from pipeline_timeline import add_variant_args, bookkeeping, predict, run_variants, threads_cpu  # noqa: E402
-from pipeline_vs_torch import Split, data, make_layers  # noqa: E402
 
 __all__ = ["main", "profile_run"]
 

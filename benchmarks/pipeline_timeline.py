@@ -49,7 +49,7 @@ from ringpipe.pipeline.executor import PipelineExecutor
 from ringpipe.pipeline.stage import StageRuntime
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from pipeline_vs_torch import (  # noqa: E402
+from pipeline_model import (  # noqa: E402
     Split,
     add_model_args,
     add_run_args,

@@ -59,12 +59,11 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from pipeline_meters import describe  # noqa: E402
-from pipeline_model import (  # noqa: E402  (re-exported: pipeline_timeline.py and pipeline_profile.py import them from here)
+from pipeline_model import (  # noqa: E402
     Split,
     add_model_args,
     add_run_args,
     choose_split,
-    data,
     make_layers,
     split_line,
 )
@@ -74,7 +73,7 @@ from pipeline_variants import misfits, probe_torch, variant_names, worker  # noq
 
 from ringpipe.launch import spawn  # noqa: E402
 
-__all__ = ["Split", "add_model_args", "add_run_args", "choose_split", "data", "main", "make_layers", "split_line"]
+__all__ = ["main"]
 
 
 def stage_cost(reps: list[dict]) -> float:
