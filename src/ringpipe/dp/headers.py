@@ -26,7 +26,7 @@ from ringpipe.comm.header import InvalidCallError, MismatchError, fingerprint
 from ringpipe.dp.engine import Engine
 
 __all__ = ["OPS", "RIDE_CAP", "SERVED", "DTYPES", "Note", "Reorder", "announcement_bytes", "decode", "header", "message",
-           "read", "with_payload"]
+           "read", "read_message", "with_payload"]
 
 # Every announced operation; the header carries its position (plus one; zero: joined).
 OPS = ("step", "bucket", "apply", "allreduce", "barrier", "allgather", "broadcast", "reducescatter", "alltoall",
