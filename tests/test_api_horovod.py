@@ -300,6 +300,44 @@ def test_scale_factors_on_integers_truncate_as_horovod():
     assert out == [(torch.int32, want)] * 2
 
 
+def _integer_averages(comm):  # noqa: ANN001
+    def body():
+        r = hvd.rank()
+        base = [[-7, 5, -1, 9, -100, 3], [2, -8, 0, 0, 1, 4], [-3, 0, -2, 1, 33, -6]][r]
+        out = {}
+        for dtype in (torch.int32, torch.int64):
+            x = torch.tensor(base, dtype=dtype)
+            out[f"allreduce {dtype}"] = hvd.allreduce(x, op=hvd.Average).tolist()
+            out[f"allreduce_ {dtype}"] = hvd.allreduce_(x.clone(), average=True).tolist()
+            out[f"async {dtype}"] = hvd.synchronize(hvd.allreduce_async(x, op=hvd.Average)).tolist()
+            out[f"grouped {dtype}"] = [t.tolist() for t in hvd.grouped_allreduce([x[:2], x[2:]], op=hvd.Average)]
+            out[f"postscale {dtype}"] = hvd.allreduce(x, op=hvd.Average, postscale_factor=2.5).tolist()
+            out[f"reducescatter {dtype}"] = hvd.reducescatter(x, op=hvd.Average).tolist()
+        return out
+
+    return _with_world(comm, body)
+
+
+def test_integer_averages_truncate_toward_zero_as_horovod():
+    """Horovod averages by scaling the sum by postscale / size in double precision and converting
+    back to the integer type (``operations.cc``: ``postscale_factor /= size``; ``ScaleBuffer``),
+    which truncates toward zero: -7 + 2 - 3 = -8 over 3 ranks is -2, not floor's -3."""
+    ranks = [[-7, 5, -1, 9, -100, 3], [2, -8, 0, 0, 1, 4], [-3, 0, -2, 1, 33, -6]]
+    sums = [sum(col) for col in zip(*ranks, strict=True)]
+    avg = [int(s * (1.0 / 3)) for s in sums]  # C++'s double-to-int conversion truncates
+    post = [int(s * (2.5 / 3)) for s in sums]
+    assert avg == [-2, -1, -1, 3, -22, 0] and post[0] == -6  # the cases that floor would get wrong
+    outs = spawn(_integer_averages, 3)
+    for rank, out in enumerate(outs):
+        for dtype in (torch.int32, torch.int64):
+            assert out[f"allreduce {dtype}"] == avg
+            assert out[f"allreduce_ {dtype}"] == avg
+            assert out[f"async {dtype}"] == avg
+            assert out[f"grouped {dtype}"] == [avg[:2], avg[2:]]
+            assert out[f"postscale {dtype}"] == post
+            assert out[f"reducescatter {dtype}"] == avg[2 * rank : 2 * rank + 2]
+
+
 def _gradients(comm):  # noqa: ANN001
     def body():
         r, n = hvd.rank(), hvd.size()

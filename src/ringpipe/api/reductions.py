@@ -73,13 +73,15 @@ def allreduce_async_(
     comm, rop = call.comm, parse_op(op, average)
     detail = {**call.detail, **(ops.scale_detail(prescale_factor, postscale_factor) or {})}
 
+    wop, post = ops.wire_op(comm, tensor, rop, postscale_factor)
+
     def task() -> Any:
         announce(comm, "allreduce", tensor, rop, detail, checks(comm, "allreduce", tensor))
         ops.scale_(tensor, prescale_factor)
-        return ops.start_reduction(comm, tensor, rop)
+        return ops.start_reduction(comm, tensor, wop)
 
     def then(out: torch.Tensor) -> torch.Tensor:
-        ops.scale_(tensor, postscale_factor)
+        ops.scale_(tensor, post)
         return tensor
 
     return call.submit(task, then)
@@ -122,6 +124,7 @@ def grouped_allreduce_async_(
     flat = torch.cat([t.detach().reshape(-1).to(items[0].dtype) for t in items])
     detail = {**call.detail, "shapes": [list(t.shape) for t in items],
               **(ops.scale_detail(prescale_factor, postscale_factor) or {})}
+    wop, post = ops.wire_op(comm, flat, rop, postscale_factor)
 
     def task() -> Any:
         announce(comm, "allreduce", flat, rop, detail, checks(comm, "grouped_allreduce", problem=problem))
@@ -129,10 +132,10 @@ def grouped_allreduce_async_(
         if rop is ReduceOp.ADASUM:  # each tensor with its own dot products, as Horovod's fused Adasum
             ops.start_reduction(comm, list(flat.split([t.numel() for t in items])), rop)  # type: ignore[arg-type]
             return flat
-        return ops.start_reduction(comm, flat, rop)
+        return ops.start_reduction(comm, flat, wop)
 
     def then(out: torch.Tensor) -> list[torch.Tensor]:
-        ops.scale_(flat, postscale_factor)
+        ops.scale_(flat, post)
         offset = 0
         with torch.no_grad():
             for t in items:

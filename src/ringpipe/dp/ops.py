@@ -31,6 +31,7 @@ __all__ = [
     "finish_reduction",
     "scale_",
     "scale_detail",
+    "wire_op",
     "start_reduction",
 ]
 
@@ -57,6 +58,21 @@ def scale_(tensor: torch.Tensor, factor: float) -> torch.Tensor:
     if tensor.dtype == torch.bool:
         raise TypeError("prescale_factor / postscale_factor cannot scale a bool tensor")
     return tensor.copy_(torch.trunc(tensor.double() * factor).to(tensor.dtype))
+
+
+def wire_op(comm: Communicator, tensor: torch.Tensor, op: ReduceOp, postscale: float) -> tuple[ReduceOp, float]:
+    """The reduce op that goes on the wire and the post-scale factor after it, as Horovod averages.
+
+    Horovod averages by its post-scale factor: the sum, then one scaling by ``postscale / size``
+    (``horovod/common/operations.cc``). For integer tensors that scaling multiplies in double
+    precision and converts back by truncating toward zero (:func:`scale_`), so an integer average
+    of -7 over 2 ranks is -3, not the -4 of a floored division. Floating-point averages and every
+    other op are left as they are (a division by the size).
+    """
+    if op is ReduceOp.AVERAGE and not (tensor.dtype.is_floating_point or tensor.dtype.is_complex
+                                       or tensor.dtype == torch.bool):
+        return ReduceOp.SUM, postscale / comm.size
+    return op, postscale
 
 
 def start_reduction(comm: Communicator, tensor: torch.Tensor, op: ReduceOp) -> Any:
@@ -89,8 +105,9 @@ def allreduce_inplace(
         announce(comm, "allreduce", tensor, op, _with(detail, scale_detail(prescale, postscale)),
                  checks(comm, "allreduce", tensor, problem=problem))
         scale_(tensor, prescale)
-        finish_reduction(start_reduction(comm, tensor, op))  # non-blocking, the form joined ranks use
-        scale_(tensor, postscale)
+        rop, post = wire_op(comm, tensor, op, postscale)
+        finish_reduction(start_reduction(comm, tensor, rop))  # non-blocking, the form joined ranks use
+        scale_(tensor, post)
         return tensor
 
     return Engine.of(comm).run(task, name="allreduce")
@@ -196,13 +213,14 @@ def reducescatter_blocks(comm: Communicator, tensor: torch.Tensor, op: ReduceOp,
     sizes = _split_sizes(tensor.shape[0], comm.size) if tensor.dim() else [0]
     detail = _with(_with(detail, {"op": op.value}), scale_detail(prescale, postscale))
     validate = checks(comm, "reducescatter", x, problem=problem)
+    rop, post = wire_op(comm, x, op, postscale)
     if len(set(sizes)) == 1:
-        out = run_announced(comm, "reducescatter", lambda: comm.reduce_scatter(x, op), tensor=x, detail=detail,
+        out = run_announced(comm, "reducescatter", lambda: comm.reduce_scatter(x, rop), tensor=x, detail=detail,
                             validate=validate)
-        return scale_(out, postscale)
-    run_announced(comm, "reducescatter", lambda: comm.allreduce(x, op), tensor=x, detail=detail, validate=validate)
+        return scale_(out, post)
+    run_announced(comm, "reducescatter", lambda: comm.allreduce(x, rop), tensor=x, detail=detail, validate=validate)
     start = sum(sizes[: comm.rank])
-    return scale_(x[start : start + sizes[comm.rank]].clone(), postscale)
+    return scale_(x[start : start + sizes[comm.rank]].clone(), post)
 
 
 class _Reducescatter(torch.autograd.Function):
