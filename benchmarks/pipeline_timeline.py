@@ -28,6 +28,10 @@ the asynchronous steady state the last stage's optimizer step lies on the critic
 
     python benchmarks/pipeline_timeline.py --steps 20 --repeats 5
     python benchmarks/pipeline_timeline.py --steps 20 --repeats 5 --balance 4,5 --blocks 4 --width 1024  # earlier split
+
+``--backend mpi`` runs the ranks over ringpipe's MPI backend (``pipeline_mpi.py``); there the
+message calls' CPU includes Open MPI's busy-polling while a receive waits, so the bounds from
+it are low; ``pipeline_profile.py --backend mpi`` leaves the receives' CPU out of its bounds.
 """
 
 from __future__ import annotations
@@ -43,7 +47,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from ringpipe.launch import spawn
 from ringpipe.pipeline import PipelineTrainer
 from ringpipe.pipeline.executor import PipelineExecutor
 from ringpipe.pipeline.stage import StageRuntime
@@ -58,6 +61,7 @@ from pipeline_model import (  # noqa: E402
     make_layers,
     split_line,
 )
+from pipeline_mpi import add_backend_args, backend_line, check_backend_args, run_two_ranks  # noqa: E402
 
 __all__ = ["main", "breakdown"]
 
@@ -279,16 +283,18 @@ def add_variant_args(ap: argparse.ArgumentParser) -> None:
     add_model_args(ap)
     add_run_args(ap)
     ap.add_argument("--variants", default="1f1b,async", help="comma-separated ringpipe schedules")
+    add_backend_args(ap)
 
 
 def run_variants(args: argparse.Namespace, worker: Callable[..., Any], unit: str) -> tuple[list[str], list[Any]]:
     """Choose the split, run ``worker(comm, args, names)`` on 2 ranks, print the run's header; return names, results."""
     names = [v.strip() for v in args.variants.split(",")]
+    check_backend_args(args)
     load = os.getloadavg()[0]
     args.first_blocks, args.stage_ms, args.balance_how = choose_split(args)
     print(split_line(args), flush=True)
-    res = spawn(worker, 2, args=(args, names), env={"OMP_NUM_THREADS": "1"})
-    print(f"# {os.cpu_count()} cores, load average {load:.2f} -> {os.getloadavg()[0]:.2f}; width {args.width}, "
+    res = run_two_ranks(args, worker, (args, names))
+    print(f"# {backend_line(args)}; {os.cpu_count()} cores, load average {load:.2f} -> {os.getloadavg()[0]:.2f}; width {args.width}, "
           f"{args.blocks} blocks + head, batch {args.batch}, {args.microbatches} micro-batches, {args.steps} steps, "
           f"medians of {args.repeats} blocks{unit}")
     return names, res

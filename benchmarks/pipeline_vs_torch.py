@@ -43,6 +43,14 @@ columns, both fractions of the ranks' time that no rank computes:
   and torch's ZBV: 0.077 and 0.040 for one step, 0 in the steady state; async: its stream's).
 
     python benchmarks/pipeline_vs_torch.py --batch 256 --microbatches 4 --steps 20 --repeats 5
+
+``--backend mpi`` runs ringpipe's variants over its MPI backend instead of gloo (``mpirun -n 2``,
+``pipeline_mpi.py``; ``--mca KEY=VALUE`` passes Open MPI parameters). torch's schedules need
+c10d's process groups and cannot run there, so ``--backend mpi`` runs ringpipe's variants only
+and refuses a torch variant named in ``--only`` rather than mix two transports in one table:
+
+    python benchmarks/pipeline_vs_torch.py --backend mpi --steps 20 --repeats 9 \\
+        --only "ringpipe async_1f1b,ringpipe 1f1b,ringpipe zb_h2"
 """
 
 from __future__ import annotations
@@ -67,11 +75,10 @@ from pipeline_model import (  # noqa: E402
     make_layers,
     split_line,
 )
+from pipeline_mpi import add_backend_args, backend_line, check_backend_args, run_two_ranks  # noqa: E402
 from pipeline_theory import theory  # noqa: E402
 from pipeline_torch_run import TORCH_SCHEDULES  # noqa: E402
 from pipeline_variants import misfits, probe_torch, variant_names, worker  # noqa: E402
-
-from ringpipe.launch import spawn  # noqa: E402
 
 __all__ = ["main"]
 
@@ -94,7 +101,7 @@ def report(args: argparse.Namespace, r0: dict[str, list[dict]], r1: dict[str, li
            failed: dict[str, str], skipped: dict[str, str] | None = None) -> None:
     load = os.getloadavg()
     print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-          f"gloo, 2 processes x 1 thread; load average before/after {args.load_before} / {load[0]:.2f}")
+          f"{backend_line(args)}, 2 processes x 1 thread; load average before/after {args.load_before} / {load[0]:.2f}")
     print(f"# MLP width {args.width}, {args.blocks} blocks + head, batch {args.batch}, {args.microbatches} "
           f"micro-batches, SGD, {args.warmup} warm-up + {args.steps} timed steps, {args.repeats} blocks")
     print(split_line(args))
@@ -158,6 +165,8 @@ def report(args: argparse.Namespace, r0: dict[str, list[dict]], r1: dict[str, li
                 print("- same schedule: " + ratio(f"ringpipe {s}", f"torch {s}"))
     if "ringpipe async_1f1b" in r0 and "ringpipe 1f1b" in r0:
         print("- " + ratio("ringpipe async_1f1b", "ringpipe 1f1b"))
+    if "ringpipe zb_h2" in r0 and "ringpipe 1f1b" in r0:
+        print("- " + ratio("ringpipe zb_h2", "ringpipe 1f1b"))
 
 
 
@@ -173,16 +182,25 @@ def main() -> None:
     ap.add_argument("--only", help="comma-separated variants to run (e.g. 'ringpipe async_1f1b,ringpipe 1f1b')")
     ap.add_argument("--profile", metavar="DIR", help="write each rank's cProfile statistics of each run to DIR")
     ap.add_argument("--json", action="store_true")
+    add_backend_args(ap)
     args = ap.parse_args()
+    check_backend_args(args)
     args.load_before = f"{os.getloadavg()[0]:.2f}"
     only = [v.strip() for v in args.only.split(",")] if args.only else None
     known = variant_names(TORCH_SCHEDULES)
     unknown = sorted(set(only or ()) - set(known))
     if unknown:
         raise SystemExit(f"--only: unknown variants {unknown}; valid: {known}")
+    if args.backend == "mpi":
+        torch_asked = [v for v in only or () if v.startswith("torch ")]
+        if torch_asked:
+            raise SystemExit(f"--backend mpi: {torch_asked} cannot run over MPI (torch.distributed.pipelining "
+                             "needs c10d's process groups, here gloo); run torch's variants with --backend gloo, "
+                             "and only ringpipe's with --backend mpi")
+        only = only or [v for v in known if v.startswith("ringpipe ")]
+        print("# --backend mpi: ringpipe's variants only (torch's need c10d, not MPI)", file=sys.stderr)
     args.first_blocks, args.stage_ms, args.balance_how = choose_split(args)
     print(split_line(args), file=sys.stderr, flush=True)  # early: the run takes minutes
-    env = {"OMP_NUM_THREADS": "1"}
     skipped = misfits(args, only or known)  # before anything runs: their layout does not fit the split
     for line in skip_lines(skipped):
         print(line, file=sys.stderr, flush=True)
@@ -193,7 +211,7 @@ def main() -> None:
         ok, failed = [v.split()[1] for v in only if v.startswith("torch ")], {}
     else:
         ok, failed = probe_torch(args, [s for s in TORCH_SCHEDULES if f"torch {s}" not in skipped])
-    r0, r1 = spawn(worker, 2, args=(args, ok, only, list(skipped)), env=env)
+    r0, r1 = run_two_ranks(args, worker, (args, ok, only, list(skipped)))
     if args.json:
         print(json.dumps({"rank0": r0, "rank1": r1, "failed": failed, "skipped": skipped}, default=str))
         return
