@@ -25,6 +25,7 @@ if TYPE_CHECKING:  # the names as type checkers see them; at run time __getattr_
     from ringpipe.env import detect as detect
     from ringpipe.launch import local_rank_zero_first as local_rank_zero_first
     from ringpipe.launch import spawn as spawn
+    from ringpipe.launch.run_api import run as run
     from ringpipe.pipeline import PipelineTrainer as PipelineTrainer
 
 __version__ = "0.1.0"
@@ -41,6 +42,7 @@ _HOME = {
     "detect": "ringpipe.env",
     "local_rank_zero_first": "ringpipe.launch",
     "spawn": "ringpipe.launch",
+    "run": "ringpipe.launch.run_api",
     "PipelineTrainer": "ringpipe.pipeline",
 }
 
