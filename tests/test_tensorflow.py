@@ -121,6 +121,15 @@ def test_variables_objects_process_sets_and_join(collectives):
     assert collectives[1]["set_sum"] == [7.0]
     name, internal, text, _ = collectives[0]["set_foreign"]
     assert internal and "Rank 0 is not a member of the provided process set" in text
+    # Horovod's TensorFlow ops report a rank outside the set as InvalidArgument, eagerly and in graphs
+    for key in ("set_foreign_kinds", "set_foreign_in_function"):
+        value_error, invalid_argument, text = collectives[0][key]
+        assert invalid_argument and "Rank 0 is not a member of the provided process set" in text, key
+    for c in collectives:  # a set never registered: ValueError, raised while the graph is built
+        value_error, invalid_argument, text = c["set_unknown_in_function"]
+        assert value_error and not invalid_argument and "has not been registered" in text
+    # d(x^2)/dx = 2x with x = rank + 1, not reduced: rank 0 is outside the set, rank 1 alone in it
+    assert [c["tape_set_of_one"] for c in collectives] == [2.0, 4.0]
 
 
 def test_mismatched_calls_raise_the_same_error_on_every_rank(collectives):

@@ -23,6 +23,15 @@ def raised(fn):
     return None
 
 
+def kinds(fn):
+    """Which of Horovod's error classes what ``fn`` raised is (ValueError, InvalidArgumentError), and its text."""
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        return [isinstance(exc, ValueError), isinstance(exc, tf.errors.InvalidArgumentError), str(exc)]
+    return None
+
+
 def main(out_dir):
     hvd.init(process_sets="dynamic")
     r, n = hvd.rank(), hvd.size()
@@ -132,6 +141,18 @@ def main(out_dir):
         out["set_sum"] = hvd.allreduce(tf.constant([7.0]), op=hvd.Sum, process_set=solo).numpy().tolist()
     else:
         out["set_foreign"] = raised(lambda: hvd.allreduce(tf.constant([7.0]), process_set=solo))
+        out["set_foreign_kinds"] = kinds(lambda: hvd.allreduce(tf.constant([7.0]), process_set=solo))
+        out["set_foreign_in_function"] = kinds(
+            tf.function(lambda: hvd.allreduce(tf.constant([7.0]), process_set=solo)))
+    fake = hvd.ProcessSet([0])
+    fake.process_set_id = 10  # never registered
+    out["set_unknown_in_function"] = kinds(tf.function(lambda: hvd.allreduce(tf.constant([1.0]), process_set=fake)))
+    x = tf.constant(float(r + 1))
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        y = x * x
+    # Horovod: on a rank outside the set, or in a set of one, the gradients stay local
+    out["tape_set_of_one"] = float(hvd.DistributedGradientTape(tape, process_set=solo).gradient(y, [x])[0])
     hvd.barrier()
 
     # mismatched calls: every rank raises, nothing hangs

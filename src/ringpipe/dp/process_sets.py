@@ -19,6 +19,8 @@ from ringpipe.dp.engine import Engine
 from ringpipe.dp.world import HorovodInternalError, World, current
 
 __all__ = [
+    "NotAMemberError",
+    "registered",
     "ProcessSet",
     "add_process_set",
     "global_process_set",
@@ -195,20 +197,34 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     return True
 
 
-def resolve(process_set: ProcessSet | None, what: str) -> tuple[Communicator, list[int]]:
-    """The communicator a collective ``what`` on ``process_set`` runs on (this rank must be a member),
-    and the set's world ranks."""
+class NotAMemberError(HorovodInternalError):
+    """A collective on a process set this rank is not a member of (Horovod's ``InvalidArgument`` status).
+
+    A ``HorovodInternalError`` on the torch face, as Horovod's torch ops raise it; the TensorFlow
+    face raises it as ``tf.errors.InvalidArgumentError``, as Horovod's TensorFlow ops do.
+    """
+
+
+def registered(process_set: ProcessSet | None, what: str) -> ProcessSet:
+    """``process_set`` (the global set for None) if it is registered now; else the ``ValueError`` of an unknown set."""
     ps = global_process_set if process_set is None else process_set
     if not isinstance(ps, ProcessSet):
         raise TypeError(f"{what}: process_set must be a ProcessSet, got {type(ps).__name__}")
-    world = current()
-    if ps.process_set_id is None or world.sets.get(ps.process_set_id) is not ps:
+    if ps.process_set_id is None or current().sets.get(ps.process_set_id) is not ps:
         raise ValueError(
             f"{what}: the process set {ps} does not exist or has not been registered (removed, or never passed to "
             "init(process_sets=...) or add_process_set)"
         )
+    return ps
+
+
+def resolve(process_set: ProcessSet | None, what: str) -> tuple[Communicator, list[int]]:
+    """The communicator a collective ``what`` on ``process_set`` runs on (this rank must be a member),
+    and the set's world ranks."""
+    ps = registered(process_set, what)
+    world = current()
     if ps.comm is None:
-        raise HorovodInternalError(f"{what}: Rank {world.comm.rank} is not a member of the provided process set.")
+        raise NotAMemberError(f"{what}: Rank {world.comm.rank} is not a member of the provided process set.")
     assert ps.ranks is not None
     return ps.comm, ps.ranks
 

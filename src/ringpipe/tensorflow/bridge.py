@@ -23,6 +23,7 @@ built once), or use ``tf.function``, where every node runs once per call anyway.
 from __future__ import annotations
 
 import functools
+import inspect
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -31,6 +32,7 @@ import tensorflow as tf
 import torch
 
 from ringpipe.dp.engine import EngineInvalidCallError, EngineMismatchError
+from ringpipe.dp.process_sets import NotAMemberError, registered
 
 from . import status_op
 
@@ -54,9 +56,21 @@ def graph_op(fn: Callable[..., Any]) -> Callable[..., Any]:
     hundred wrapped calls per collective).
 
     Called eagerly, the op raises the engine's cross-rank errors as the TensorFlow errors
-    Horovod raises (:func:`_tf_errors`).
+    Horovod raises (:func:`_tf_errors`). Building a graph, an op given a process set that is not
+    registered raises its ``ValueError`` there and then, as the eager call does, instead of
+    failing the graph when it runs.
     """
-    return tf.autograph.experimental.do_not_convert(functools.wraps(fn)(_tf_errors(fn)))
+    wrapped = _tf_errors(fn)
+    if "process_set" in inspect.signature(fn).parameters:
+        signature = inspect.signature(fn)
+
+        def checked(*xs: Any, **kw: Any) -> Any:
+            if not tf.executing_eagerly():
+                registered(signature.bind_partial(*xs, **kw).arguments.get("process_set"), fn.__name__)
+            return wrapped(*xs, **kw)
+
+        return tf.autograph.experimental.do_not_convert(functools.wraps(fn)(checked))
+    return tf.autograph.experimental.do_not_convert(functools.wraps(fn)(wrapped))
 
 
 def tf_dtype(dtype: torch.dtype) -> tf.DType:
@@ -123,6 +137,8 @@ def _tf_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
         except EngineMismatchError as exc:
             raise MismatchedCallError(str(exc)) from exc
         except EngineInvalidCallError as exc:
+            raise InvalidCallError(str(exc)) from exc
+        except NotAMemberError as exc:  # Horovod's InvalidArgument status, a TF InvalidArgumentError
             raise InvalidCallError(str(exc)) from exc
 
     return call

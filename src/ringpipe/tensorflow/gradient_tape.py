@@ -39,12 +39,17 @@ def reduce_gradients(grads: Sequence[Any], op: ReduceOp = ReduceOp.AVERAGE, comp
     """Reduce a list of gradients as Horovod's gradient tape and optimizers do.
 
     ``None`` stays ``None``; dense gradients go as one fused message per dtype; an
-    ``IndexedSlices`` becomes dense with ``sparse_as_dense``, else is allgathered.
+    ``IndexedSlices`` becomes dense with ``sparse_as_dense``, else is allgathered. On a rank
+    outside ``process_set``, or with a set of one rank, the gradients stay local, as Horovod's
+    ``_grouped_allreduce_cond`` leaves them (``process_set.included() and size() > 1``).
     """
     pre, post = scale_factors(op, gradient_predivide_factor)
     out = list(grads)
     if sparse_as_dense:
         out = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in out]
+    included = process_set.included()  # None before init: the collectives below say so
+    if included is False or (included and process_set.size() == 1):
+        return out
     dense = [i for i, g in enumerate(out) if g is not None and not isinstance(g, tf.IndexedSlices)]
     for i, r in zip(dense, fused_allreduce([out[i] for i in dense], op, pre, post, compression, process_set),
                     strict=True):
