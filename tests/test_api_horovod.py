@@ -59,6 +59,7 @@ def _sets(comm):  # noqa: ANN001
             "ranks": (even.ranks, low.ranks, hvd.global_process_set.ranks),
             "size": even.size(), "included": (even.included(), low.included()),
             "rank_in_low": low.rank() if low.included() else _raised(low.rank),
+            "basics": __import__("ringpipe.mpi_ops").mpi_ops._basics._get_process_set_ids_and_ranks(),
         }
         x = torch.tensor([float(r + 1)])
         if even.included():
@@ -84,6 +85,8 @@ def test_process_sets_run_collectives_among_their_ranks():
     out = spawn(_sets, 3)
     assert {o["ids"] for o in out} == {(1, 2, 0)}  # the same ids on every rank
     assert out[0]["ranks"] == ([0, 2], [0, 1], [0, 1, 2])
+    # Horovod's internal table its own process-set tests read (``mpi_ops._basics``): {id: world ranks}
+    assert [o["basics"] for o in out] == [{0: [0, 1, 2], 1: [0, 2], 2: [0, 1]}] * 3
     assert [o["included"] for o in out] == [(True, True), (False, True), (True, False)]
     assert [o["rank_in_low"] for o in out[:2]] == [0, 1]
     assert out[2]["rank_in_low"] == (["ValueError"], "Process is not part of provided process set.")

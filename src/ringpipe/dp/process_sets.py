@@ -20,6 +20,8 @@ from ringpipe.dp.world import HorovodInternalError, World, current
 
 __all__ = [
     "NotAMemberError",
+    "HorovodBasics",
+    "basics",
     "registered",
     "ProcessSet",
     "add_process_set",
@@ -238,3 +240,16 @@ def set_root(ranks: list[int], root_rank: int, what: str) -> tuple[int, ValueErr
     if isinstance(root_rank, int) and not isinstance(root_rank, bool) and root_rank in ranks:
         return ranks.index(root_rank), None
     return 0, ValueError(f"{what}: root_rank {root_rank!r} is not a rank of the process set (world ranks {ranks})")
+
+
+class HorovodBasics:
+    """The part of Horovod's internal ``mpi_ops._basics`` object that Horovod's own process-set tests read."""
+
+    @staticmethod
+    def _get_process_set_ids_and_ranks() -> dict[int, list[int]]:
+        """``{process_set_id: the set's world ranks}`` for every registered set, the global set (0) included."""
+        return {set_id: list(ps.ranks or []) for set_id, ps in sorted(current().sets.items())}
+
+
+#: what ``horovod.torch.mpi_ops._basics`` / ``horovod.tensorflow.mpi_ops._basics`` are to Horovod's tests
+basics = HorovodBasics()

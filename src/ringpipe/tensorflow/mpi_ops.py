@@ -23,6 +23,7 @@ from ringpipe.api.calls import Call, parse_op
 from ringpipe.comm.base import ReduceOp
 from ringpipe.dp import ops as _ops
 from ringpipe.dp.process_sets import ProcessSet, global_process_set
+from ringpipe.dp.process_sets import basics as _basics  # noqa: F401 - Horovod's internal, read by its tests
 
 from .bridge import graph_op, run, to_tf, to_torch
 from .compression import Compression
