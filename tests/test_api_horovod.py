@@ -381,7 +381,9 @@ def test_gradients_follow_horovods_conventions():
 
 def _small(comm):  # noqa: ANN001
     def body():
-        out = {"ccl": hvd.ccl_built(), "internal": issubclass(hvd.HorovodInternalError, RuntimeError)}
+        out = {"ccl": hvd.ccl_built(), "internal": issubclass(hvd.HorovodInternalError, RuntimeError),
+               # Horovod's gpu_available(ext_base_name): False for a framework without a GPU or not served
+               "gpu": [hvd.gpu_available("torch") == torch.cuda.is_available(), hvd.gpu_available("mxnet")]}
         model = torch.nn.Linear(3, 2)
         opt = torch.optim.Adam(model.parameters(), lr=0.1)
         hvd.broadcast_optimizer_state(opt, root_rank=0)  # no .grad and no state yet
@@ -404,7 +406,7 @@ def _small(comm):  # noqa: ANN001
 def test_small_horovod_behaviours():
     out = spawn(_small, 2)
     for first, again in out:
-        assert first["ccl"] is False and first["internal"] is True
+        assert first["ccl"] is False and first["internal"] is True and first["gpu"] == [True, False]
         assert first["state"] == ["exp_avg", "exp_avg_sq", "step"]
         assert first["warned"] is True
         assert again == 2

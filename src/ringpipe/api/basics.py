@@ -42,6 +42,7 @@ __all__ = [
     "gloo_built",
     "gloo_enabled",
     "global_process_set",
+    "gpu_available",
     "init",
     "is_homogeneous",
     "is_initialized",
@@ -289,6 +290,22 @@ def ddl_built() -> bool:
 
 def cuda_built() -> bool:
     return torch.cuda.is_available()
+
+
+def gpu_available(ext_base_name: str, verbose: bool = False) -> bool:
+    """Whether framework ``ext_base_name`` ('torch', 'tensorflow') runs here with a GPU, as Horovod's
+    ``gpu_available``; False for a framework that is not installed or that ringpipe does not serve."""
+    import importlib.util
+
+    if ext_base_name in ("torch", "horovod.torch"):
+        return torch.cuda.is_available()
+    if ext_base_name in ("tensorflow", "horovod.tensorflow") and importlib.util.find_spec("tensorflow"):
+        import tensorflow as tf
+
+        return bool(tf.config.list_physical_devices("GPU"))
+    if verbose:
+        print(f"Extension {ext_base_name} is not running with GPU: ringpipe serves torch and tensorflow")
+    return False
 
 
 def rocm_built() -> bool:
