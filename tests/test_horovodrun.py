@@ -113,3 +113,28 @@ def test_bad_horovod_values_name_the_variable(tmp_path):
         out = subprocess.run([sys.executable, "-c", code], env=_env(**{var: value}), capture_output=True,
                              text=True, timeout=120)
         assert out.returncode != 0 and f"{var}={value!r}" in out.stderr, out.stderr[-2000:]
+
+
+def test_check_build_prints_horovods_table_of_what_is_available(capsys):
+    import importlib.util
+
+    import torch.distributed as dist
+
+    from ringpipe.launch.horovodrun import main, mpi_usable
+
+    with pytest.raises(SystemExit) as done:
+        main(["--check-build"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+
+    def row(section, name):
+        lines = out.split(section + ":")[1].split("\n\n")[0].splitlines()
+        marks = {ln.strip()[4:]: ln.strip()[1] == "X" for ln in lines if ln.strip().startswith("[")}
+        return marks[name]
+
+    assert row("Available Frameworks", "PyTorch") is True and row("Available Frameworks", "MXNet") is False
+    assert row("Available Frameworks", "TensorFlow") is (importlib.util.find_spec("tensorflow") is not None)
+    assert row("Available Controllers", "Gloo") is dist.is_gloo_available()
+    assert row("Available Controllers", "MPI") is mpi_usable()
+    assert row("Available Tensor Operations", "NCCL") is dist.is_nccl_available()
+    assert row("Available Tensor Operations", "DDL") is False and row("Available Tensor Operations", "CCL") is False

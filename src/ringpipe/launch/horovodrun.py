@@ -22,7 +22,7 @@ import sys
 from collections.abc import Callable, Sequence
 from types import SimpleNamespace
 
-__all__ = ["main", "translate", "HorovodrunUsageError", "exportable", "mpi_usable"]
+__all__ = ["main", "check_build", "translate", "HorovodrunUsageError", "exportable", "mpi_usable"]
 
 
 class HorovodrunUsageError(ValueError):
@@ -72,7 +72,6 @@ _UNSUPPORTED = {
     "--mpi-args": "run mpirun yourself with its arguments",
     "--binding-args": "run mpirun yourself with its binding arguments",
     "--jsrun": "jsrun is not supported", "--ray": "Ray is not supported",
-    "--check-build": "use ringpipe --version",
 }
 
 # Flags accepted with nothing to do: ringpipe checks the hosts on every launch (no cache to disable)
@@ -115,6 +114,41 @@ def _other_hosts(args: list[str]) -> bool:
     return False
 
 
+def check_build() -> str:
+    """``horovodrun --check-build``: what this installation can run, in Horovod's table."""
+    import importlib.util
+
+    import torch.distributed as dist
+
+    from ringpipe import __version__
+
+    def mark(value: bool) -> str:
+        return "X" if value else " "
+
+    gloo = dist.is_available() and dist.is_gloo_available()
+    nccl = dist.is_available() and dist.is_nccl_available()
+    mpi = mpi_usable()
+    return "\n".join([
+        f"ringpipe v{__version__} (Horovod's API):",
+        "",
+        "Available Frameworks:",
+        f"    [{mark(importlib.util.find_spec('tensorflow') is not None)}] TensorFlow",
+        "    [X] PyTorch",
+        "    [ ] MXNet",
+        "",
+        "Available Controllers:",
+        f"    [{mark(mpi)}] MPI",
+        f"    [{mark(gloo)}] Gloo",
+        "",
+        "Available Tensor Operations:",
+        f"    [{mark(nccl)}] NCCL",
+        "    [ ] DDL",
+        "    [ ] CCL",
+        f"    [{mark(mpi)}] MPI",
+        f"    [{mark(gloo)}] Gloo",
+    ])
+
+
 def translate(argv: Sequence[str]) -> tuple[list[str], dict[str, str]]:
     """``horovodrun`` arguments -> (``ringpipe launch`` arguments, environment to add)."""
     args: list[str] = []
@@ -128,6 +162,9 @@ def translate(argv: Sequence[str]) -> tuple[list[str], dict[str, str]]:
             break
         if tok in ("-h", "--help"):
             print(__doc__)
+            raise SystemExit(0)
+        if tok in ("-cb", "--check-build"):
+            print(check_build())
             raise SystemExit(0)
         name, eq, value = tok.partition("=")
         if name in _UNSUPPORTED or any(name.startswith(p) for p in ("--autotune-",)):
