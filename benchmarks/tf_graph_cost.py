@@ -18,6 +18,10 @@ the slowest rank's time counts. The ladder (4 KiB float32 unless ``--size``):
 - ``inline engine in py_function``: the node runs the torch face's allreduce task (announcement,
   then the data) on its own thread when the engine is idle (``Engine.submit(inline=True)``)
   instead of handing it to the engine thread;
+- ``grouped tf.function``, ``grouped inline engine in py_function``, ``grouped torch``: the
+  8 gradients of ``tf_tape_vs_mwms.py``'s CNN (38,282 float32) as its step reduces them (one
+  grouped allreduce in ``tf.function``), the same with the engine task inline, and the torch
+  face's ``grouped_allreduce_`` of torch tensors of the same shapes;
 - ``raw gloo``, ``two raw gloo``, ``two raw gloo overlapped``, ``announce only``, ``torch``,
   ``torch inline engine``: from the calling thread, the communicator's allreduce alone (its own
   cross-rank check off), two of them in a row, a header-sized one and the data posted back to
@@ -27,8 +31,14 @@ With ``--stamps`` the full ``tf.function`` variant also records, per call, the t
 call to the ``py_function`` body's entry, to the engine task's start, to the announcement's end,
 to the data's end, to the body's exit and to the call's return (rank 0's clock).
 
-    python benchmarks/tf_graph_cost.py                      # 4 KiB
-    python benchmarks/tf_graph_cost.py --size 4194304 --stamps
+With ``--cpu N`` each variant is also called N times in a row (twice, in alternating order) and
+the CPU time of each thread of rank 0 is reported per call (``/proc/self/task``; TensorFlow's
+pool threads appear as ``Dummy-*``, gloo's as ``gloo_tcp_loop`` / ``pt_gloo_runloop``). With
+``--ranks 1`` the collectives have no peer: the machinery's fixed costs.
+
+    python benchmarks/tf_graph_cost.py --stamps --cpu 100          # 4 KiB, 2 ranks
+    python benchmarks/tf_graph_cost.py --size 153128 --stamps       # the tape's gradient size
+    python benchmarks/tf_graph_cost.py --ranks 1                    # fixed costs
 """
 
 from __future__ import annotations
@@ -43,10 +53,11 @@ import tempfile
 
 VARIANTS = ("identity", "py_function empty", "numpy_function empty", "py_function bridge", "bridge + status",
             "raw gloo in py_function", "torch api in py_function", "inline engine in py_function", "tf.function",
-            "tf eager", "raw gloo", "two raw gloo", "two raw gloo overlapped", "announce only", "torch", "torch inline engine")
+            "tf eager", "raw gloo", "two raw gloo", "two raw gloo overlapped", "announce only", "torch", "torch inline engine",
+            "grouped tf.function", "grouped inline engine in py_function", "grouped torch")
 
 WORKER = r"""
-import json, os, sys, time
+import json, os, sys, threading, time
 import tensorflow as tf
 tf.config.threading.set_intra_op_parallelism_threads(1)
 tf.config.threading.set_inter_op_parallelism_threads(2)
@@ -64,6 +75,7 @@ torch.set_num_threads(1)
 hvd.init()
 out_path, rounds, block, size, variants, stamps = (sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]),
                                                    json.loads(sys.argv[5]), sys.argv[6] == "1")
+cpu_calls = int(sys.argv[7])
 comm = Call("allreduce", None, None).comm
 engine = Engine.of(comm)
 n = size // 4
@@ -93,6 +105,23 @@ def inline(x):
 
 def inline_tf(v):
     return bridge.to_tf(inline(bridge.to_torch(v)))
+
+# the gradients of the Keras CNN of benchmarks/tf_tape_vs_mwms.py (38,282 float32), as its step reduces them
+SHAPES = [(3, 3, 1, 16), (16,), (3, 3, 16, 32), (32,), (512, 64), (64,), (64, 10), (10,)]
+grads_tf = [tf.fill(s, 1.0 + hvd.rank()) for s in SHAPES]
+grads_torch = [torch.full(s, 1.0 + hvd.rank()) for s in SHAPES]
+
+def inline_group(*vs):
+    # the task of the torch face's grouped allreduce (one fused message), run inline as above
+    ts = [bridge.to_torch(v) for v in vs]
+    flat = torch.cat([t.reshape(-1) for t in ts])
+    def task():
+        announce(comm, "allreduce", flat, ReduceOp.SUM, {"process_set": 0, "shapes": [list(t.shape) for t in ts]},
+                 checks(comm, "grouped_allreduce"))
+        dp_ops.finish_reduction(dp_ops.start_reduction(comm, flat, ReduceOp.SUM))
+        return flat
+    engine.submit(task, inline=True).wait()
+    return [bridge.to_tf(p.view(t.shape)) for p, t in zip(flat.split([t.numel() for t in ts]), ts)]
 
 def two_raw():
     spare.copy_(xt)
@@ -130,6 +159,13 @@ graphs = {
     "tf.function": tf.function(lambda t: hvd.allreduce(t, op=hvd.Sum)),
 }
 calls = {k: (lambda g=g: g(xf)) for k, g in graphs.items()}
+dnc = tf.autograph.experimental.do_not_convert
+grouped = tf.function(lambda: hvd.grouped_allreduce(grads_tf, op=hvd.Sum))
+grouped_inline = tf.function(dnc(lambda: bridge.run(inline_group, grads_tf, [g.dtype for g in grads_tf],
+                                                    [g.shape for g in grads_tf])))
+calls["grouped tf.function"] = lambda: grouped()
+calls["grouped inline engine in py_function"] = lambda: grouped_inline()
+calls["grouped torch"] = lambda: hvd_torch.grouped_allreduce_([g.clone() for g in grads_torch], op=hvd_torch.Sum)
 calls["tf eager"] = lambda: hvd.allreduce(xf, op=hvd.Sum)
 calls["raw gloo"] = lambda: raw(None)
 calls["two raw gloo"] = two_raw
@@ -169,6 +205,8 @@ for v in variants:
     calls[v]()
 r = calls["tf.function"]().numpy()
 assert (r == want).all(), r[:4]
+for v in ("grouped tf.function", "grouped inline engine in py_function", "grouped torch"):
+    assert all(float(tf.reduce_min(g)) == float(tf.reduce_max(g)) == want for g in calls[v]()), v
 marks.clear()
 times = {v: [] for v in variants}
 stamp_rows = []
@@ -189,9 +227,40 @@ for k in range(rounds):
 for v in variants:
     every = hvd_torch.allgather_object(times[v])
     times[v] = [max(ts) for ts in zip(*every)]
+
+
+def thread_ticks():
+    # CPU time of every thread of this process (user + system, clock ticks), by thread name
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                comm_name = f.read().strip()
+        except OSError:
+            continue
+        out[(tid, names.get(int(tid), comm_name))] = int(fields[11]) + int(fields[12])
+    return out
+
+
+cpu = {v: {} for v in variants}
+for k in range(2 if cpu_calls else 0):  # consecutive calls, no barrier between them (a barrier is a collective too)
+    for v in (variants if k % 2 == 0 else variants[::-1]):
+        hvd_torch.barrier()
+        before = thread_ticks()
+        for _ in range(cpu_calls):
+            calls[v]()
+        after = thread_ticks()
+        for key, ticks in after.items():
+            if ticks - before.get(key, 0):
+                cpu[v][key[1]] = cpu[v].get(key[1], 0) + ticks - before.get(key, 0)
+tick_ms = 1e3 / os.sysconf("SC_CLK_TCK")
+cpu = {v: {name: ticks * tick_ms / (2 * cpu_calls) for name, ticks in by.items()} for v, by in cpu.items()}
 if hvd.rank() == 0:
     with open(out_path, "w") as f:
-        json.dump({"times": times, "stamps": stamp_rows, "load": os.getloadavg()[0]}, f)
+        json.dump({"times": times, "stamps": stamp_rows, "load": os.getloadavg()[0], "cpu": cpu}, f)
 hvd.shutdown()
 """
 
@@ -208,6 +277,9 @@ def main() -> None:
     p.add_argument("--size", type=int, default=4 << 10, help="bytes of float32")
     p.add_argument("--stamps", action="store_true", help="stage stamps of the full tf.function variant")
     p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--ranks", type=int, default=2, help="1: the machinery's fixed costs without a peer")
+    p.add_argument("--cpu", type=int, default=0, metavar="N",
+                   help="also N consecutive calls per variant (twice) with the CPU time of each thread (rank 0)")
     args = p.parse_args()
     variants = args.variants.split(",")
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", OMP_NUM_THREADS="1")
@@ -216,18 +288,23 @@ def main() -> None:
         script, result = os.path.join(tmp, "worker.py"), os.path.join(tmp, "out.json")
         with open(script, "w") as f:
             f.write(WORKER)
-        cmd = [sys.executable, "-m", "ringpipe.cli", "launch", "-n", "2", script, result, str(args.rounds),
-               str(args.block), str(args.size), json.dumps(variants), "1" if args.stamps else "0"]
+        cmd = [sys.executable, "-m", "ringpipe.cli", "launch", "-n", str(args.ranks), script, result, str(args.rounds),
+               str(args.block), str(args.size), json.dumps(variants), "1" if args.stamps else "0", str(args.cpu)]
         subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
         with open(result) as f:
             out = json.load(f)
-    print(f"{args.size} bytes float32 Sum, 2 ranks gloo, {args.rounds} rounds x {args.block} calls, slowest rank; "
+    print(f"{args.size} bytes float32 Sum, {args.ranks} rank(s) gloo, {args.rounds} rounds x {args.block} calls, slowest rank; "
           f"load {load0:.1f} before, {out['load']:.1f} at the end")
-    print("| variant | median ms | p10-p90 |")
-    print("|---|---|---|")
+    cpu = out["cpu"] if args.cpu else {}
+    print("| variant | median ms | p10-p90 |" + (" CPU ms per call, all threads | by thread |" if cpu else ""))
+    print("|---|---|---|" + ("---|---|" if cpu else ""))
     for v in variants:
         t = out["times"][v]
-        print(f"| {v} | {statistics.median(t) * 1e3:.3f} | {_q(t, 0.1) * 1e3:.3f}-{_q(t, 0.9) * 1e3:.3f} |")
+        row = f"| {v} | {statistics.median(t) * 1e3:.3f} | {_q(t, 0.1) * 1e3:.3f}-{_q(t, 0.9) * 1e3:.3f} |"
+        if cpu:
+            by = sorted(cpu[v].items(), key=lambda kv: -kv[1])
+            row += f" {sum(cpu[v].values()):.2f} | " + ", ".join(f"{n} {ms:.2f}" for n, ms in by if ms >= 0.01) + " |"
+        print(row)
     if out["stamps"]:
         keys = ["body", "task", "announced", "data", "body exit", "return"]
         print("\nstages of the tf.function call (rank 0, ms since the call; median [p10-p90])")

@@ -10,7 +10,9 @@ Each run trains ``--steps`` steps after ``--warmup`` and times them in blocks of
 ``--block`` consecutive training steps; between blocks it times, on the same worker, the
 parts of a step: ``local`` (forward, backward and apply on a copy of the model, no
 communication) and ``reduce`` (the side's collective on gradient-shaped tensors, inside
-``tf.function``). Runs alternate between the sides in ABBA order, ``--repeats`` pairs.
+``tf.function``); on ringpipe's side also ``reduce_torch``, the same reduction through the
+torch face from the calling thread, no graph (what the engine and gloo cost without
+TensorFlow's graph around them). Runs alternate between the sides in ABBA order, ``--repeats`` pairs.
 
 Each side prints what it ran (versions, threads, model size, batch, optimizer, a checksum of
 the initial weights) and its per-step losses. The ratio is refused when the two sides did not
@@ -85,19 +87,22 @@ def _config(side: str, model, size: int, args: argparse.Namespace) -> dict:  # n
     }
 
 
-def _measure(step, local, reduce, x, y, args: argparse.Namespace) -> dict:  # noqa: ANN001
+def _measure(step, local, reduce, x, y, args: argparse.Namespace, torch_reduce=None) -> dict:  # noqa: ANN001
     """Timed blocks: ``--block`` training steps, then as many local steps and reductions.
 
     The rounds of blocks that hold the first ``--warmup`` training steps are not timed.
+    ``torch_reduce`` (ringpipe's side): also blocks of the same reduction through the torch face,
+    from the calling thread, on torch tensors of the gradients' shapes (no graph, no bridge).
     """
     n = len(x) // args.batch
     batches = [(x[k * args.batch : (k + 1) * args.batch], y[k * args.batch : (k + 1) * args.batch]) for k in range(n)]
-    times: dict[str, list[float]] = {"step": [], "local": [], "reduce": []}
+    parts = ("step", "local", "reduce") + (("reduce_torch",) if torch_reduce is not None else ())
+    times: dict[str, list[float]] = {part: [] for part in parts}
     losses: list[float] = []
     i = 0
     while len(times["step"]) < args.steps:
         timed = i >= args.warmup
-        for part in ("step", "local", "reduce"):
+        for part in parts:
             for _ in range(args.block):
                 bx, by = batches[i % n]
                 t = time.perf_counter()
@@ -105,8 +110,10 @@ def _measure(step, local, reduce, x, y, args: argparse.Namespace) -> dict:  # no
                     loss = float(step(bx, by))
                 elif part == "local":
                     local(bx, by)
-                else:
+                elif part == "reduce":
                     reduce()
+                else:
+                    torch_reduce()
                 dt = time.perf_counter() - t
                 if part == "step":
                     losses.append(loss)
@@ -164,7 +171,11 @@ def worker_ringpipe(args: argparse.Namespace) -> None:
 
     grads = [tf.ones(v.shape) for v in model.trainable_variables]
     reduce = tf.function(lambda: hvd.grouped_allreduce(grads))
-    out = _measure(step, _local_step(loss_fn), reduce, x, y, args)
+    import ringpipe.api as hvd_torch
+
+    torch_grads = [torch.ones(tuple(v.shape)) for v in model.trainable_variables]
+    out = _measure(step, _local_step(loss_fn), reduce, x, y, args,
+                   lambda: hvd_torch.grouped_allreduce_([g.clone() for g in torch_grads]))
     out["config"] = {**config, "torch threads": torch.get_num_threads(), "collective": "ringpipe engine, gloo"}
     if hvd.rank() == 0:
         with open(args.out, "w") as f:
@@ -299,6 +310,10 @@ def main() -> None:
         gap = (statistics.median(t["step"]) - statistics.median(t["local"])) * 1e3
         print(f"| {label} | {_stat(t['step'])} | {_stat(t['local'])} | {_stat(t['reduce'])} | {gap:.2f} | "
               f"{', '.join(f'{m * 1e3:.2f}' for m in med[side])} |")
+    torch_side = [v for run in runs["ringpipe"] for v in run["times"].get("reduce_torch", [])]
+    if torch_side:
+        print(f"\nringpipe's reduction through the torch face (grouped_allreduce_ of torch tensors of the same "
+              f"shapes, from the calling thread, no graph): {_stat(torch_side)} ms")
     problems = _differences(runs["ringpipe"][0], runs["mwms"][0], args.tol)
     if problems:
         print("\nNo ratio: the sides did not do the same work: " + "; ".join(problems))
