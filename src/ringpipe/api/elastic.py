@@ -32,10 +32,12 @@ from typing import Any
 
 import torch
 
+from ringpipe.api.elastic_sampler import ElasticSampler
 from ringpipe.comm.departures import PeerDeparted
 from ringpipe.dp.engine import HorovodInternalError
 
-__all__ = ["State", "ObjectState", "TorchState", "run", "HostsUpdatedInterrupt", "committed_path"]
+__all__ = ["State", "ObjectState", "TorchState", "ElasticSampler", "SamplerStateHandler", "run",
+           "HostsUpdatedInterrupt", "committed_path"]
 
 log = logging.getLogger(__name__)
 
@@ -188,11 +190,24 @@ class _OptimizerHandler(_Handler):
         _api().broadcast_optimizer_state(self.value, root_rank=0)
 
 
+class SamplerStateHandler(_Handler):
+    """An :class:`ElasticSampler` in a ``TorchState``: its epoch and processed count, synced from rank 0.
+
+    Loading the state re-splits the sampler among the ranks of the moment, so after a reset the
+    rest of the epoch is divided among the new set of ranks.
+    """
+
+    def sync(self) -> None:
+        self.value.load_state_dict(_api().broadcast_object(self.value.state_dict(), root_rank=0))
+
+
 def _handler(value: Any) -> _Handler | None:
     if isinstance(value, torch.nn.Module):
         return _ModelHandler(value)
     if isinstance(value, torch.optim.Optimizer):
         return _OptimizerHandler(value)
+    if isinstance(value, ElasticSampler):
+        return SamplerStateHandler(value)
     return None
 
 
@@ -200,8 +215,8 @@ class TorchState(ObjectState):
     """State of a torch training process: models, optimizers and any other keyword attributes.
 
     ``TorchState(model=model, optimizer=opt, epoch=0, batch=0)``; ``state.epoch`` etc. read and
-    assign the attributes. Models and optimizers are saved as copies of their ``state_dict`` and
-    synced by broadcast from rank 0; the rest as Python objects.
+    assign the attributes. Models, optimizers and :class:`ElasticSampler` s are saved as copies of
+    their ``state_dict`` and synced by broadcast from rank 0; the rest as Python objects.
     """
 
     def __init__(self, model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
