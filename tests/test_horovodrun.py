@@ -38,7 +38,7 @@ def test_horovodrun_options_become_launch_options_and_horovod_variables():
                    "HOROVOD_LOG_LEVEL": "debug"}
 
 
-@pytest.mark.parametrize("option", ["--autotune", "--elastic", "--output-filename", "--jsrun", "--bogus"])
+@pytest.mark.parametrize("option", ["--autotune", "--elastic", "--jsrun", "--bogus"])
 def test_options_without_an_equivalent_are_refused_by_name(option):
     with pytest.raises(HorovodrunUsageError, match=option):
         translate([option, "x", "-np", "2", "python", "train.py"])
@@ -138,3 +138,8 @@ def test_check_build_prints_horovods_table_of_what_is_available(capsys):
     assert row("Available Controllers", "MPI") is mpi_usable()
     assert row("Available Tensor Operations", "NCCL") is dist.is_nccl_available()
     assert row("Available Tensor Operations", "DDL") is False and row("Available Tensor Operations", "CCL") is False
+
+
+def test_output_filename_goes_to_the_launcher():
+    args, _ = translate(["--output-filename", "logs", "-np", "2", "python", "train.py"])
+    assert args[args.index("--output-filename") + 1] == "logs"

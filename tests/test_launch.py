@@ -167,3 +167,35 @@ def test_bad_launch_arguments():
     out = run([*RINGPIPE, "launch", "-n", "2", "no_such_script.py"])
     assert out.returncode != 0 and "no such script: no_such_script.py" in out.stderr
     assert "Traceback" not in out.stderr and "[0]" not in out.stderr  # refused before any rank started
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("how", ["agent", "mp", pytest.param("mpi", marks=pytest.mark.skipif(not HAVE_MPI,
+                                                                                           reason="needs mpirun"))])
+def test_output_filename_writes_each_ranks_lines_to_its_files_as_horovodrun(tmp_path, how):
+    """horovodrun's --output-filename DIR: DIR/rank.<R>/stdout and stderr, R zero-padded to the
+    last rank's width; the lines still reach the console, prefixed with the rank."""
+    script = tmp_path / "talk.py"
+    script.write_text("import os, sys\nr = os.environ['RANK']\nprint('out of', r)\n"
+                      "print('err of', r, file=sys.stderr)\n")
+    mode = {"agent": [], "mp": ["--mode", "mp"], "mpi": ["--backend", "mpi"]}[how]
+    out = run([*RINGPIPE, "launch", "-n", "2", *mode, "--output-filename", str(tmp_path / "logs"), str(script)],
+              timeout=240)
+    assert out.returncode == 0, out.stdout + out.stderr
+    for r in range(2):
+        assert f"[{r}]:out of {r}" in out.stdout
+        assert (tmp_path / "logs" / f"rank.{r}" / "stdout").read_text().splitlines() == [f"[{r}]:out of {r}"]
+        assert f"[{r}]:err of {r}" in (tmp_path / "logs" / f"rank.{r}" / "stderr").read_text().splitlines()
+
+
+def test_output_filename_pads_ranks_to_the_width_of_the_last():
+    import tempfile
+
+    from ringpipe.launch.relay import OutputRelay
+
+    with tempfile.TemporaryDirectory() as d:
+        relay = OutputRelay(1, rank_of=lambda slot: 7, output_dir=d, world_size=12)
+        with open(os.path.join(relay.dir, "out-0"), "w") as pipe:
+            pipe.write("hello\n")
+        relay.close()
+        assert Path(d, "rank.07", "stdout").read_text() == "[7]:hello\n"

@@ -54,7 +54,8 @@ _TO_ENV: dict[str, tuple[str, Callable[[str], str] | None]] = {
 _TO_LAUNCH = {"-np": "-np", "--num-proc": "-np", "-H": "-H", "--hosts": "-H", "--hostfile": "--hostfile",
               "-hostfile": "--hostfile", "-p": "--ssh-port", "--ssh-port": "--ssh-port", "-i": "--ssh-identity-file",
               "--ssh-identity-file": "--ssh-identity-file", "--start-timeout": "--start-timeout",
-              "--network-interface": "--network-interface", "--network-interfaces": "--network-interface"}
+              "--network-interface": "--network-interface", "--network-interfaces": "--network-interface",
+              "--output-filename": "--output-filename"}
 
 _UNSUPPORTED = {
     "--autotune": "ringpipe has no autotuner: set --fusion-threshold-mb yourself",
@@ -67,7 +68,6 @@ _UNSUPPORTED = {
     "--elastic": "elastic Horovod (min/max ranks, host discovery) is not supported",
     "--min-np": "elastic Horovod is not supported", "--max-np": "elastic Horovod is not supported",
     "--host-discovery-script": "elastic Horovod is not supported",
-    "--output-filename": "ringpipe launch prints every rank's lines, prefixed with the rank",
     "--config-file": "give the options on the command line",
     "--mpi-args": "run mpirun yourself with its arguments",
     "--binding-args": "run mpirun yourself with its binding arguments",

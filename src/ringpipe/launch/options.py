@@ -59,6 +59,7 @@ class LaunchOptions:
     ssh_command: str | None = None
     start_timeout: int | None = None
     network_interface: str | None = None
+    output_filename: str | None = None  # also write each rank's output under this folder
     placement: Placement | None = None  # set by validate() when hosts other than this machine are named
     host_of_many: bool = False  # this launcher runs one host's ranks for a several-host launch
     python: list[str] = field(default_factory=list)  # the interpreter's own options
@@ -113,6 +114,8 @@ _OPTIONS: list[tuple[tuple[str, ...], str, Any, str | None, str]] = [
      "as `CMD [ssh options] HOST COMMAND` (as Open MPI's plm_rsh_agent; default: RINGPIPE_SSH_COMMAND, else ssh)"),
     (("--start-timeout",), "start_timeout", _positive("--start-timeout"), "S", "seconds for every host to answer "
      "before anything starts (default 30, or HOROVOD_START_TIMEOUT)"),
+    (("--output-filename",), "output_filename", str, "DIR", "also write each rank's output to "
+     "DIR/rank.<R>/stdout and DIR/rank.<R>/stderr, R zero-padded (horovodrun's --output-filename)"),
     (("--network-interface", "--network-interfaces"), "network_interface", str, "NIC", "interface the ranks talk "
      "over (GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME; Open MPI's btl/oob_tcp_if_include)"),
 ]
@@ -328,5 +331,8 @@ def validate(opts: LaunchOptions) -> None:
     if opts.backend == "mpi" and opts.nnodes > 1:
         raise LaunchUsageError("for MPI across nodes give the hosts to this launcher (-H HOST:SLOTS,... or "
                                "--hostfile FILE): they go to mpirun")
+    if opts.output_filename is not None and opts.placement is not None:
+        raise LaunchUsageError("--output-filename writes the files where the ranks' launcher runs: with other hosts "
+                               "(-H / --hostfile) start each host with ringpipe launch --nnodes instead, or drop it")
     if opts.mode == "mp" and opts.nnodes > 1:
         raise LaunchUsageError("--mode mp runs on one node; use the default agent for --nnodes > 1")

@@ -26,6 +26,7 @@ import tempfile
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 __all__ = ["OutputRelay", "Failure", "order_failures", "report_failures", "PEER_LOST"]
 
@@ -42,8 +43,10 @@ class OutputRelay:
     agent, its log files; it is removed by :meth:`close`.
     """
 
-    def __init__(self, slots: int, rank_of: Callable[[int], int] = lambda s: s, tail_lines: int = 60) -> None:
+    def __init__(self, slots: int, rank_of: Callable[[int], int] = lambda s: s, tail_lines: int = 60,
+                 output_dir: str | None = None, world_size: int | None = None) -> None:
         self.dir = tempfile.mkdtemp(prefix="ringpipe-launch-")
+        self._files = _RankFiles(output_dir, world_size or slots) if output_dir else None
         self._rank_of = rank_of
         self._sel = selectors.DefaultSelector()
         self._keep: list[int] = []  # a writer of every pipe, so a rank's exit never ends the pipe
@@ -84,6 +87,8 @@ class OutputRelay:
                 self.tails[rank].append(line.decode(errors="replace"))
         with self._lock:
             _write_all(out, bytes(chunk))
+            if self._files is not None:
+                self._files.write(rank, out, bytes(chunk))
         return rest
 
     def _read(self, fd: int, rank: int, out: int) -> None:
@@ -119,6 +124,8 @@ class OutputRelay:
         for fd in self._keep:
             os.close(fd)
         self._keep = []
+        if self._files is not None:
+            self._files.close()
         self._records = self.records()
         shutil.rmtree(self.dir, ignore_errors=True)
 
@@ -134,6 +141,30 @@ class OutputRelay:
             except (OSError, ValueError):
                 continue
         return out
+
+
+class _RankFiles:
+    """``DIR/rank.<R>/stdout`` and ``stderr`` for every rank, R zero-padded to the width of the last
+    rank (Horovod's layout for ``--output-filename``); lines as the launcher prints them."""
+
+    def __init__(self, folder: str, world_size: int) -> None:
+        self.folder = folder
+        self.width = len(str(max(world_size - 1, 0)))
+        self.open: dict[tuple[int, int], Any] = {}
+
+    def write(self, rank: int, out: int, data: bytes) -> None:
+        f = self.open.get((rank, out))
+        if f is None:
+            where = os.path.join(self.folder, f"rank.{str(rank).zfill(self.width)}")
+            os.makedirs(where, exist_ok=True)
+            f = self.open[(rank, out)] = open(os.path.join(where, "stdout" if out == 1 else "stderr"), "wb")  # noqa: SIM115
+        f.write(data)
+        f.flush()
+
+    def close(self) -> None:
+        for f in self.open.values():
+            f.close()
+        self.open.clear()
 
 
 def _write_all(fd: int, data: bytes) -> None:

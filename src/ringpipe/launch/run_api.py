@@ -16,8 +16,9 @@ A rank that raises or exits non-zero makes ``run`` raise ``RuntimeError`` after 
 stopped, as Horovod's does. Horovod's deprecated ``np``, ``min_np``, ``max_np`` and
 ``network_interface`` are accepted with its ``DeprecationWarning``. Elastic jobs
 (``min_num_proc``, ``max_num_proc``, ``host_discovery_script``, ``reset_limit``,
-``cooldown_range``), ``mpi_args`` and ``output_filename`` are refused by name before anything
-starts; ``verbose`` and ``disable_cache`` change nothing (ringpipe caches no checks).
+``cooldown_range``) and ``mpi_args`` are refused by name before anything starts;
+``output_filename`` also writes each rank's output to ``<output_filename>/rank.<R>/stdout`` and
+``stderr``; ``verbose`` and ``disable_cache`` change nothing (ringpipe caches no checks).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ def horovodrun_args(
     num_proc: int, hosts: str | None = None, hostfile: str | None = None, start_timeout: int | None = None,
     ssh_port: int | None = None, ssh_identity_file: str | None = None,
     network_interfaces: Sequence[str] | None = None, use_gloo: bool | None = None, use_mpi: bool | None = None,
+    output_filename: str | None = None,
 ) -> list[str]:
     """The ``horovodrun`` command line (before the program) that ``run`` starts its job with."""
     args = ["-np", str(num_proc)]
@@ -57,6 +59,8 @@ def horovodrun_args(
         args += ["-i", ssh_identity_file]
     if network_interfaces:
         args += ["--network-interfaces", ",".join(sorted(network_interfaces))]
+    if output_filename is not None:
+        args += ["--output-filename", output_filename]
     if use_gloo:
         args.append("--gloo")
     if use_mpi:
@@ -125,9 +129,6 @@ def run(
     if mpi_args is not None:
         raise ValueError("ringpipe.run does not take mpi_args: set Open MPI's options as OMPI_MCA_* variables "
                          "in the environment instead (every rank's mpirun reads them)")
-    if output_filename is not None:
-        raise ValueError("ringpipe.run does not take output_filename: the ranks' output comes to this process's "
-                         "standard output, each line prefixed with its rank")
     if slots is not None and hosts is None and hostfile is None:
         hosts = f"localhost:{slots}"
     del verbose, disable_cache  # accepted, as Horovod's; ringpipe's launcher has nothing to cache
@@ -152,7 +153,7 @@ def run(
             f.write(payload)
         env[PAYLOAD_FILE] = path
     hargs = horovodrun_args(num_proc, hosts, hostfile, start_timeout, ssh_port, ssh_identity_file,
-                            network_interfaces, use_gloo, use_mpi)
+                            network_interfaces, use_gloo, use_mpi, output_filename)
     python = executable or sys.executable
     command = [python, "-m", "ringpipe.launch.horovodrun", *hargs, "python", "-m", "ringpipe.launch.run_task"]
     try:

@@ -81,7 +81,8 @@ def run_agent(opts: LaunchOptions) -> int:
     nproc = int(opts.nprocs or 1)
     # A host of a several-host launch is told its first rank (hosts may hold different counts).
     first = int(os.environ.pop("RINGPIPE_LAUNCH_FIRST_RANK", opts.node_rank * nproc))
-    relay = OutputRelay(nproc, rank_of=lambda slot: first + slot)
+    relay = OutputRelay(nproc, rank_of=lambda slot: first + slot, output_dir=opts.output_filename,
+                        world_size=nproc * opts.nnodes)
     cmd = [
         f"--nproc-per-node={nproc}",
         f"--nnodes={opts.nnodes}",
@@ -250,7 +251,7 @@ _MPI_ABORT = re.compile(r"MPI_ABORT was invoked on rank (\d+) in communicator \S
 
 def run_mpi(opts: LaunchOptions) -> int:
     nproc = int(opts.nprocs or 1)
-    relay = OutputRelay(nproc)
+    relay = OutputRelay(nproc, output_dir=opts.output_filename)
     env = dict(os.environ, **_common_env(opts, relay))
     env["MASTER_ADDR"] = opts.master_addr or "127.0.0.1"
     env["MASTER_PORT"] = str(opts.master_port or free_port())
@@ -321,7 +322,7 @@ def run_mp(opts: LaunchOptions) -> int:
     import torch.multiprocessing as tmp
 
     nproc = int(opts.nprocs or 1)
-    relay = OutputRelay(nproc)
+    relay = OutputRelay(nproc, output_dir=opts.output_filename)
     env = _common_env(opts, relay)
     env.update({"WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", MP_MARKER: "1",
                 "MASTER_ADDR": opts.master_addr or "127.0.0.1",
