@@ -148,6 +148,7 @@ def _tf_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
 _last: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
 
+@tf.autograph.experimental.do_not_convert
 def run(
     fn: Callable[..., Any],
     inputs: Sequence[Any],

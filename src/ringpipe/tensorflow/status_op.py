@@ -113,8 +113,14 @@ def _register() -> bool:
         lib.TF_DeleteStatus(status)
 
 
+@tf.autograph.experimental.do_not_convert
 def available() -> bool:
-    """Whether ``RingpipeStatus`` can be built (registered on first call)."""
+    """Whether ``RingpipeStatus`` can be built (registered on first call).
+
+    Never converted by AutoGraph: converted, ``_register`` would bind the kernel's ``ctypes``
+    callback to a local name, which is freed while TensorFlow still calls it (a crash at the
+    graph's first run).
+    """
     global _state
     with _lock:
         if _state is None:
