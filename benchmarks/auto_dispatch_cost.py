@@ -9,7 +9,7 @@ and ``(..., "native")`` take the same path except for one call that makes the ch
 (``_auto_runs_native``: the dtype test and ``auto.choose``, the probe table's cached answer). A
 timed comparison of the two whole calls cannot separate them on a shared 2-core host (native
 against itself moves by 0.82-1.06 between rounds), so this times the choice by itself, many
-thousand times, next to the median of the native allreduce of the same size in the same job:
+thousand times (thread CPU time), next to the median of the native allreduce of the same size in the same job:
 ``native / (native + choice)`` is then the least ``auto / native`` can be at that size. Sizes where
 ``auto`` picks one of ringpipe's own algorithms are marked; those are compared by ``ringpipe bench``
 (paired rounds).
@@ -37,10 +37,10 @@ def run_ranks(comm, sizes: tuple[int, ...], probe: bool, calls: int, choices: in
         t = torch.ones(nbytes // 4)
         choice = auto.choose("allreduce", nbytes, comm)
         _auto_runs_native(comm, t)  # warm the cache
-        t0 = time.perf_counter_ns()
+        t0 = time.thread_time_ns()  # CPU time: the choice is all CPU, and the host is shared
         for _ in range(choices):
             _auto_runs_native(comm, t)
-        choose_ns = (time.perf_counter_ns() - t0) / choices
+        choose_ns = (time.thread_time_ns() - t0) / choices
         native = []
         for _ in range(calls):
             comm.barrier()
@@ -54,7 +54,7 @@ def run_ranks(comm, sizes: tuple[int, ...], probe: bool, calls: int, choices: in
 
 
 def report(rows: list[dict]) -> str:
-    lines = ["| size | auto picks | choice, ns per call (slowest rank) | native allreduce, us (median) | "
+    lines = ["| size | auto picks | choice, CPU ns per call (slowest rank) | native allreduce, us (median) | "
              "native / (native + choice) |", "| ---: | --- | ---: | ---: | ---: |"]
     for r in rows:
         size = f"{r['bytes'] >> 20} MiB" if r["bytes"] >= 1 << 20 else f"{r['bytes'] >> 10} KiB"

@@ -38,6 +38,8 @@ the ring; broadcast and reduce the binomial tree.
 
 from __future__ import annotations
 
+import contextlib
+
 from ringpipe.collectives import autotune
 from ringpipe.comm.base import Communicator
 
@@ -70,9 +72,24 @@ def choose(collective: str, nbytes: int, comm: Communicator) -> str:
     """The algorithm ``auto`` runs for ``collective`` on ``nbytes`` (the same on every rank)."""
     if collective != "allreduce":
         return _DEFAULTS[collective]
-    table = autotune.lookup(comm)
-    if table is not None and table.rows:
-        return table.choose(nbytes)
+    # auto resolves on every call: its answers are kept on the communicator until the tables change
+    gen = autotune.generation()
+    memo: tuple[int, dict[int, str]] | None = getattr(comm, "_auto_choices", None)
+    if memo is None or memo[0] != gen:
+        memo = (gen, {})
+        with contextlib.suppress(AttributeError):
+            comm._auto_choices = memo  # type: ignore[attr-defined]
+    chosen = memo[1].get(nbytes)
+    if chosen is None:
+        table = autotune.lookup(comm)
+        chosen = table.choose(nbytes) if table is not None and table.rows else _rules(nbytes, comm)
+        if len(memo[1]) < 4096:
+            memo[1][nbytes] = chosen
+    return chosen
+
+
+def _rules(nbytes: int, comm: Communicator) -> str:
+    """``auto``'s recorded rules, for a communicator without a probe table."""
     nodes = num_nodes(comm)
     if 1 < nodes < comm.size:
         return "hierarchical"

@@ -170,6 +170,19 @@ class Table:
         return "Table(" + ", ".join(one(*r) for r in self.rows) + ")"
 
 
+_generation = [0]  # bumped whenever a table is stored or dropped: choices kept from before are stale
+
+
+def generation() -> int:
+    """A number that changes whenever the tables change (``auto`` keeps its answers until then)."""
+    return _generation[0]
+
+
+def _store(table: Table) -> None:
+    _TABLES[table.key] = table
+    _generation[0] += 1
+
+
 def lookup(comm: Communicator) -> Table | None:
     """The table measured (or loaded) for ``comm``'s backend, size and hosts in this process, if any."""
     return _TABLES.get(key(comm))
@@ -181,6 +194,7 @@ def forget(comm: Communicator | None = None) -> None:
         _TABLES.clear()
     else:
         _TABLES.pop(key(comm), None)
+    _generation[0] += 1
 
 
 def candidates(comm: Communicator) -> list[str]:
@@ -241,7 +255,7 @@ def probe(comm: Communicator, sizes: tuple[int, ...] | list[int] = PROBE_SIZES, 
         raise ValueError(f"the probe needs at least one round per size, got rounds={rounds}")
     if comm.size < 2:
         table = Table([], key(comm))
-        _TABLES[table.key] = table
+        _store(table)
         return table
     algos = candidates(comm)
     item = torch.empty((), dtype=dtype).element_size()
@@ -269,7 +283,7 @@ def probe(comm: Communicator, sizes: tuple[int, ...] | list[int] = PROBE_SIZES, 
             alive = contenders(times, alive, n_rounds)  # the same gathered times on every rank
         rows.append((x.numel() * item, decide(times), times))
     table = Table(rows, key(comm))
-    _TABLES[table.key] = table
+    _store(table)
     return table
 
 
@@ -289,5 +303,5 @@ def load(comm: Communicator, path: str) -> Table:
             f"the auto table {path} was measured for {table.key} but this job is {key(comm)}; "
             "run the probe again (ringpipe bench --auto-table PATH) on this topology"
         )
-    _TABLES[table.key] = table
+    _store(table)
     return table
