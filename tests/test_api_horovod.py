@@ -475,3 +475,26 @@ def test_every_dtype_through_the_collectives_on_sets_over_mpi(tmp_path):
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=170)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)] == [[]] * 3
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(not HAVE_MPI, reason="needs mpirun and mpi4py")
+def test_init_on_an_mpi4py_communicator_as_horovod(tmp_path):
+    """Horovod's ``init(comm=...)`` with an mpi4py communicator (its docs' mpi4py example): the world
+    is the communicator's members, local and cross ranks among them; process sets may be mpi4py
+    communicators too; a gloo backend with an MPI communicator is refused on every rank."""
+    cmd = mpirun_command(3, [sys.executable, str(HERE / "scripts" / "hvd_mpi_comm.py"), str(tmp_path)])
+    env = dict(os.environ, RINGPIPE_BACKEND="mpi", OMP_NUM_THREADS="1")
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=170)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)]
+    parts = {0: [0, 2], 1: [1], 2: [0, 2]}  # world rank -> the world ranks of its part (Split by parity)
+    for w, o in enumerate(got):
+        members = parts[w]
+        assert o["rank"] == members.index(w) and o["size"] == len(members)
+        assert o["local"] == [members.index(w), len(members), 0, 1]  # one host
+        assert o["sum"] == [float(sum(members))]
+        assert o["gather"] == members and o["bcast"] == members[0]
+        assert o["again"] == [w, 3, [3.0]]
+        assert o["sets"] == [[0, 1, 2], [0, 2], [1]]  # the global set and both parts, known on every rank
+        assert "mpi backend" in o["gloo"]

@@ -78,13 +78,15 @@ def _world() -> World:
 
 
 def init(
-    comm: Communicator | Sequence[int] | None = None,
+    comm: Any = None,
     backend: str | None = None,
     process_sets: Sequence[ProcessSet] | str | None = None,
 ) -> None:
     """Initialise ringpipe (Horovod step 1): from the launch environment, or around an existing ``comm``.
 
-    The backend is ``backend``, else ``$RINGPIPE_BACKEND``, else NCCL with GPUs and gloo without.
+    ``comm``: a ringpipe ``Communicator``, or an mpi4py communicator (Horovod's ``init(comm=...)``:
+    ringpipe's world is then its members, on the mpi backend; e.g. a part of ``MPI.COMM_WORLD``
+    from ``Split``). The backend is ``backend``, else ``$RINGPIPE_BACKEND``, else NCCL with GPUs and gloo without.
     ``process_sets``: process sets to register now (every rank passes the same), or
     ``"dynamic"`` to add them later with :func:`add_process_set`. Calling ``init`` again while
     initialised does nothing; after :func:`shutdown` it initialises anew.
@@ -94,16 +96,24 @@ def init(
         if isinstance(comm, Communicator) and comm is not state.comm:
             raise RuntimeError("ringpipe is already initialised with another communicator; call shutdown() first")
         return
-    if comm is not None and not isinstance(comm, Communicator):
+    mpi_comm = comm if _is_mpi4py(comm) else None
+    if comm is not None and mpi_comm is None and not isinstance(comm, Communicator):
         raise ValueError(
-            "init(comm=...) takes a ringpipe Communicator; Horovod's list of ranks or mpi4py communicator for a "
-            "subset of the job is not supported: start only those ranks, or use process sets"
+            "init(comm=...) takes a ringpipe Communicator or an mpi4py communicator; Horovod's list of ranks for "
+            "a subset of the job is not supported: split MPI.COMM_WORLD and pass the part, or use process sets"
         )
+    if mpi_comm is not None and (backend or "mpi") != "mpi":
+        raise ValueError(f"init(comm=<mpi4py communicator>) runs on the mpi backend, not backend={backend!r}")
     from ringpipe.launch import horovod_env
 
     settings = horovod_env.apply()
-    owns = comm is None
+    owns = not isinstance(comm, Communicator)
     created = False
+    if mpi_comm is not None:
+        from ringpipe.comm.world import init_world_on
+
+        comm = init_world_on(mpi_comm)  # Horovod duplicates the communicator it is given, as this does
+        global_process_set.mpi_comm = mpi_comm
     if comm is None:
         from ringpipe.comm.world import init_world
         from ringpipe.env import detect
@@ -115,6 +125,7 @@ def init(
             create_file(settings.timeline)
             created = True
         comm = init_world(backend or os.environ.get("RINGPIPE_BACKEND") or None)
+    assert isinstance(comm, Communicator)
     world = World(comm, owns_comm=owns)
     _w.install(world)
     try:
@@ -125,6 +136,11 @@ def init(
         raise
     _apply_settings(comm, settings, created)
     log.debug("ringpipe initialised: %r", comm)
+
+
+def _is_mpi4py(obj: Any) -> bool:
+    """Whether ``obj`` is an mpi4py communicator (without importing mpi4py for anything else)."""
+    return type(obj).__module__.startswith("mpi4py")
 
 
 def _apply_settings(comm: Communicator, settings: Any, created: bool) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import datetime
 import logging
 import os
@@ -19,7 +20,7 @@ from ringpipe.comm.stall import StallInspector
 from ringpipe.env import EnvironmentError_, Topology, detect
 
 __all__ = ["BACKENDS", "init_world", "shutdown_world", "pin_device", "free_port", "default_backend",
-           "resolve_backend", "abort_mpi_job_on_exception", "stall_inspector"]
+           "resolve_backend", "abort_mpi_job_on_exception", "stall_inspector", "init_world_on"]
 
 log = logging.getLogger(__name__)
 
@@ -224,6 +225,31 @@ def init_world(
     return comm
 
 
+def init_world_on(mpi_comm: Any) -> Communicator:
+    """A world communicator over an mpi4py communicator the program made (Horovod's ``init(comm=...)``).
+
+    Collective over ``mpi_comm``, which is duplicated (the program keeps its own). Ranks, size and
+    the node layout (local rank and size, node rank and count) are those of its members, as
+    Horovod computes them for the communicator it is given.
+    """
+    from ringpipe.comm.mpi_backend import MPICommunicator, mpi_available
+
+    if not mpi_available():
+        raise CommError("init(comm=<mpi4py communicator>) needs mpi4py: pip install 'ringpipe[mpi]'")
+    from mpi4py import MPI
+
+    if not isinstance(mpi_comm, MPI.Intracomm) or mpi_comm == MPI.COMM_NULL:
+        raise CommError(f"init(comm=...) takes an mpi4py intracommunicator this rank belongs to, got {mpi_comm!r}")
+    abort_mpi_job_on_exception(MPI.COMM_WORLD)
+    own = mpi_comm.Dup()
+    base = detect()
+    layout = dataclasses.replace(base, rank=own.Get_rank(), size=own.Get_size(), local_rank=0, local_size=1,
+                                 node_rank=0, num_nodes=1, hostnames=())
+    comm = MPICommunicator(own, layout.with_hostnames(own.allgather(socket.gethostname())))
+    _start_stall_inspector(comm)
+    return comm
+
+
 def _shutdown_at_exit() -> None:
     """Destroy the process group when the interpreter exits, if the program did not.
 
@@ -258,7 +284,7 @@ def _exited() -> None:
 _INSPECTOR: StallInspector | None = None
 
 
-def _mpi_stall_store(topology: Topology) -> Any:
+def _mpi_stall_store(topology: Topology, mpi_comm: Any = None) -> Any:
     """A key-value store for the stall inspector under MPI, which has no c10d store.
 
     Rank 0 serves a ``TCPStore`` on a free port and shares its address through MPI; the other
@@ -269,7 +295,7 @@ def _mpi_stall_store(topology: Topology) -> Any:
     """
     from mpi4py import MPI
 
-    world = MPI.COMM_WORLD
+    world = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
     served: Any = None
     where: tuple[list[str], int] | None = None
     if world.Get_rank() == 0:
@@ -336,7 +362,7 @@ def _start_stall_inspector(comm: Communicator) -> None:
     if comm.size == 1:
         return
     if comm.backend == "mpi":
-        store = _mpi_stall_store(comm.topology)
+        store = _mpi_stall_store(comm.topology, getattr(comm, "mpi", None))
     else:
         try:  # the process group's key-value store: every rank reaches it without communicating
             store = dist.distributed_c10d._get_default_store()

@@ -103,11 +103,19 @@ global_process_set.process_set_id = 0
 
 
 def _world_ranks_of(world: World, mpi_comm: Any) -> list[int]:
-    """The world ranks of an mpi4py communicator's members (this rank's view)."""
+    """The world ranks of an mpi4py communicator's members (this rank's view).
+
+    The world is ringpipe's: ``MPI.COMM_WORLD``, or the communicator given to ``init(comm=...)``.
+    """
     from mpi4py import MPI
 
     members = list(range(mpi_comm.Get_size()))
-    return sorted(int(r) for r in MPI.Group.Translate_ranks(mpi_comm.Get_group(), members, MPI.COMM_WORLD.Get_group()))
+    base = getattr(world.comm, "mpi", None) or MPI.COMM_WORLD
+    ranks = MPI.Group.Translate_ranks(mpi_comm.Get_group(), members, base.Get_group())
+    if any(r == MPI.UNDEFINED for r in ranks):
+        raise ValueError("a process set's MPI communicator has members outside the communicator ringpipe was "
+                         "initialised with")
+    return sorted(int(r) for r in ranks)
 
 
 def _register(world: World, ps: ProcessSet) -> ProcessSet:
