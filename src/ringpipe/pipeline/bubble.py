@@ -1,7 +1,7 @@
 """Time a schedule's action lists imply on an idealised machine, and the bubble that leaves.
 
 Every rank runs its list in order; an action starts when its rank is free and what it
-depends on has finished (the rules of :func:`~ringpipe.pipeline.schedules.validate_pipeline`:
+depends on has finished (:func:`~ringpipe.pipeline.schedule_checks.list_schedule`:
 ``F m`` of virtual stage ``g`` after ``F m`` of ``g - 1``, ``B m`` after ``B m`` of ``g + 1``
 and its own ``F m``, ``W m`` after its own ``B m``). Messages take ``latency``. Costs are
 those of a whole stage (all of a rank's layers): ``forward``, ``backward_input`` (the
@@ -21,7 +21,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ringpipe.pipeline.schedules import Action, ScheduleError, num_chunks
+from ringpipe.pipeline.schedule_checks import list_schedule
+from ringpipe.pipeline.schedules import Action, num_chunks
 
 __all__ = ["Timing", "simulate_timing", "bubble_fraction"]
 
@@ -53,8 +54,7 @@ def simulate_timing(
     latency: float = 0.0,
 ) -> Timing:
     """List-schedule ``per_stage`` (one action list per rank) under the dependencies above."""
-    n, k = len(per_stage), num_chunks(per_stage)
-    total = n * k
+    k = num_chunks(per_stage)
     split = [{(a.chunk, a.mb) for a in acts if a.kind == "W"} for acts in per_stage]
 
     def cost(s: int, a: Action) -> float:
@@ -66,42 +66,10 @@ def simulate_timing(
             return (backward_input + (0.0 if (a.chunk, a.mb) in split[s] else backward_weight)) / k
         return 0.0
 
-    end: dict[tuple[str, int, int], float] = {}
-    free = [0.0] * n
-    busy = [0.0] * n
-    pos = [0] * n
-    spans: list[list[tuple[Action, float, float]]] = [[] for _ in range(n)]
-    progress = True
-    while progress:
-        progress = False
-        for s in range(n):
-            while pos[s] < len(per_stage[s]):
-                a = per_stage[s][pos[s]]
-                g = a.chunk * n + s
-                deps: list[float] = []
-                if a.kind == "F" and g > 0:
-                    deps.append(end.get(("F", g - 1, a.mb), -1.0) + latency)
-                elif a.kind == "B":
-                    deps.append(end.get(("F", g, a.mb), -1.0))
-                    if g < total - 1:
-                        deps.append(end.get(("B", g + 1, a.mb), -1.0) + latency)
-                elif a.kind == "W":
-                    deps.append(end.get(("B", g, a.mb), -1.0))
-                if any(d < 0 for d in deps):
-                    break
-                start = max([free[s], *deps])
-                c = cost(s, a)
-                free[s] = start + c
-                busy[s] += c
-                if a.kind != "S":
-                    end[(a.kind, g, a.mb)] = free[s]
-                spans[s].append((a, start, free[s]))
-                pos[s] += 1
-                progress = True
-    stuck = [f"stage {s} at {per_stage[s][pos[s]]}" for s in range(n) if pos[s] < len(per_stage[s])]
-    if stuck:
-        raise ScheduleError(f"the pipeline deadlocks: {', '.join(stuck)}")
-    return Timing(max(free), tuple(busy), tuple(tuple(x) for x in spans))
+    spans = list_schedule(per_stage, cost, latency)
+    busy = [sum(cost(s, a) for a in acts) for s, acts in enumerate(per_stage)]
+    makespan = max((rank[-1][2] for rank in spans if rank), default=0.0)
+    return Timing(makespan, tuple(busy), tuple(tuple(x) for x in spans))
 
 
 def bubble_fraction(

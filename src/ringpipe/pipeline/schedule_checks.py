@@ -9,11 +9,11 @@ schedule (:mod:`ringpipe.pipeline.schedules`) or hand produced it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from ringpipe.pipeline.actions import Action, ScheduleError, format_actions
 
-__all__ = ["max_in_flight", "num_chunks", "staleness_at_forward", "validate", "validate_pipeline"]
+__all__ = ["list_schedule", "max_in_flight", "num_chunks", "staleness_at_forward", "validate", "validate_pipeline"]
 
 
 def validate(actions: Sequence[Action], num_microbatches: int) -> None:
@@ -66,13 +66,62 @@ def num_chunks(per_stage: Sequence[Sequence[Action]]) -> int:
     return 1 + max((a.chunk for acts in per_stage for a in acts), default=0)
 
 
+def list_schedule(
+    per_stage: Sequence[Sequence[Action]], cost: Callable[[int, Action], float], latency: float = 0.0,
+) -> list[list[tuple[Action, float, float]]]:
+    """Run every rank's list in order on an idealised machine: each action's (start, end) per rank.
+
+    An action starts when its rank is free and what it depends on has ended: with ``k`` chunks
+    per rank and ``n`` ranks, chunk ``c`` of rank ``s`` is virtual stage ``g = c * n + s``;
+    ``F m`` of ``g`` follows ``F m`` of ``g - 1``, ``B m`` of ``g`` follows its own ``F m`` and
+    ``B m`` of ``g + 1``, ``W m`` follows its own ``B m``; a message between virtual stages takes
+    ``latency``; ``cost(rank, action)`` is how long an action computes. Raises
+    :class:`ScheduleError` naming each stuck rank's next action when the lists deadlock.
+    """
+    n, k = len(per_stage), num_chunks(per_stage)
+    total = n * k
+    end: dict[tuple[str, int, int], float] = {}
+    free = [0.0] * n
+    pos = [0] * n
+    spans: list[list[tuple[Action, float, float]]] = [[] for _ in range(n)]
+    progress = True
+    while progress:
+        progress = False
+        for s in range(n):
+            while pos[s] < len(per_stage[s]):
+                a = per_stage[s][pos[s]]
+                g = a.chunk * n + s
+                deps: list[float] = []
+                if a.kind == "F" and g > 0:
+                    deps.append(end.get(("F", g - 1, a.mb), -1.0) + latency)
+                elif a.kind == "B":
+                    deps.append(end.get(("F", g, a.mb), -1.0))
+                    if g < total - 1:
+                        deps.append(end.get(("B", g + 1, a.mb), -1.0) + latency)
+                elif a.kind == "W":
+                    deps.append(end.get(("B", g, a.mb), -1.0))
+                if any(d < 0 for d in deps):
+                    break
+                start = max([free[s], *deps])
+                free[s] = start + cost(s, a)
+                if a.kind != "S":
+                    end[(a.kind, g, a.mb)] = free[s]
+                spans[s].append((a, start, free[s]))
+                pos[s] += 1
+                progress = True
+    stuck = [f"stage {s} at {per_stage[s][pos[s]]}" for s in range(n) if pos[s] < len(per_stage[s])]
+    if stuck:
+        raise ScheduleError(f"the pipeline deadlocks: {', '.join(stuck)}")
+    return spans
+
+
 def validate_pipeline(per_stage: Sequence[Sequence[Action]], num_microbatches: int) -> None:
     """Check every stage and that the whole pipeline can run without deadlock.
 
     With ``k`` chunks per rank and ``n`` ranks, chunk ``c`` of rank ``s`` is virtual stage
-    ``c * n + s``. Simulates the virtual stages with unbounded message queues: a virtual stage
-    can run ``F m`` once the previous one ran it, and ``B m`` once the next one ran it (the last
-    one's backward follows its own forward); ``W m`` follows the stage's own ``B m``. Forward
+    ``c * n + s``. Runs the virtual stages with unbounded message queues (:func:`list_schedule`,
+    no costs): a virtual stage can run ``F m`` once the previous one ran it, and ``B m`` once the
+    next one ran it and it ran its own ``F m``; ``W m`` follows the stage's own ``B m``. Forward
     messages between two virtual stages are consumed in the order they are sent, and so are
     backward ones.
     """
@@ -87,30 +136,7 @@ def validate_pipeline(per_stage: Sequence[Sequence[Action]], num_microbatches: i
             raise ScheduleError(f"stage {s} holds {num_chunks([acts])} chunks, other stages {k}")
     total = n * k
     word = "stage" if k == 1 else "virtual stage"
-    pos = [0] * n
-    done: list[set[tuple[str, int]]] = [set() for _ in range(total)]
-    progress = True
-    while progress:
-        progress = False
-        for s in range(n):
-            while pos[s] < len(per_stage[s]):
-                a = per_stage[s][pos[s]]
-                g = a.chunk * n + s
-                ready = (
-                    a.kind in ("S", "W")
-                    or (a.kind == "F" and (g == 0 or ("F", a.mb) in done[g - 1]))
-                    or (a.kind == "B" and (g == total - 1 or ("B", a.mb) in done[g + 1]))
-                )
-                if not ready:
-                    break
-                if a.kind != "S":
-                    done[g].add((a.kind, a.mb))
-                pos[s] += 1
-                progress = True
-    stuck = [s for s in range(n) if pos[s] < len(per_stage[s])]
-    if stuck:
-        at = ", ".join(f"stage {s} at {per_stage[s][pos[s]]}" for s in stuck)
-        raise ScheduleError(f"the pipeline deadlocks: {at}")
+    list_schedule(per_stage, lambda s, a: 0.0)  # raises if the pipeline deadlocks
 
     def order(g: int, kind: str) -> list[int]:
         return [a.mb for a in per_stage[g % n] if a.kind == kind and a.chunk == g // n]
