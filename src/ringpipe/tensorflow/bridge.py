@@ -61,8 +61,8 @@ def graph_op(fn: Callable[..., Any]) -> Callable[..., Any]:
     failing the graph when it runs.
     """
     wrapped = _tf_errors(fn)
-    if "process_set" in inspect.signature(fn).parameters:
-        signature = inspect.signature(fn)
+    signature = inspect.signature(fn)
+    if "process_set" in signature.parameters:
 
         def checked(*xs: Any, **kw: Any) -> Any:
             if not tf.executing_eagerly():
