@@ -48,8 +48,11 @@ if __name__ == "__main__":
                       use_mpi=backend == "mpi")
     closure = horovod.run(lambda: hvd.init() or hvd.rank() * factor, num_proc=n, use_gloo=backend == "gloo",
                           use_mpi=backend == "mpi")
+    big = horovod.run(len, args=(b"x" * 300_000,),
+                      num_proc=n, use_gloo=backend == "gloo", use_mpi=backend == "mpi")
     print("RESULT", out)
     print("CLOSURE", closure)
+    print("BIG", big)
 """
 
 FAILING = """
@@ -94,6 +97,7 @@ def test_run_returns_every_ranks_value_in_rank_order(tmp_path, backend, n):
     want = [{"rank": r, "size": n, "value": 2.0 * sum(range(1, n + 1)) + 1.0} for r in range(n)]
     assert _line(proc.stdout, "RESULT") == repr(want)
     assert _line(proc.stdout, "CLOSURE") == repr([r * 3.0 for r in range(n)])  # a lambda over a local
+    assert _line(proc.stdout, "BIG") == repr([300_000] * n)  # arguments too long for the environment: a file
     for r in range(n):  # what the ranks print still reaches the caller's output
         assert f"rank {r} says hello" in proc.stdout
 
