@@ -76,6 +76,8 @@ PROGRAMS = {
                                             "--num-batches-per-iter 1 --num-iters 2", {}, []),
     "tensorflow2_mnist": ("tensorflow2/tensorflow2_mnist.py", "", {},
                           [(r"10000 // hvd\.size\(\)", "8 // hvd.size()", "10000 steps -> 8")]),
+    "tensorflow2_mnist_legacy": ("tensorflow2/tensorflow2_mnist.py", "", LEGACY,
+                                 [(r"10000 // hvd\.size\(\)", "8 // hvd.size()", "10000 steps -> 8")]),
     "tensorflow2_keras_mnist": ("tensorflow2/tensorflow2_keras_mnist.py", "", {},
                                 [(r"500 // hvd\.size\(\)", "8 // hvd.size()", "500 steps per epoch -> 8"),
                                  (r"epochs=24\b", "epochs=2", "24 epochs -> 2")]),
@@ -86,8 +88,11 @@ PROGRAMS = {
                                         "--model MobileNetV2 --batch-size 2 --num-warmup-batches 1 "
                                         "--num-batches-per-iter 1 --num-iters 2", {}, []),
     "tensorflow2_keras_synthetic_benchmark": ("tensorflow2/tensorflow2_keras_synthetic_benchmark.py",
-                                              "--model MobileNetV2 --batch-size 2 --num-warmup-batches 1 "
-                                              "--num-batches-per-iter 1 --num-iters 2", {}, []),
+                                              "--model MobileNetV2 --batch-size 2 --num-batches-per-iter 1 --num-iters 2",
+                                              {}, []),
+    "tensorflow2_keras_synthetic_benchmark_legacy": ("tensorflow2/tensorflow2_keras_synthetic_benchmark.py",
+                                                     "--model MobileNetV2 --batch-size 2 --num-batches-per-iter 1 "
+                                                     "--num-iters 2", LEGACY, []),
     "elastic_tensorflow2_keras_mnist": ("elastic/tensorflow2/tensorflow2_keras_mnist_elastic.py", "", {},
                                         [(r"500 // hvd\.size\(\)", "8 // hvd.size()", "500 steps per epoch -> 8"),
                                          (r"epochs=24-state", "epochs=2-state", "24 epochs -> 2")]),
@@ -99,6 +104,9 @@ PROGRAMS = {
     "elastic_tensorflow2_mnist_horovod_run": ("elastic/tensorflow2/tensorflow2_mnist_elastic.py",
                                               "PY 2 2 2 localhost:2", {},
                                               [(r"100 // hvd\.size\(\)", "8 // hvd.size()", "100 steps -> 8")]),
+    "tensorflow2_synthetic_benchmark_legacy": ("tensorflow2/tensorflow2_synthetic_benchmark.py",
+                                               "--model MobileNetV2 --batch-size 2 --num-warmup-batches 1 "
+                                               "--num-batches-per-iter 1 --num-iters 2", LEGACY, []),
     "elastic_tensorflow2_synthetic_benchmark": ("elastic/tensorflow2/tensorflow2_synthetic_benchmark_elastic.py",
                                                 "--model MobileNetV2 --batch-size 2 --num-warmup-batches 1 "
                                                 "--num-batches-per-iter 1 --num-iters 2 --num-batches-per-commit 1",
@@ -117,12 +125,37 @@ PROGRAMS = {
                                       [(r"^epochs = .*$", "epochs = 1", "ceil(12 / size) epochs -> 1"),
                                        (*TF1_SED[0], "TF1 session lines dropped")]
                                       + [(p, r, "keras -> tf_keras") for p, r in KERAS2_SED]),
+    "keras_mnist_tf1dropped": ("keras/keras_mnist.py", "", {},
+                               [(r"^epochs = .*$", "epochs = 1", "ceil(12 / size) epochs -> 1"),
+                                (*TF1_SED[0], "TF1 session lines dropped")]),
+    "elastic_tensorflow_keras_mnist_tf1dropped": ("elastic/tensorflow/tensorflow_keras_mnist_elastic.py",
+                                                  "--batches-per-epoch 8 --epochs 2 --batch-size 32", {},
+                                                  [(*TF1_SED[0], "TF1 session lines dropped")]),
     "keras_mnist_advanced": ("keras/keras_mnist_advanced.py", "--epochs 2 --batch-size 32", {}, []),
     "keras_mnist_advanced_keras2_tf1dropped": ("keras/keras_mnist_advanced.py", "--epochs 2 --batch-size 32", LEGACY,
                                                [(*TF1_SED[0], "TF1 session lines dropped")]
                                                + [(p, r, "keras -> tf_keras") for p, r in KERAS2_SED]),
 }
 
+
+# Runs that fail for a reason outside ringpipe (the program's own use of an API that Keras 3 /
+# TensorFlow 2 removed, or an elastic launch ringpipe.run refuses by design): reported as XFAIL.
+KERAS3_VARIABLES = "Keras 3: optimizer.variables is a list, the program calls opt.variables()"
+KERAS3_COMPILE = "Keras 3: Model.compile() has no experimental_run_tf_function"
+TF1 = "TensorFlow 2 has no tf.ConfigProto / tf.Session (the program's TF1 GPU pinning)"
+EXPECTED_FAIL = {
+    "tensorflow2_mnist": KERAS3_VARIABLES,
+    "tensorflow2_synthetic_benchmark": KERAS3_VARIABLES,
+    "tensorflow2_keras_mnist": KERAS3_COMPILE,
+    "elastic_tensorflow2_keras_mnist": KERAS3_COMPILE,
+    "elastic_tensorflow2_mnist_horovod_run": "horovod.run with min/max_num_proc is an elastic launch; ringpipe.run "
+                                             "refuses elastic launches (fixed num_proc only)",
+    "keras_mnist": TF1,
+    "keras_mnist_keras2": TF1,
+    "keras_mnist_advanced": "Keras 3 has no keras.preprocessing.image.ImageDataGenerator (and the program's TF1 "
+                            "session lines, Model.fit_generator, Adadelta(lr=))",
+    "elastic_tensorflow_keras_mnist": TF1,
+}
 
 def rewrite(path, seds, log):
     with open(path) as f:
@@ -188,12 +221,15 @@ def main():
                 proc.wait()
                 rc = "timeout"
             dt = time.time() - t0
-        results.append((name, rc, dt))
-        print(f"{name:52s} {'PASS' if rc == 0 else f'FAIL ({rc})':12s} {dt:6.0f} s  {work}/run.log", flush=True)
+        why = EXPECTED_FAIL.get(name)
+        verdict = ("XPASS" if why else "PASS") if rc == 0 else (f"XFAIL ({rc})" if why else f"FAIL ({rc})")
+        results.append((name, verdict, dt))
+        print(f"{name:50s} {verdict:12s} {dt:5.0f} s  {work}/run.log" + (f"\n{'':50s} expected: {why}" if why else ""),
+              flush=True)
     with open(os.path.join(out, "summary.txt"), "a") as f:
-        for name, rc, dt in results:
-            f.write(f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} {name} rc={rc} {dt:.0f}s\n")
-    return 0 if all(rc == 0 for _, rc, _ in results) else 1
+        for name, verdict, dt in results:
+            f.write(f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} {name} {verdict} {dt:.0f}s\n")
+    return 0 if all(v == "PASS" or v.startswith("XFAIL") for _, v, _ in results) else 1
 
 
 if __name__ == "__main__":
