@@ -15,7 +15,9 @@ Test doubles (data and models only; ringpipe itself is never replaced): shim/tor
 MNIST / ImageFolder data of the real shapes, transforms, a small CNN as models.resnet50) and
 shim/fake_data.py (mnist.npz files of random arrays; Keras's load_data checks the real file's
 hash, so the examples' `...mnist.load_data(` call is pointed at fake_data by the one DATA_SED).
-FAKE_DATA_N sets the fake datasets' size (default 256; the ImageNet ones use 32).
+FAKE_DATA_N sets the fake datasets' size (default 256; the ImageNet ones use 32). Keras's
+ImageNet example reads JPEG folders: fake_data writes 1000 class folders, two of them with 4 random
+JPEGs each. A command with " ;; " runs the program again in the same folder (resume from checkpoint).
 
 Variants: "keras2" runs a Keras 2 program on tf-keras (TF_USE_LEGACY_KERAS=1, and the standalone
 `import keras` read as `import tf_keras as keras`); "tf1-session-dropped" deletes the TF1
@@ -61,6 +63,11 @@ PROGRAMS = {
     "pytorch_imagenet_resnet50": ("pytorch/pytorch_imagenet_resnet50.py",
                                   "--epochs 2 --batch-size 4 --val-batch-size 4 --batches-per-allreduce 2 --warmup-epochs 1 "
                                   "--train-dir imagenet/train --val-dir imagenet/validation", {"FAKE_DATA_N": "32"}, []),
+    "pytorch_imagenet_resnet50_fp16_adasum": ("pytorch/pytorch_imagenet_resnet50.py",
+                                              "--epochs 1 --batch-size 4 --val-batch-size 4 --batches-per-allreduce 2 "
+                                              "--warmup-epochs 1 --fp16-allreduce --use-adasum "
+                                              "--train-dir imagenet/train --val-dir imagenet/validation",
+                                              {"FAKE_DATA_N": "32"}, []),
     "pytorch_synthetic_benchmark": ("pytorch/pytorch_synthetic_benchmark.py",
                                     "--model resnet50 --batch-size 2 --num-warmup-batches 1 --num-batches-per-iter 1 "
                                     "--num-iters 2", {}, []),
@@ -71,6 +78,12 @@ PROGRAMS = {
                                           "--batches-per-commit 2 --batches-per-host-check 2 "
                                           "--train-dir imagenet/train --val-dir imagenet/validation",
                                           {"FAKE_DATA_N": "32"}, []),
+    "elastic_pytorch_imagenet_resnet50_fp16_batches2": ("elastic/pytorch/pytorch_imagenet_resnet50_elastic.py",
+                                                        "--epochs 1 --batch-size 4 --val-batch-size 4 --warmup-epochs 1 "
+                                                        "--batches-per-allreduce 2 --fp16-allreduce "
+                                                        "--batches-per-commit 1 --batches-per-host-check 1 "
+                                                        "--train-dir imagenet/train --val-dir imagenet/validation",
+                                                        {"FAKE_DATA_N": "32"}, []),
     "elastic_pytorch_synthetic_benchmark": ("elastic/pytorch/pytorch_synthetic_benchmark_elastic.py",
                                             "--model resnet50 --batch-size 2 --num-warmup-batches 1 "
                                             "--num-batches-per-iter 1 --num-iters 2", {}, []),
@@ -107,6 +120,9 @@ PROGRAMS = {
     "tensorflow2_synthetic_benchmark_legacy": ("tensorflow2/tensorflow2_synthetic_benchmark.py",
                                                "--model MobileNetV2 --batch-size 2 --num-warmup-batches 1 "
                                                "--num-batches-per-iter 1 --num-iters 2", LEGACY, []),
+    "tensorflow2_synthetic_benchmark_legacy_fp16": ("tensorflow2/tensorflow2_synthetic_benchmark.py",
+                                                    "--model MobileNetV2 --batch-size 2 --num-warmup-batches 1 "
+                                                    "--num-batches-per-iter 1 --num-iters 2 --fp16-allreduce", LEGACY, []),
     "elastic_tensorflow2_synthetic_benchmark": ("elastic/tensorflow2/tensorflow2_synthetic_benchmark_elastic.py",
                                                 "--model MobileNetV2 --batch-size 2 --num-warmup-batches 1 "
                                                 "--num-batches-per-iter 1 --num-iters 2 --num-batches-per-commit 1",
@@ -131,6 +147,17 @@ PROGRAMS = {
     "elastic_tensorflow_keras_mnist_tf1dropped": ("elastic/tensorflow/tensorflow_keras_mnist_elastic.py",
                                                   "--batches-per-epoch 8 --epochs 2 --batch-size 32", {},
                                                   [(*TF1_SED[0], "TF1 session lines dropped")]),
+    "keras_imagenet_resnet50": ("keras/keras_imagenet_resnet50.py",
+                                "--epochs 1 --batch-size 2 --val-batch-size 2 --warmup-epochs 1 "
+                                "--train-dir IMAGES/train --val-dir IMAGES/validation", {}, []),
+    # run twice in one folder: the second run resumes from checkpoint-1.h5 through hvd.load_model
+    "keras_imagenet_resnet50_keras2_tf1dropped": ("keras/keras_imagenet_resnet50.py",
+                                                  "--epochs 1 --batch-size 2 --val-batch-size 2 --warmup-epochs 1 "
+                                                  "--train-dir IMAGES/train --val-dir IMAGES/validation ;; "
+                                                  "--epochs 2 --batch-size 2 --val-batch-size 2 --warmup-epochs 1 "
+                                                  "--train-dir IMAGES/train --val-dir IMAGES/validation", LEGACY,
+                                                  [(*TF1_SED[0], "TF1 session lines dropped")]
+                                                  + [(p, r, "keras -> tf_keras") for p, r in KERAS2_SED]),
     "keras_mnist_advanced": ("keras/keras_mnist_advanced.py", "--epochs 2 --batch-size 32", {}, []),
     "keras_mnist_advanced_keras2_tf1dropped": ("keras/keras_mnist_advanced.py", "--epochs 2 --batch-size 32", LEGACY,
                                                [(*TF1_SED[0], "TF1 session lines dropped")]
@@ -147,10 +174,12 @@ EXPECTED_FAIL = {
     "tensorflow2_mnist": KERAS3_VARIABLES,
     "tensorflow2_synthetic_benchmark": KERAS3_VARIABLES,
     "tensorflow2_keras_mnist": KERAS3_COMPILE,
+    "tensorflow2_keras_synthetic_benchmark": KERAS3_COMPILE,
     "elastic_tensorflow2_keras_mnist": KERAS3_COMPILE,
     "elastic_tensorflow2_mnist_horovod_run": "horovod.run with min/max_num_proc is an elastic launch; ringpipe.run "
                                              "refuses elastic launches (fixed num_proc only)",
     "keras_mnist": TF1,
+    "keras_imagenet_resnet50": TF1,
     "keras_mnist_keras2": TF1,
     "keras_mnist_advanced": "Keras 3 has no keras.preprocessing.image.ImageDataGenerator (and the program's TF1 "
                             "session lines, Model.fit_generator, Adadelta(lr=))",
@@ -191,6 +220,9 @@ def main():
     import fake_data
     for i, name in enumerate(["mnist.npz", "mnist-0.npz", "mnist-1.npz"]):
         fake_data.write_npz(os.path.join(data, name), seed=i)
+    for i, split in enumerate(["train", "validation"]):
+        if not os.path.isdir(os.path.join(data, "imagenet", split)):
+            fake_data.write_image_folder(os.path.join(data, "imagenet", split), seed=i)
     results = []
     for name in a.names or list(PROGRAMS):
         prog, args, env_extra, seds = PROGRAMS[name]
@@ -208,7 +240,8 @@ def main():
             if args.startswith("PY "):  # the program starts its own workers through horovod.run
                 cmd = f"{python} {os.path.basename(prog)} {args[3:]}"
             else:
-                cmd = f"{BIN}/ringpipe-horovodrun -np 2 python {os.path.basename(prog)} {args}"
+                cmd = " && ".join(f"{BIN}/ringpipe-horovodrun -np 2 python {os.path.basename(prog)} {part}"
+                                  for part in args.replace("IMAGES/", os.path.join(data, "imagenet") + "/").split(" ;; "))
             log.write(f"$ {' '.join(f'{k}={v}' for k, v in env_extra.items())} {cmd}\n")
             log.flush()
             t0 = time.time()

@@ -25,3 +25,16 @@ def mnist_load_data(path="mnist.npz"):
     full = os.path.join(os.environ["FAKE_DATA_DIR"], os.path.basename(path))
     with np.load(full) as f:
         return (f["x_train"], f["y_train"]), (f["x_test"], f["y_test"])
+
+
+def write_image_folder(root, classes=1000, filled=2, per_class=4, seed=0):
+    """An ImageNet-like folder for flow_from_directory: `classes` class folders (so one-hot labels
+    have ImageNet's 1000 columns), the first `filled` of them holding `per_class` random 256x256 JPEGs."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    for c in range(classes):
+        d = os.path.join(root, f"n{c:08d}")
+        os.makedirs(d, exist_ok=True)
+        for i in range(per_class if c < filled else 0):
+            Image.fromarray(rng.integers(0, 256, (256, 256, 3), dtype=np.uint8)).save(os.path.join(d, f"{i}.jpg"))
