@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Horovod's own example programs against ringpipe: 2 ranks over gloo on the CPU, tiny settings.
 
-    .venv/bin/python benchmarks/horovod_examples/run.py HOROVOD_CHECKOUT [NAME...] [--list]
+    .venv/bin/python benchmarks/horovod_examples/run.py HOROVOD_CHECKOUT [NAME...] [--list] [--backend mpi]
 
 Copies HOROVOD_CHECKOUT/examples into ./horovod-examples-out/examples, changes only the Horovod
 import lines (IMPORTS below; `import horovod` for horovod.run becomes `import ringpipe as horovod`),
@@ -204,7 +204,9 @@ def main():
     p.add_argument("checkout")
     p.add_argument("names", nargs="*")
     p.add_argument("--list", action="store_true")
-    p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--timeout", type=float, default=900, help="seconds per program (default 900)")
+    p.add_argument("--backend", choices=["gloo", "mpi"], default="gloo",
+                   help="horovodrun's --gloo / --mpi for the launched programs (default gloo)")
     a = p.parse_args()
     if a.list:
         print("\n".join(PROGRAMS))
@@ -212,7 +214,7 @@ def main():
     unknown = [n for n in a.names if n not in PROGRAMS]
     if unknown:
         raise SystemExit(f"unknown program name(s) {unknown}; --list shows the names")
-    out = os.path.abspath("horovod-examples-out")
+    out = os.path.abspath("horovod-examples-out" + ("-mpi" if a.backend == "mpi" else ""))
     os.makedirs(out, exist_ok=True)
     data = os.path.join(out, "data")
     os.makedirs(data, exist_ok=True)
@@ -240,7 +242,7 @@ def main():
             if args.startswith("PY "):  # the program starts its own workers through horovod.run
                 cmd = f"{python} {os.path.basename(prog)} {args[3:]}"
             else:
-                cmd = " && ".join(f"{BIN}/ringpipe-horovodrun -np 2 python {os.path.basename(prog)} {part}"
+                cmd = " && ".join(f"{BIN}/ringpipe-horovodrun -np 2 --{a.backend} python {os.path.basename(prog)} {part}"
                                   for part in args.replace("IMAGES/", os.path.join(data, "imagenet") + "/").split(" ;; "))
             log.write(f"$ {' '.join(f'{k}={v}' for k, v in env_extra.items())} {cmd}\n")
             log.flush()
