@@ -51,6 +51,9 @@ KERAS2_SED = [(r"^import keras\b", "import tf_keras as keras"), (r"^from keras(\
 TF1_SED = [(r"^(config = tf\.ConfigProto\(\)|config\.gpu_options\..*|K\.set_session\(tf\.Session\(.*)$",
             r"pass  # TF1 GPU pinning dropped: \1")]
 LEGACY = {"TF_USE_LEGACY_KERAS": "1"}
+# Keras 3 variants: the one Keras 2 call each program makes, in Keras 3's spelling
+K3_COMPILE = (r",\s*experimental_run_tf_function=False", "", "Keras 3: compile() without experimental_run_tf_function")
+K3_VARIABLES = (r"opt\.variables\(\)", "opt.variables", "Keras 3: optimizer.variables is a list")
 
 # name: (program, command after the program's path, env, [(pattern, replacement, reason)])
 PROGRAMS = {
@@ -91,9 +94,14 @@ PROGRAMS = {
                           [(r"10000 // hvd\.size\(\)", "8 // hvd.size()", "10000 steps -> 8")]),
     "tensorflow2_mnist_legacy": ("tensorflow2/tensorflow2_mnist.py", "", LEGACY,
                                  [(r"10000 // hvd\.size\(\)", "8 // hvd.size()", "10000 steps -> 8")]),
+    "tensorflow2_mnist_keras3": ("tensorflow2/tensorflow2_mnist.py", "", {},
+                                 [(r"10000 // hvd\.size\(\)", "8 // hvd.size()", "10000 steps -> 8"), K3_VARIABLES]),
     "tensorflow2_keras_mnist": ("tensorflow2/tensorflow2_keras_mnist.py", "", {},
                                 [(r"500 // hvd\.size\(\)", "8 // hvd.size()", "500 steps per epoch -> 8"),
                                  (r"epochs=24\b", "epochs=2", "24 epochs -> 2")]),
+    "tensorflow2_keras_mnist_keras3": ("tensorflow2/tensorflow2_keras_mnist.py", "", {},
+                                       [(r"500 // hvd\.size\(\)", "8 // hvd.size()", "500 steps per epoch -> 8"),
+                                        (r"epochs=24\b", "epochs=2", "24 epochs -> 2"), K3_COMPILE]),
     "tensorflow2_keras_mnist_legacy": ("tensorflow2/tensorflow2_keras_mnist.py", "", LEGACY,
                                        [(r"500 // hvd\.size\(\)", "8 // hvd.size()", "500 steps per epoch -> 8"),
                                         (r"epochs=24\b", "epochs=2", "24 epochs -> 2")]),
@@ -103,12 +111,18 @@ PROGRAMS = {
     "tensorflow2_keras_synthetic_benchmark": ("tensorflow2/tensorflow2_keras_synthetic_benchmark.py",
                                               "--model MobileNetV2 --batch-size 2 --num-batches-per-iter 1 --num-iters 2",
                                               {}, []),
+    "tensorflow2_keras_synthetic_benchmark_keras3": ("tensorflow2/tensorflow2_keras_synthetic_benchmark.py",
+                                                     "--model MobileNetV2 --batch-size 2 --num-batches-per-iter 1 "
+                                                     "--num-iters 2", {}, [K3_COMPILE]),
     "tensorflow2_keras_synthetic_benchmark_legacy": ("tensorflow2/tensorflow2_keras_synthetic_benchmark.py",
                                                      "--model MobileNetV2 --batch-size 2 --num-batches-per-iter 1 "
                                                      "--num-iters 2", LEGACY, []),
     "elastic_tensorflow2_keras_mnist": ("elastic/tensorflow2/tensorflow2_keras_mnist_elastic.py", "", {},
                                         [(r"500 // hvd\.size\(\)", "8 // hvd.size()", "500 steps per epoch -> 8"),
                                          (r"epochs=24-state", "epochs=2-state", "24 epochs -> 2")]),
+    "elastic_tensorflow2_keras_mnist_keras3": ("elastic/tensorflow2/tensorflow2_keras_mnist_elastic.py", "", {},
+                                               [(r"500 // hvd\.size\(\)", "8 // hvd.size()", "500 steps per epoch -> 8"),
+                                                (r"epochs=24-state", "epochs=2-state", "24 epochs -> 2"), K3_COMPILE]),
     "elastic_tensorflow2_keras_mnist_legacy": ("elastic/tensorflow2/tensorflow2_keras_mnist_elastic.py", "", LEGACY,
                                                [(r"500 // hvd\.size\(\)", "8 // hvd.size()", "500 steps per epoch -> 8"),
                                                 (r"epochs=24-state", "epochs=2-state", "24 epochs -> 2")]),
@@ -117,6 +131,9 @@ PROGRAMS = {
     "elastic_tensorflow2_mnist_horovod_run": ("elastic/tensorflow2/tensorflow2_mnist_elastic.py",
                                               "PY 2 2 2 localhost:2", {},
                                               [(r"100 // hvd\.size\(\)", "8 // hvd.size()", "100 steps -> 8")]),
+    "tensorflow2_synthetic_benchmark_keras3": ("tensorflow2/tensorflow2_synthetic_benchmark.py",
+                                               "--model MobileNetV2 --batch-size 2 --num-warmup-batches 1 "
+                                               "--num-batches-per-iter 1 --num-iters 2", {}, [K3_VARIABLES]),
     "tensorflow2_synthetic_benchmark_legacy": ("tensorflow2/tensorflow2_synthetic_benchmark.py",
                                                "--model MobileNetV2 --batch-size 2 --num-warmup-batches 1 "
                                                "--num-batches-per-iter 1 --num-iters 2", LEGACY, []),
@@ -189,7 +206,7 @@ EXPECTED_FAIL = {
 def rewrite(path, seds, log):
     with open(path) as f:
         text = f.read()
-    for pattern, repl, *reason in [*IMPORTS, DATA_SED, *seds]:
+    for pattern, repl, *reason in [*IMPORTS, DATA_SED, *seds]:  # reason: a sed that must match
         text, n = re.subn(pattern, repl, text, flags=re.M)
         if reason and n == 0:
             raise SystemExit(f"{path}: the sed {pattern!r} ({reason[0]}) matched nothing: the example changed")
