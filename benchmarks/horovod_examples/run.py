@@ -224,7 +224,7 @@ def main():
     p.add_argument("--timeout", type=float, default=900, help="seconds per program (default 900)")
     p.add_argument("--backend", choices=["gloo", "mpi"], default="gloo",
                    help="horovodrun's --gloo / --mpi for the launched programs (default gloo)")
-    a = p.parse_args()
+    a = p.parse_intermixed_args()
     if a.list:
         print("\n".join(PROGRAMS))
         return 0
