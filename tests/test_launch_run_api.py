@@ -52,7 +52,13 @@ if __name__ == "__main__":
                       num_proc=n, use_gloo=backend == "gloo", use_mpi=backend == "mpi")
     print("RESULT", out)
     print("CLOSURE", closure)
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fixed = horovod.run(lambda: hvd.init() or hvd.rank(), num_proc=n, min_num_proc=n - 1, max_num_proc=n,
+                            use_gloo=backend == "gloo", use_mpi=backend == "mpi")
     print("BIG", big)
+    print("FIXED", fixed, any("fixed job" in str(w.message) for w in caught))
 """
 
 FAILING = """
@@ -98,6 +104,8 @@ def test_run_returns_every_ranks_value_in_rank_order(tmp_path, backend, n):
     assert _line(proc.stdout, "RESULT") == repr(want)
     assert _line(proc.stdout, "CLOSURE") == repr([r * 3.0 for r in range(n)])  # a lambda over a local
     assert _line(proc.stdout, "BIG") == repr([300_000] * n)  # arguments too long for the environment: a file
+    # min/max_num_proc without host discovery: a fixed job, with a warning; Horovod returns the first min_num_proc
+    assert _line(proc.stdout, "FIXED") == f"{list(range(n - 1))!r} True"
     for r in range(n):  # what the ranks print still reaches the caller's output
         assert f"rank {r} says hello" in proc.stdout
 
@@ -116,8 +124,8 @@ def test_arguments_horovod_refuses_are_refused_before_anything_starts():
         ringpipe.run(f, num_proc=2, hosts="localhost:2", hostfile="hosts.txt")
     with pytest.raises(ValueError, match="Argument use_gloo and use_mpi only allow one set True."):
         ringpipe.run(f, num_proc=2, use_gloo=True, use_mpi=True)
-    with pytest.raises(ValueError, match="elastic.*min_num_proc"):
-        ringpipe.run(f, num_proc=2, min_num_proc=1)
+    with pytest.raises(ValueError, match="num_proc=2 must lie between min_num_proc=3"):
+        ringpipe.run(f, num_proc=2, min_num_proc=3)
     with pytest.raises(ValueError, match="host_discovery_script"):
         ringpipe.run(f, num_proc=2, host_discovery_script="discover.sh")
     with pytest.raises(ValueError, match="num_proc must be a positive"):

@@ -14,9 +14,11 @@ script being imported again. What the ranks print reaches this process's standar
 
 A rank that raises or exits non-zero makes ``run`` raise ``RuntimeError`` after the job has
 stopped, as Horovod's does. Horovod's deprecated ``np``, ``min_np``, ``max_np`` and
-``network_interface`` are accepted with its ``DeprecationWarning``. Elastic jobs
-(``min_num_proc``, ``max_num_proc``, ``host_discovery_script``, ``reset_limit``,
-``cooldown_range``) and ``mpi_args`` are refused by name before anything starts;
+``network_interface`` are accepted with its ``DeprecationWarning``. Elastic jobs that discover
+hosts (``host_discovery_script``) and ``mpi_args`` are refused by name before anything starts;
+``min_num_proc`` / ``max_num_proc`` without a discovery script start a fixed job of ``num_proc``
+ranks, with a warning (no rank can join, a lost rank ends the job), and return the first
+``min_num_proc`` values, as Horovod's elastic run does;
 ``output_filename`` also writes each rank's output to ``<output_filename>/rank.<R>/stdout`` and
 ``stderr``; ``verbose`` and ``disable_cache`` change nothing (ringpipe caches no checks).
 """
@@ -120,12 +122,18 @@ def run(
         raise TypeError(f"ringpipe.run needs a function to run on every rank, got {type(func).__name__}")
     if not isinstance(num_proc, int) or num_proc < 1:
         raise ValueError(f"ringpipe.run: num_proc must be a positive number of processes, got {num_proc!r}")
-    refused = {"min_num_proc": min_num_proc, "max_num_proc": max_num_proc, "reset_limit": reset_limit,
-               "cooldown_range": cooldown_range, "host_discovery_script": host_discovery_script}
-    given = sorted(name for name, value in refused.items() if value is not None)
-    if given:
-        raise ValueError(f"ringpipe.run does not run elastic jobs ({', '.join(given)} given): start a fixed "
-                         "num_proc, and use ringpipe's elastic state inside the function to recover from failures")
+    if host_discovery_script is not None:
+        raise ValueError("ringpipe.run does not run elastic jobs that discover hosts (host_discovery_script given): "
+                         "start a fixed num_proc, and use ringpipe's elastic state inside the function to recover "
+                         "from failures")
+    if min_num_proc is not None or max_num_proc is not None:
+        low, high = min_num_proc or num_proc, max_num_proc or num_proc
+        if not low <= num_proc <= high:
+            raise ValueError(f"ringpipe.run: num_proc={num_proc} must lie between min_num_proc={min_num_proc} and "
+                             f"max_num_proc={max_num_proc}")
+        warnings.warn(f"ringpipe.run starts a fixed job of num_proc={num_proc} ranks: without a host discovery "
+                      "script no rank joins later, and a lost rank ends the job (min_num_proc / max_num_proc, "
+                      "reset_limit and cooldown_range have nothing to act on)", UserWarning, stacklevel=2)
     if mpi_args is not None:
         raise ValueError("ringpipe.run does not take mpi_args: set Open MPI's options as OMPI_MCA_* variables "
                          "in the environment instead (every rank's mpirun reads them)")
@@ -167,7 +175,8 @@ def run(
     missing = [r for r in range(num_proc) if r not in parts or len(parts[r][1]) != parts[r][0]]
     if missing:
         raise RuntimeError(f"ringpipe.run: rank(s) {missing} ended without handing back the function's value")
-    return [decode("".join(parts[r][1][i] for i in range(parts[r][0]))) for r in range(num_proc)]
+    values = [decode("".join(parts[r][1][i] for i in range(parts[r][0]))) for r in range(num_proc)]
+    return values[:min_num_proc] if min_num_proc is not None else values  # Horovod: the first min_num_proc
 
 
 def _run_job(command: list[str], env: dict[str, str], nonce: str) -> tuple[int, dict[int, tuple[int, dict[int, str]]]]:
