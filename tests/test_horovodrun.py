@@ -143,3 +143,11 @@ def test_check_build_prints_horovods_table_of_what_is_available(capsys):
 def test_output_filename_goes_to_the_launcher():
     args, _ = translate(["--output-filename", "logs", "-np", "2", "python", "train.py"])
     assert args[args.index("--output-filename") + 1] == "logs"
+
+
+def test_elastic_bounds_without_discovery_run_a_fixed_job(capsys):
+    args, _ = translate(["-np", "2", "--min-np", "1", "--max-np=3", "python", "train.py"])
+    assert "--min-np" not in args and "--max-np=3" not in args and args[args.index("-np") + 1] == "2"
+    assert "fixed -np ranks" in capsys.readouterr().err
+    with pytest.raises(HorovodrunUsageError, match="--host-discovery-script"):
+        translate(["-np", "2", "--min-np", "1", "--host-discovery-script", "d.sh", "python", "train.py"])

@@ -66,7 +66,6 @@ _UNSUPPORTED = {
     "--thread-affinity": "bind threads with taskset / numactl in the command instead",
     "--gloo-timeout-seconds": "not configurable in ringpipe",
     "--elastic": "elastic Horovod (min/max ranks, host discovery) is not supported",
-    "--min-np": "elastic Horovod is not supported", "--max-np": "elastic Horovod is not supported",
     "--host-discovery-script": "elastic Horovod is not supported",
     "--config-file": "give the options on the command line",
     "--mpi-args": "run mpirun yourself with its arguments",
@@ -167,6 +166,14 @@ def translate(argv: Sequence[str]) -> tuple[list[str], dict[str, str]]:
             print(check_build())
             raise SystemExit(0)
         name, eq, value = tok.partition("=")
+        if name in ("--min-np", "--max-np", "--min-num-proc", "--max-num-proc"):
+            # elastic bounds without a discovery script: the hosts are fixed, so the job is -np ranks
+            if not eq:
+                i += 1
+            print(f"horovodrun (ringpipe): {name} ignored: without --host-discovery-script the job runs a fixed "
+                  "-np ranks (no rank joins later; a lost rank ends the job)", file=sys.stderr)
+            i += 1
+            continue
         if name in _UNSUPPORTED or any(name.startswith(p) for p in ("--autotune-",)):
             why = _UNSUPPORTED.get(name, "ringpipe has no autotuner")
             raise HorovodrunUsageError(f"horovodrun option {name} is not supported by ringpipe: {why}")
