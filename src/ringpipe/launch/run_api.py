@@ -137,9 +137,7 @@ def run(
     if mpi_args is not None:
         raise ValueError("ringpipe.run does not take mpi_args: set Open MPI's options as OMPI_MCA_* variables "
                          "in the environment instead (every rank's mpirun reads them)")
-    if slots is not None and hosts is None and hostfile is None:
-        hosts = f"localhost:{slots}"
-    del verbose, disable_cache  # accepted, as Horovod's; ringpipe's launcher has nothing to cache
+    del verbose, disable_cache, slots  # accepted, as Horovod's (slots serve its host discovery); nothing to do
 
     payload = encode((func, tuple(args), dict(kwargs or {})))
     nonce = "ringpipe-run-" + secrets.token_hex(8)
