@@ -21,12 +21,10 @@ The table lives in this process, keyed by backend, number of ranks and the hosts
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import statistics
 import time
-import weakref
 from typing import Any
 
 import torch
@@ -45,21 +43,13 @@ MAJORITY = 2 / 3
 PROBE_SIZES = tuple(4096 * 4**i for i in range(8))
 
 _TABLES: dict[tuple[Any, ...], Table] = {}
-_KEYS: weakref.WeakKeyDictionary[Communicator, tuple[Any, ...]] = weakref.WeakKeyDictionary()
 
 
 def key(comm: Communicator) -> tuple[Any, ...]:
     """What a table is valid for: backend, number of ranks and the host of every rank."""
-    try:
-        return _KEYS[comm]
-    except (KeyError, TypeError):
-        pass
     hosts = getattr(getattr(comm, "topology", None), "hostnames", None)
     members = tuple(hosts[g] for g in comm.global_ranks) if hosts else None
-    out = (getattr(comm, "backend", "?"), comm.size, members)
-    with contextlib.suppress(TypeError):  # kept per communicator: auto looks it up on every call
-        _KEYS[comm] = out
-    return out
+    return (getattr(comm, "backend", "?"), comm.size, members)
 
 
 def paired(times: dict[str, list[float]], algo: str) -> tuple[float, int, int]:
@@ -127,20 +117,16 @@ class Table:
     def __init__(self, rows: list[tuple[int, str, dict[str, list[float]]]], for_key: tuple[Any, ...]) -> None:
         self.rows = sorted(rows, key=lambda r: r[0])
         self.key = for_key
-        self._chosen: dict[int, str] = {}  # per message size asked: auto resolves on every call
 
     def choose(self, nbytes: int) -> str:
-        """The choice of the measured size nearest to ``nbytes`` (on a log scale)."""
-        chosen = self._chosen.get(nbytes)
-        if chosen is not None:
-            return chosen
+        """The choice of the measured size nearest to ``nbytes`` (on a log scale).
+
+        ``auto`` keeps these answers per communicator (:func:`ringpipe.collectives.auto.choose`).
+        """
         if not self.rows:
             return "native"
         target = math.log2(max(nbytes, 1))
-        chosen = min(self.rows, key=lambda r: abs(math.log2(r[0]) - target))[1]
-        if len(self._chosen) < 4096:
-            self._chosen[nbytes] = chosen
-        return chosen
+        return min(self.rows, key=lambda r: abs(math.log2(r[0]) - target))[1]
 
     def to_json(self) -> dict[str, Any]:
         return {"key": list(self.key[:2]) + [list(self.key[2]) if self.key[2] else None],
