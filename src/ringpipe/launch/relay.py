@@ -85,10 +85,11 @@ class OutputRelay:
             chunk += prefix + line + b"\n"
             if out == 2:
                 self.tails[rank].append(line.decode(errors="replace"))
+        text = bytes(chunk)
         with self._lock:
-            _write_all(out, bytes(chunk))
+            _write_all(out, text)
             if self._files is not None:
-                self._files.write(rank, out, bytes(chunk))
+                self._files.write(rank, out, text)
         return rest
 
     def _read(self, fd: int, rank: int, out: int) -> None:
