@@ -133,7 +133,7 @@ def _step_against_allreduce(comm, features=4):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("features", [4, 400])  # 400: 40,100 gradients, more than ride in the announcement
+@pytest.mark.parametrize("features", [4, 1400])  # 1400: 140,100 gradients, more than ride in the announcement
 @pytest.mark.parametrize("ranks", [2, 3])  # 2: the messages go as pairwise exchanges on gloo
 def test_an_optimizer_step_against_another_collective_is_an_error_on_every_rank(features, ranks):
     for out in spawn(_step_against_allreduce, ranks, args=(features,)):

@@ -27,8 +27,8 @@ def _np(t: torch.Tensor):
 
 def _model(wide: bool = False) -> nn.Module:
     torch.manual_seed(0)
-    if wide:  # 41,251 parameters: one bucket longer than what rides in a step's announcement (RIDE_CAP)
-        return nn.Sequential(nn.Linear(6, 64), nn.Tanh(), nn.Linear(64, 600), nn.Tanh(), nn.Linear(600, 3))
+    if wide:  # 143,251 parameters: one bucket longer than what rides in a step's announcement (RIDE_CAP)
+        return nn.Sequential(nn.Linear(6, 64), nn.Tanh(), nn.Linear(64, 2100), nn.Tanh(), nn.Linear(2100, 3))
     return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
 
 
@@ -90,7 +90,7 @@ def test_join_serves_steps_with_the_learning_rate_of_the_ranks_with_data(batches
 
 @pytest.mark.timeout(90)
 def test_join_serves_steps_whose_first_bucket_is_longer_than_the_announcement_carries():
-    """One bucket of 41,251 gradients: its start rides in the step's announcement, the rest follows it."""
+    """One bucket of 143,251 gradients: its start rides in the step's announcement, the rest follows it."""
     from ringpipe.dp.announce import RIDE_CAP
 
     assert sum(p.numel() for p in _model(wide=True).parameters()) > RIDE_CAP

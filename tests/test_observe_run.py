@@ -54,9 +54,10 @@ def test_train_profile_doctor_and_summary_agree_on_the_training_steps(tmp_path):
     assert declared[1] == {"evaluation"}, declared
     # So rank 0's extra work is not a late rank, and nothing of the trainer's own is a problem.
     doctor = (run / "doctor.txt").read_text()
-    if "was busy: load average" in doctor:
-        # On a host short of cores (the doctor says so) a rank that waits for a core call after
-        # call is rightly named late; what must hold there is that the declared work is not why.
+    shared = os.getloadavg()[0] >= (os.cpu_count() or 1)  # more runnable processes than cores: other jobs
+    if "was busy: load average" in doctor or shared:
+        # On a host short of cores a rank that waits for a core call after call is rightly named
+        # late (either rank); what must hold there is that the declared work is not why.
         assert "metrics" not in doctor.split("arrives late")[-1].split("\n[")[0], doctor
     else:
         assert "arrives late" not in doctor and "no problem found" in doctor, doctor

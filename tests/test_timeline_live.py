@@ -56,11 +56,13 @@ def _rows(events: list[dict]) -> dict[tuple[int, int], str]:
 
 
 def _named_spans(events: list[dict], row: str, nbytes: int) -> dict[int, int]:
-    """Per rank, how many spans of ``nbytes`` (the tensor's data, not the call's check) lie on ``row``."""
+    """Per rank, how many spans on ``row`` carry the tensor's data: ``nbytes`` of it alone, or the call's
+    agreement with the data in the same message (``negotiated``: a small allreduce riding in it)."""
     rows = _rows(events)
     out: dict[int, int] = {}
     for e in events:
-        if e["ph"] == "X" and rows.get((e["pid"], e["tid"])) == row and e["args"]["bytes"] == nbytes:
+        if e["ph"] == "X" and rows.get((e["pid"], e["tid"])) == row and (
+                e["args"]["bytes"] == nbytes or e["args"].get("negotiated")):
             out[e["pid"]] = out.get(e["pid"], 0) + 1
     return out
 

@@ -76,9 +76,7 @@ def allreduce_async_(
     wop, post = ops.wire_op(comm, tensor, rop, postscale_factor)
 
     def task() -> Any:
-        announce(comm, "allreduce", tensor, rop, detail, checks(comm, "allreduce", tensor))
-        ops.scale_(tensor, prescale_factor)
-        return ops.start_reduction(comm, tensor, wop)
+        return ops.reduce_announced(comm, tensor, rop, wop, prescale_factor, detail, checks(comm, "allreduce", tensor))
 
     def then(out: torch.Tensor) -> torch.Tensor:
         ops.scale_(tensor, post)
@@ -127,12 +125,13 @@ def grouped_allreduce_async_(
     wop, post = ops.wire_op(comm, flat, rop, postscale_factor)
 
     def task() -> Any:
-        announce(comm, "allreduce", flat, rop, detail, checks(comm, "grouped_allreduce", problem=problem))
-        ops.scale_(flat, prescale_factor)
+        validate = checks(comm, "grouped_allreduce", problem=problem)
         if rop is ReduceOp.ADASUM:  # each tensor with its own dot products, as Horovod's fused Adasum
+            announce(comm, "allreduce", flat, rop, detail, validate)
+            ops.scale_(flat, prescale_factor)
             ops.start_reduction(comm, list(flat.split([t.numel() for t in items])), rop)  # type: ignore[arg-type]
             return flat
-        return ops.start_reduction(comm, flat, wop)
+        return ops.reduce_announced(comm, flat, rop, wop, prescale_factor, detail, validate)
 
     def then(out: torch.Tensor) -> list[torch.Tensor]:
         ops.scale_(flat, post)

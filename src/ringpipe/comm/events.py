@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["Event", "EventLog", "default_log", "comm_stats", "add_blocked", "blocked_ns", "human_bytes", "named",
-           "name_next", "take_next_name", "internal", "split_internal"]
+           "name_next", "take_next_name", "internal", "negotiating", "split_internal"]
 
 # Field positions inside the raw event list (kept as a list so that ``end`` can be filled in
 # when an asynchronous operation completes without allocating a second object).
@@ -50,6 +50,22 @@ def internal() -> Iterator[None]:
         yield
     finally:
         _NAMING.internal = before
+
+
+@contextlib.contextmanager
+def negotiating() -> Iterator[None]:
+    """Events this thread begins inside the block also carry the ranks' agreement on the call.
+
+    An announcement whose message holds the call's data as well (a small allreduce riding in it,
+    :mod:`ringpipe.dp.announce`) is the program's reduction, so it is not :func:`internal`; it
+    carries ``detail["negotiated"]`` so that the timeline still shows it as Horovod's negotiation.
+    """
+    before = getattr(_NAMING, "negotiating", False)
+    _NAMING.negotiating = True
+    try:
+        yield
+    finally:
+        _NAMING.negotiating = before
 
 
 def name_next(name: str | None) -> None:
@@ -97,6 +113,8 @@ class EventLog:
         detail = {"name": name} if name else None
         if getattr(_NAMING, "internal", False):
             detail = {**(detail or {}), "internal": True}
+        elif getattr(_NAMING, "negotiating", False):
+            detail = {**(detail or {}), "negotiated": True}
         ev = [op, nbytes, peer, time.perf_counter_ns(), 0, tag, comm, detail]
         self._events.append(ev)  # deque.append is atomic under the GIL
         return ev

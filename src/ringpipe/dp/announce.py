@@ -20,12 +20,15 @@ gradients. Every announcement on a communicator is one float32 message of the sa
 the header (each int64 word as six 12-bit digits, exact in float32 sums over up to 4096 ranks)
 followed by a payload area (:mod:`ringpipe.dp.headers`) of :attr:`Engine.ride <ringpipe.dp.engine.Engine>` elements. An
 optimizer step's first message fills that area with the start of its first bucket
-(:func:`start_exchange`); every other announcement leaves it zero, and so does a joined rank,
+(:func:`start_exchange`), and a Sum or Average allreduce that fits fills it with its data
+(:func:`announce` with ``payload``), so that it too is one message (its negotiation and its
+reduction at once). Every other announcement leaves the area zero, and so does a joined rank,
 which cannot know which of them comes next but always posts a message of the right length and
-contributes zeros (the sum's identity) to the gradients. The area's length is set when a
-``DistributedOptimizer`` with join support is built (collectively, so it is the same on every
-rank): the whole first bucket of a small model (up to :data:`RIDE_CAP` elements), so that its
-step is a single allreduce, as with join support off.
+contributes zeros (the sum's identity). The area's length changes only in step on every rank:
+when a ``DistributedOptimizer`` with join support is built (collectively), to its whole first
+bucket (up to :data:`RIDE_CAP` elements); and after an allreduce too long to ride, to its length
+(up to :data:`GROW_CAP`), read from the summed header that every rank reads
+(:func:`~ringpipe.dp.headers.grow_area`).
 
 Collectives called directly on a communicator, outside ``ringpipe.dp`` and ``ringpipe.api``,
 are not announced and must not be used while a rank is joined.
@@ -42,20 +45,24 @@ from typing import Any
 import torch
 
 from ringpipe.comm.base import CommError, Communicator, ReduceOp, Work
-from ringpipe.comm.events import internal
+from ringpipe.comm.events import internal, negotiating
 from ringpipe.comm.header import InvalidCallError, MismatchError
 from ringpipe.dp.engine import Engine, EngineError, EngineInvalidCallError, EngineMismatchError
 from ringpipe.dp.headers import (
     DTYPES,
+    GROW_CAP,
     OPS,
     RIDE_CAP,
+    RIDING,
     SERVED,
     Note,
     Reorder,
     announcement_bytes,
+    grow_area,
     header,
     message,
     read_message,
+    rides,
     with_payload,
 )
 
@@ -66,12 +73,15 @@ __all__ = [
     "Note",
     "Pending",
     "RIDE_CAP",
+    "GROW_CAP",
+    "RIDING",
     "announce",
     "announcement_bytes",
     "checks",
     "device_of",
     "exchange",
     "identity",
+    "rides",
     "run_announced",
     "settle",
     "start_exchange",
@@ -89,21 +99,27 @@ def exchange(
     reduce_op: ReduceOp | None = None,
     detail: dict[str, Any] | None = None,
     problem: BaseException | None = None,
+    payload: torch.Tensor | None = None,
 ) -> Note:
     """Allreduce one header (call on the engine thread); ``op=None`` on a rank that has joined.
 
     The header also carries a fingerprint of each rank's call (``detail``: further arguments
     that must agree, such as the root rank or scale factors) and whether it was invalid
     (``problem``); if the ranks with data differ, or one is invalid, every rank raises the same
-    :class:`MismatchError` or :class:`InvalidCallError` before any data moves.
+    :class:`MismatchError` or :class:`InvalidCallError` before any data moves. ``payload``: a
+    flat tensor that travels (as float32) in the payload area; its sum is the note's payload.
     """
     settle(comm)
     digits, fields = header(comm, op, tensor, reduce_op, detail, problem)
-    wire = message(comm, digits, None, 0)
-    with internal():  # ringpipe's bookkeeping: listed apart from the program's calls
+    n = 0 if payload is None else payload.numel()
+    wire = message(comm, digits, payload, n)
+    # ringpipe's bookkeeping, listed apart from the program's calls, unless the call's data is in it
+    with negotiating() if n else internal():
         comm.allreduce(wire, ReduceOp.SUM)
     note = read_message(comm, wire, digits.numel(), fields, problem, by_name=True)
-    return with_payload(note, wire[digits.numel():])
+    note = with_payload(note, wire[digits.numel():])
+    grow_area(comm, note)
+    return note
 
 
 class Pending:
@@ -213,11 +229,14 @@ def announce(
     reduce_op: ReduceOp | None = None,
     detail: dict[str, Any] | None = None,
     validate: Callable[[], None] | None = None,
+    payload: torch.Tensor | None = None,
 ) -> Note:
     """Announce ``op`` from a rank with data (on the engine thread); raise if a joined rank cannot serve it.
 
     ``validate`` checks this rank's arguments; if it raises, the call is announced as invalid
-    and every rank raises its error (no rank is left waiting in the collective).
+    and every rank raises its error (no rank is left waiting in the collective). ``payload``: an
+    allreduce's data, summed in the announcement itself (only where :func:`rides` says so, on
+    every rank alike); the note's ``payload`` then starts with the sum.
     """
     problem = None
     if validate is not None:
@@ -227,7 +246,7 @@ def announce(
             problem = exc
     while True:
         try:
-            note = exchange(comm, op, tensor, reduce_op, detail, problem)
+            note = exchange(comm, op, tensor, reduce_op, detail, problem, payload)
             break
         except Reorder as reorder:  # every rank runs the named operation they all have first, then retries
             Engine.of(comm).run_queued(reorder.key)

@@ -25,8 +25,8 @@ from ringpipe.comm.consistency import disagreement
 from ringpipe.comm.header import InvalidCallError, MismatchError, fingerprint
 from ringpipe.dp.engine import Engine
 
-__all__ = ["OPS", "RIDE_CAP", "SERVED", "DTYPES", "Note", "Reorder", "announcement_bytes", "decode", "header", "message",
-           "read", "read_message", "with_payload"]
+__all__ = ["OPS", "RIDE_CAP", "GROW_CAP", "RIDING", "SERVED", "DTYPES", "Note", "Reorder", "announcement_bytes",
+           "decode", "grow_area", "header", "message", "read", "read_message", "rides", "with_payload"]
 
 # Every announced operation; the header carries its position (plus one; zero: joined).
 OPS = ("step", "bucket", "apply", "allreduce", "barrier", "allgather", "broadcast", "reducescatter", "alltoall",
@@ -40,9 +40,16 @@ _FIELDS = 5  # operation, reduce op, dtype, element count, on a GPU (then: inval
 # After them: the element count and dtype of data posted right behind the header (an optimizer
 # step's first bucket), so that on a disagreement the other ranks can complete that allreduce.
 _TAIL = 3
-#: The most gradient elements an optimizer step's header carries (128 KiB of float32): larger
-#: first buckets send the rest right behind it; every announcement carries this many at most.
-RIDE_CAP = 32768
+#: The most gradient elements an optimizer step's header carries (512 KiB of float32): larger
+#: first buckets send the rest right behind it. A 1 MiB first bucket (the default) of float32
+#: gradients is 262,144 elements; the transformer of the trainer (72,224) rides whole.
+RIDE_CAP = 131072
+#: The most elements an allreduce of the program grows the payload area to (256 KiB of float32),
+#: so that later allreduces of that size ride in their announcement (:func:`grow_area`).
+GROW_CAP = 65536
+#: The dtypes whose values float32 holds exactly: they ride widened, summed in float32, and are
+#: rounded back once (a single rounding of the sum, as a backend's widened half-precision sum).
+RIDING = (torch.float32, torch.float16, torch.bfloat16)
 _DIGIT_BITS, _DIGITS = 12, 6  # an int64 word (at most 72 bits) as six float32 digits
 _SHIFTS = torch.arange(_DIGITS, dtype=torch.int64) * _DIGIT_BITS
 
@@ -85,6 +92,31 @@ def _fields(op: str, tensor: torch.Tensor | None, reduce_op: ReduceOp | None,
 def announcement_bytes(comm: Communicator) -> int:
     """The length in bytes of every announcement on ``comm`` (the header's digits and the payload area)."""
     return 4 * (_DIGITS * (2 * comm.size + _FIELDS + _TAIL) + Engine.of(comm).ride)
+
+
+def rides(comm: Communicator, reduce_op: ReduceOp | None, dtype: torch.dtype | None, numel: int, cuda: bool,
+          area: int) -> bool:
+    """Whether an announced allreduce of this kind travels inside its announcement's payload area.
+
+    The same answer on every rank: the ranks with data ask it of their call, a joined rank of
+    the summed header (with the area of the message that carried it), and ranks whose calls
+    differ in any of these raise before using the data. Sum and Average of float32, float16 and
+    bfloat16 on the CPU, up to the area's length; a joined rank's zeros are the sum's identity.
+    """
+    return (reduce_op in (ReduceOp.SUM, ReduceOp.AVERAGE) and dtype in RIDING and not cuda
+            and 0 < numel <= area and comm._object_device().type == "cpu")
+
+
+def grow_area(comm: Communicator, note: Note) -> None:
+    """After an allreduce too long to ride, lengthen every later announcement so that one of its size rides.
+
+    Called for every header read (on every rank, the joined ones too, in the same order), with
+    what the summed header says, so the area's length stays the same on every rank.
+    """
+    engine = Engine.of(comm)
+    if (note.op == "allreduce" and engine.ride < note.numel <= GROW_CAP
+            and rides(comm, note.reduce_op, note.dtype, note.numel, note.cuda, note.numel)):
+        engine.ride = note.numel
 
 
 def with_payload(note: Note, payload: torch.Tensor) -> Note:

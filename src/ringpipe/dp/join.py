@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from ringpipe.comm.base import Communicator
-from ringpipe.dp.announce import JoinError, Note, device_of, exchange, identity
+from ringpipe.dp.announce import JoinError, Note, device_of, exchange, identity, rides
 from ringpipe.dp.engine import Engine
 from ringpipe.dp.ops import finish_reduction, start_reduction
 
@@ -124,6 +124,9 @@ def _serve_allreduce(comm: Communicator, engine: Engine, note: Note) -> None:
     if note.reduce_op is None or note.dtype is None:
         return  # a dtype a joined rank cannot stand in for: the ranks with data raised (announce)
     rop = note.reduce_op
+    area = 0 if note.payload is None else note.payload.numel()
+    if rides(comm, rop, note.dtype, note.numel, note.cuda, area):
+        return  # the data rode in the announcement, where this rank's area was zeros
     contribution = identity(rop, note.dtype, note.numel, device_of(comm, note))
     # Every announced allreduce is non-blocking: MPI does not match a blocking one with it.
     engine.run(lambda: finish_reduction(start_reduction(comm, contribution, rop)), name="join-allreduce")

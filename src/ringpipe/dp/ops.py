@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ringpipe.comm.base import Communicator, ReduceOp, Work
-from ringpipe.dp.announce import announce, checks, run_announced
+from ringpipe.dp.announce import announce, checks, rides, run_announced
 from ringpipe.dp.engine import Engine
 
 __all__ = [
@@ -33,6 +33,7 @@ __all__ = [
     "scale_detail",
     "wire_op",
     "start_reduction",
+    "reduce_announced",
 ]
 
 Detail = dict[str, Any] | None
@@ -84,6 +85,33 @@ def start_reduction(comm: Communicator, tensor: torch.Tensor, op: ReduceOp) -> A
     return comm.iallreduce(tensor, op)
 
 
+def reduce_announced(comm: Communicator, tensor: torch.Tensor, op: ReduceOp, wop: ReduceOp, prescale: float,
+                     detail: Detail, validate: Any) -> Any:
+    """Announce an allreduce of ``tensor`` (engine thread) and start its reduction by ``wop``, prescaled.
+
+    A Sum or Average of a float tensor that fits the announcement's payload area travels in it
+    (:func:`~ringpipe.dp.announce.rides`): one message, and ``tensor`` holds the result when this
+    returns; otherwise the data follows the announcement (:func:`start_reduction`'s result). Either
+    way the post-scaling is the caller's, and ``tensor`` is untouched if the ranks' calls differ.
+    """
+    if wop is op and rides(comm, op, tensor.dtype, tensor.numel(), tensor.device.type == "cuda",
+                           Engine.of(comm).ride):
+        flat = tensor.reshape(-1)
+        if prescale != 1.0:
+            flat = flat * prescale  # scaled in the tensor's dtype, as the data that follows would be
+        note = announce(comm, "allreduce", tensor, op, detail, validate, payload=flat)
+        assert note.payload is not None
+        summed = note.payload[: tensor.numel()]
+        if op is ReduceOp.AVERAGE:
+            summed.div_(comm.size)  # in float32, then rounded once into the tensor's dtype
+        with torch.no_grad():
+            tensor.copy_(summed.view(tensor.shape))
+        return tensor
+    announce(comm, "allreduce", tensor, op, detail, validate)
+    scale_(tensor, prescale)
+    return start_reduction(comm, tensor, wop)
+
+
 def finish_reduction(pending: Any) -> Any:
     """Wait for what :func:`start_reduction` returned."""
     return pending.wait() if isinstance(pending, Work) else pending
@@ -102,11 +130,11 @@ def allreduce_inplace(
     """Reduce ``tensor`` in place (on the engine thread), with Horovod's pre/post scale factors."""
 
     def task() -> torch.Tensor:
-        announce(comm, "allreduce", tensor, op, _with(detail, scale_detail(prescale, postscale)),
-                 checks(comm, "allreduce", tensor, problem=problem))
-        scale_(tensor, prescale)
         rop, post = wire_op(comm, tensor, op, postscale)
-        finish_reduction(start_reduction(comm, tensor, rop))  # non-blocking, the form joined ranks use
+        # the data follows non-blocking, the form joined ranks use
+        finish_reduction(reduce_announced(comm, tensor, op, rop, prescale,
+                                          _with(detail, scale_detail(prescale, postscale)),
+                                          checks(comm, "allreduce", tensor, problem=problem)))
         scale_(tensor, post)
         return tensor
 

@@ -19,14 +19,12 @@ from typing import Any
 import torch
 
 from ringpipe.comm.base import Communicator, ReduceOp, Work
-from ringpipe.dp.announce import RIDE_CAP, Note, announce, settle, start_exchange
+from ringpipe.dp.announce import RIDE_CAP, RIDING, Note, announce, settle, start_exchange
 from ringpipe.dp.buckets import Bucket, Slot, timed
 from ringpipe.dp.compression import Compressor
 from ringpipe.dp.engine import Engine
 
 __all__ = ["GradientReduction"]
-
-_RIDES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 class GradientReduction:
@@ -62,7 +60,7 @@ class GradientReduction:
         sum, as the backend's widened half-precision sum gives); float64 would lose digits.
         """
         wire = self.compression.wire_dtype if self.compression.applies_to(bucket.buffer.dtype) else bucket.buffer.dtype
-        return min(RIDE_CAP, bucket.buffer.numel()) if wire in _RIDES else 0
+        return min(RIDE_CAP, bucket.buffer.numel()) if wire in RIDING else 0
 
     def _make_hook(self, slot: Slot) -> Callable[[torch.Tensor], None]:
         passes = self.backward_passes_per_step

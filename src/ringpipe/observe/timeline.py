@@ -29,10 +29,12 @@ def span_name(op: str, detail: dict[str, Any]) -> str:
     """A span's name: the operation, or Horovod's ``NEGOTIATE_ALLREDUCE`` for the announcement before a named call.
 
     The announcement is where the ranks agree on the call (Horovod's negotiation phase); its own
-    message is an allreduce whatever the call is, so it is named after the call's tensor name.
+    message is an allreduce whatever the call is, so it is named after the call's tensor name. A
+    small allreduce whose data travelled in that same message (``negotiated``) is named so too:
+    its negotiation and its reduction are one message.
     """
     name = detail.get("name")
-    if detail.get("internal") and isinstance(name, str) and "." in name and "." not in op:
+    if (detail.get("internal") or detail.get("negotiated")) and isinstance(name, str) and "." in name and "." not in op:
         return "NEGOTIATE_" + name.split(".", 1)[0].upper()
     return op
 
