@@ -94,9 +94,18 @@ def to_torch(x: Any) -> torch.Tensor:
 
 
 def to_tf(t: torch.Tensor) -> tf.Tensor:
-    """A TF tensor over a torch result's buffer (the torch tensor must not be written afterwards)."""
+    """A TF tensor over a torch result's buffer (the torch tensor must not be written afterwards).
+
+    A CUDA result stays on its GPU where TensorFlow has GPU support (DLPack carries the device);
+    a TensorFlow without it gets a host copy.
+    """
     t = t.detach().contiguous()
-    if t.device.type != "cpu":
+    if t.device.type == "cuda":
+        try:
+            return tf.experimental.dlpack.from_dlpack(torch.utils.dlpack.to_dlpack(t))
+        except Exception:  # noqa: BLE001 - a TensorFlow built without CUDA refuses a GPU capsule
+            t = t.cpu()
+    elif t.device.type != "cpu":
         t = t.cpu()
     try:
         return tf.experimental.dlpack.from_dlpack(torch.utils.dlpack.to_dlpack(t))
