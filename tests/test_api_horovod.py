@@ -111,18 +111,27 @@ def _static_duplicates(comm):  # noqa: ANN001
     sets = [hvd.ProcessSet([0]), hvd.ProcessSet(reversed(range(1, size)))]  # the order of the ranks does not matter
 
     def body():
-        return [ps.process_set_id for ps in sets], sets[1].ranks
+        total = None
+        if sets[1].included():  # the set the refused init registered, reached through a new object
+            total = float(hvd.allreduce(torch.ones(1) * comm.rank, op=hvd.Sum, process_set=sets[1]))
+        unknown = _raised(lambda: hvd.init(comm, process_sets=[hvd.ProcessSet([0, 2])]))
+        return [ps.process_set_id for ps in sets], sets[1].ranks, total, unknown
 
     return dup, initialized, again, _with_world(comm, body, process_sets=sets)
 
 
 @pytest.mark.timeout(120)
 def test_init_refuses_a_process_set_listed_twice_or_equal_to_the_global_one_as_horovod():
-    for dup, initialized, again, (ids, ranks) in spawn(_static_duplicates, 3):
+    for rank, (dup, initialized, again, (ids, ranks, total, unknown)) in enumerate(spawn(_static_duplicates, 3)):
         assert dup[0] == ["ValueError"] and "process_sets entry number 2 is a duplicate" in dup[1], dup
         assert again[0] == ["ValueError"] and "process_sets entry number 1 is a duplicate" in again[1], again
-        assert not initialized  # nothing is left half made: init can be called again
+        # Horovod is initialised when it refuses the list, and init() again with a valid list goes on: each
+        # listed set gets the id of the set with its ranks that the first init registered
+        assert initialized
         assert ids == [1, 2] and ranks == [1, 2]
+        assert total == (None if rank == 0 else 3.0)
+        # only the first init registers sets
+        assert unknown[0] == ["ValueError"] and "not a registered process set" in unknown[1], unknown
 
 
 def _dynamic(comm):  # noqa: ANN001

@@ -13,8 +13,10 @@ from ringpipe.comm.base import Communicator, ReduceOp
 from ringpipe.dp import world as _w
 from ringpipe.dp.engine import Handle
 from ringpipe.dp.process_sets import (
+    DuplicateProcessSetError,
     ProcessSet,
     add_process_set,
+    adopt,
     global_process_set,
     register_initial,
     remove_process_set,
@@ -88,13 +90,17 @@ def init(
     ringpipe's world is then its members, on the mpi backend; e.g. a part of ``MPI.COMM_WORLD``
     from ``Split``). The backend is ``backend``, else ``$RINGPIPE_BACKEND``, else NCCL with GPUs and gloo without.
     ``process_sets``: process sets to register now (every rank passes the same), or
-    ``"dynamic"`` to add them later with :func:`add_process_set`. Calling ``init`` again while
-    initialised does nothing; after :func:`shutdown` it initialises anew.
+    ``"dynamic"`` to add them later with :func:`add_process_set`. A list that names a set twice (or
+    all ranks) raises ``ValueError`` and leaves ringpipe initialised, as Horovod does. Calling
+    ``init`` again while initialised only gives a listed set the id of the registered set with its
+    ranks (Horovod's repeated ``init``); after :func:`shutdown` it initialises anew.
     """
     state = _w._state
     if state is not None:
         if isinstance(comm, Communicator) and comm is not state.comm:
             raise RuntimeError("ringpipe is already initialised with another communicator; call shutdown() first")
+        if process_sets is not None and not isinstance(process_sets, str):
+            adopt(state, process_sets)  # Horovod: a repeated init maps the listed sets onto the registered ones
         return
     mpi_comm = comm if _is_mpi4py(comm) else None
     if comm is not None and mpi_comm is None and not isinstance(comm, Communicator):
@@ -130,6 +136,10 @@ def init(
     _w.install(world)
     try:
         register_initial(world, process_sets)
+    except DuplicateProcessSetError:
+        # Horovod is initialised by then and stays so: init() again with a valid list goes on
+        _apply_settings(comm, settings, created)
+        raise
     except BaseException:
         _w.release()
         world.close()

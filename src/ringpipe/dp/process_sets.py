@@ -20,6 +20,8 @@ from ringpipe.dp.world import HorovodInternalError, World, current
 
 __all__ = [
     "NotAMemberError",
+    "DuplicateProcessSetError",
+    "adopt",
     "HorovodBasics",
     "basics",
     "registered",
@@ -134,8 +136,19 @@ def _register(world: World, ps: ProcessSet) -> ProcessSet:
     return ps
 
 
+class DuplicateProcessSetError(ValueError):
+    """``init(process_sets=...)`` listed a set twice (or all ranks): refused, the world stays initialised, as in Horovod."""
+
+
 def register_initial(world: World, process_sets: Sequence[ProcessSet] | str | None) -> None:
-    """Register the global set and those given to ``init(process_sets=...)`` ("dynamic": none yet)."""
+    """Register the global set and those given to ``init(process_sets=...)`` ("dynamic": none yet).
+
+    As Horovod's ``init``: every distinct rank list is registered (in the same order on every
+    rank; an mpi4py communicator stands for each rank's own members, so the distinct member lists
+    of all ranks are registered), then each entry is given the id of the set with its ranks
+    (:func:`adopt`). An entry whose set came earlier in the list, or that names all ranks (the
+    global set), is refused with :class:`DuplicateProcessSetError` after the rest are registered.
+    """
     global_process_set.ranks = list(range(world.comm.size))
     global_process_set.comm = world.comm
     world.sets[0] = global_process_set
@@ -144,30 +157,63 @@ def register_initial(world: World, process_sets: Sequence[ProcessSet] | str | No
             raise ValueError(f"process_sets must be a list of ProcessSet or 'dynamic', got {process_sets!r}")
         world.dynamic_sets = True
         return
-    duplicate: tuple[int, ProcessSet] | None = None  # the first entry naming a registered set's ranks
-    for index, ps in enumerate(process_sets or []):
-        if not isinstance(ps, ProcessSet):
-            raise ValueError(f"process_sets must hold ProcessSet objects, got {type(ps).__name__}")
+    entries = _entries(process_sets)
+    for ps in entries:
         if ps.ranks is None and ps.mpi_comm is not None:
             # every rank names its own communicator's members; register each distinct set once
             mine = _world_ranks_of(world, ps.mpi_comm)
             every = world.engine.run(lambda mine=mine: world.comm.allgather_object(mine), name="process_sets")
             for ranks in dict.fromkeys(tuple(r) for r in every):
-                holder = ps if list(ranks) == mine else ProcessSet(list(ranks))
-                holder.ranks = list(ranks)
-                if not any(o.ranks == holder.ranks for o in world.sets.values()):
+                if _registered_id(world, list(ranks)) is None:
+                    holder = ps if list(ranks) == mine else ProcessSet(list(ranks))
+                    holder.ranks = list(ranks)
                     _register(world, holder)
-            continue
-        if any(o.ranks == ps.ranks for o in world.sets.values()):
-            ps._invalidate()  # Horovod: a second object with the ranks of a registered set is not valid
+        elif ps.ranks is not None and _registered_id(world, ps.ranks) is None:
+            _register(world, ps)
+    adopt(world, entries)
+
+
+def _entries(process_sets: Sequence[ProcessSet] | None) -> list[ProcessSet]:
+    entries = list(process_sets or [])
+    for ps in entries:
+        if not isinstance(ps, ProcessSet):
+            raise ValueError(f"process_sets must hold ProcessSet objects, got {type(ps).__name__}")
+    return entries
+
+
+def _registered_id(world: World, ranks: list[int]) -> int | None:
+    return next((set_id for set_id, o in world.sets.items() if o.ranks == ranks), None)
+
+
+def adopt(world: World, process_sets: Sequence[ProcessSet] | None) -> None:
+    """Give each listed set the id, ranks and communicator of the registered set with its ranks (Horovod's
+    ``_init_process_sets``, run by every ``init``): no collective, so also on a repeated ``init``.
+
+    A set whose id came earlier in the list (the global set's, id 0, counts as listed) is
+    invalidated and refused with :class:`DuplicateProcessSetError`, as Horovod refuses it; a set
+    that was never registered (only the first ``init`` registers sets) is a ``ValueError``.
+    """
+    seen, duplicate = {0}, None
+    for index, ps in enumerate(_entries(process_sets)):
+        ranks = _world_ranks_of(world, ps.mpi_comm) if ps.ranks is None and ps.mpi_comm is not None else ps.ranks
+        set_id = _registered_id(world, list(ranks or []))
+        if set_id is None:
+            raise ValueError(f"process_sets entry number {index} ({ps}) is not a registered process set: the first "
+                             "init() registers the sets it is given; add others with add_process_set() after "
+                             "init(process_sets='dynamic')")
+        holder = world.sets[set_id]
+        if holder is not ps:
+            ps.process_set_id, ps.ranks, ps.comm = set_id, list(holder.ranks or []), holder.comm
+        if set_id in seen:
+            ps._invalidate()  # Horovod: a second object with the ranks of a listed set is not valid
             duplicate = duplicate or (index, ps)
-            continue
-        _register(world, ps)
-    if duplicate is not None:  # Horovod's init refuses it (the global set's ranks included) after registering the rest
+        else:
+            seen.add(set_id)
+    if duplicate is not None:
         index, ps = duplicate
-        raise ValueError(f"Horovod could not be initialized because process_sets entry number {index} is a "
-                         f"duplicate: {ps} (every rank list may appear once, and not as all ranks, which is "
-                         "hvd.global_process_set)")
+        raise DuplicateProcessSetError(
+            f"Horovod could not be initialized because process_sets entry number {index} is a duplicate: {ps} "
+            "(every rank list may appear once, and not as all ranks, which is hvd.global_process_set)")
 
 
 def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
@@ -220,7 +266,9 @@ def registered(process_set: ProcessSet | None, what: str) -> ProcessSet:
     ps = global_process_set if process_set is None else process_set
     if not isinstance(ps, ProcessSet):
         raise TypeError(f"{what}: process_set must be a ProcessSet, got {type(ps).__name__}")
-    if ps.process_set_id is None or current().sets.get(ps.process_set_id) is not ps:
+    holder = None if ps.process_set_id is None else current().sets.get(ps.process_set_id)
+    # the registered object, or one given the same set by a later init() (adopt)
+    if holder is None or (holder is not ps and (holder.ranks != ps.ranks or holder.comm is not ps.comm)):
         raise ValueError(
             f"{what}: the process set {ps} does not exist or has not been registered (removed, or never passed to "
             "init(process_sets=...) or add_process_set)"
