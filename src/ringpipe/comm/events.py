@@ -38,34 +38,33 @@ def named(name: str | None) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def internal() -> Iterator[None]:
+def _flagged(flag: str) -> Iterator[None]:
+    """Set the thread's ``flag`` (read by :meth:`EventLog.begin` / :meth:`EventLog.record`) inside the block."""
+    before = getattr(_NAMING, flag, False)
+    setattr(_NAMING, flag, True)
+    try:
+        yield
+    finally:
+        setattr(_NAMING, flag, before)
+
+
+def internal() -> contextlib.AbstractContextManager[None]:
     """Events this thread begins inside the block are ringpipe's own bookkeeping, not the program's calls.
 
     They carry ``detail["internal"]`` and are shown apart (:func:`comm_stats`, the profile):
     the hostname exchange at start-up, the announcements of Horovod-style calls.
     """
-    before = getattr(_NAMING, "internal", False)
-    _NAMING.internal = True
-    try:
-        yield
-    finally:
-        _NAMING.internal = before
+    return _flagged("internal")
 
 
-@contextlib.contextmanager
-def negotiating() -> Iterator[None]:
+def negotiating() -> contextlib.AbstractContextManager[None]:
     """Events this thread begins inside the block also carry the ranks' agreement on the call.
 
     An announcement whose message holds the call's data as well (a small allreduce riding in it,
     :mod:`ringpipe.dp.announce`) is the program's reduction, so it is not :func:`internal`; it
     carries ``detail["negotiated"]`` so that the timeline still shows it as Horovod's negotiation.
     """
-    before = getattr(_NAMING, "negotiating", False)
-    _NAMING.negotiating = True
-    try:
-        yield
-    finally:
-        _NAMING.negotiating = before
+    return _flagged("negotiating")
 
 
 def name_next(name: str | None) -> None:
