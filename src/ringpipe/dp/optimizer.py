@@ -24,6 +24,7 @@ import contextlib
 import itertools
 import logging
 import os
+import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
@@ -33,7 +34,9 @@ import torch
 from ringpipe.comm.base import Communicator, ReduceOp
 from ringpipe.dp.agreement import agree, comparable, layout_of, validate
 from ringpipe.dp.announce import Note, announce
+from ringpipe.dp.bucket_step import step_only, steps_by_bucket
 from ringpipe.dp.buckets import (
+    Bucket,
     Slot,
     explicit_groups,
     groups_setting,
@@ -274,6 +277,8 @@ class DistributedOptimizer(GradientReduction, torch.optim.Optimizer):
                     "using optimizer.skip_synchronize() context if you use optimizer.synchronize() in your code.",
                     stacklevel=2,
                 )
+            elif closure is None and self._step_by_bucket():
+                return None
             else:
                 self.synchronize()
         self._synchronized = False
@@ -284,6 +289,37 @@ class DistributedOptimizer(GradientReduction, torch.optim.Optimizer):
         if self._peers_joined:
             self._announce_update()
         return self.optimizer.step(closure)
+
+    def _step_by_bucket(self) -> bool:
+        """Reduce and update together: each bucket's parameters are stepped once it is reduced.
+
+        Only where that gives the parameters of one update after the last reduction
+        (:mod:`ringpipe.dp.bucket_step`); returns False, having done nothing, elsewhere.
+        """
+        if self._local or self._adasum or len(self._buckets) < 2 or not steps_by_bucket(self.optimizer):
+            return False
+        stepped: set[int] = set()
+        clock = self.clock
+
+        def after(bucket: Bucket) -> None:
+            if not all(s.used and not s.sparse for s in bucket.slots):
+                return  # stepped after the last reduction, when its gradients are final
+            t0 = time.perf_counter()
+            step_only(self.optimizer, (s.param for s in bucket.slots))
+            stepped.add(bucket.index)
+            if clock is not None:
+                spent = time.perf_counter() - t0
+                clock["bucket_step"] = clock.get("bucket_step", 0.0) + spent
+                clock["wait"] = clock.get("wait", 0.0) - spent
+
+        self._launch_all()
+        self._wait_all(after)
+        self._synchronized = False
+        if self._peers_joined:
+            self._announce_update()
+        if len(stepped) < len(self._buckets):
+            step_only(self.optimizer, (s.param for b in self._buckets if b.index not in stepped for s in b.slots))
+        return True
 
     def _adasum_step(self, closure: Callable[[], float] | None) -> Any:
         """Horovod's Adasum delta optimizer: start = p; p = 0; step (p = the local update); p = start + Adasum(updates).
