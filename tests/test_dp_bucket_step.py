@@ -63,7 +63,15 @@ def scheduler(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRSchedule
     return torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
 
 
-def _train(comm, kind: str, passes: int, hooked: bool) -> tuple[list, int]:
+# bucket layouts: one bucket per parameter; or the unused head first (first_bucket_bytes=256),
+# then the last layers together and the first layer's parameters split off into a tail bucket
+LAYOUTS = {"per-parameter": {"bucket_bytes": 1}, "tail": {"bucket_bytes": 1 << 22, "first_bucket_bytes": 256}}
+# wrapped optimizer's step calls per step: one per bucket whose parameters all had a gradient,
+# and one for the rest (the unused head) after the last reduction
+CALLS = {"per-parameter": 8 + 1, "tail": 2 + 1}
+
+
+def _train(comm, kind: str, passes: int, hooked: bool, layout: str = "per-parameter") -> tuple[list, int]:
     """Train STEPS steps on this rank's part of every batch; the parameters and the wrapped optimizer's step calls."""
     model = Net()
     inner = make_optimizer(kind, model)
@@ -77,8 +85,8 @@ def _train(comm, kind: str, passes: int, hooked: bool) -> tuple[list, int]:
     inner.step = counted  # as a scheduler wraps it
     if hooked:
         inner.register_step_post_hook(lambda *args: None)
-    opt = DistributedOptimizer(inner, model.named_parameters(), bucket_bytes=1, backward_passes_per_step=passes,
-                               comm=comm)  # one bucket per parameter
+    opt = DistributedOptimizer(inner, model.named_parameters(), backward_passes_per_step=passes, comm=comm,
+                               **LAYOUTS[layout])
     sched = scheduler(opt)
     x_all, y_all = data(STEPS * passes * comm.size * B)
     for step in range(STEPS):
@@ -94,8 +102,8 @@ def _train(comm, kind: str, passes: int, hooked: bool) -> tuple[list, int]:
     return [p.detach().clone() for p in model.parameters()], calls[0]
 
 
-def _both(comm, kind: str, passes: int) -> tuple[tuple[list, int], tuple[list, int]]:
-    return _train(comm, kind, passes, hooked=False), _train(comm, kind, passes, hooked=True)
+def _both(comm, kind: str, passes: int, layout: str) -> tuple[tuple[list, int], tuple[list, int]]:
+    return _train(comm, kind, passes, False, layout), _train(comm, kind, passes, True, layout)
 
 
 def reference(kind: str, passes: int, ranks: int) -> list[torch.Tensor]:
@@ -114,14 +122,16 @@ def reference(kind: str, passes: int, ranks: int) -> list[torch.Tensor]:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("kind,passes", [("sgd", 1), ("adam", 1), ("adamw", 1), ("rmsprop", 1), ("sgd", 2),
-                                         ("adam", 2)])
-def test_stepping_by_bucket_equals_one_process_and_one_update_after_the_last_reduction(kind, passes):
-    out = spawn(_both, 2, args=(kind, passes))
+@pytest.mark.parametrize("kind,passes,layout", [
+    ("sgd", 1, "per-parameter"), ("adam", 1, "per-parameter"), ("adamw", 1, "per-parameter"),
+    ("rmsprop", 1, "per-parameter"), ("sgd", 2, "per-parameter"), ("adam", 2, "per-parameter"),
+    ("sgd", 1, "tail"), ("adam", 2, "tail"),
+])
+def test_stepping_by_bucket_equals_one_process_and_one_update_after_the_last_reduction(kind, passes, layout):
+    out = spawn(_both, 2, args=(kind, passes, layout))
     want = reference(kind, passes, 2)
     start = [p.detach() for p in Net().parameters()]
     assert not torch.allclose(want[0], start[0])  # the reference moved: a run doing nothing cannot pass
-    buckets = sum(1 for p in Net().parameters())  # bucket_bytes=1: one bucket per parameter
     # RMSprop's first steps divide by the root of a tiny running average, which magnifies the
     # rounding of a sum in another order (two ranks' halves against one batch) to about 1e-5.
     tol = 2e-5 if kind == "rmsprop" else 1e-6
@@ -129,9 +139,7 @@ def test_stepping_by_bucket_equals_one_process_and_one_update_after_the_last_red
         for got, once, ref in zip(by_bucket, at_once, want, strict=True):
             assert torch.allclose(got, ref, atol=tol, rtol=tol)
             assert torch.equal(got, once)
-        # every bucket whose parameters all had a gradient was stepped on its own; the rest (the
-        # unused head's bucket) in one call after the last reduction
-        assert calls == STEPS * buckets - STEPS * 2 + STEPS
+        assert calls == STEPS * CALLS[layout]
         assert hooked_calls == STEPS
 
 

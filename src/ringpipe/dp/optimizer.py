@@ -204,7 +204,7 @@ class DistributedOptimizer(GradientReduction, torch.optim.Optimizer):
         self.sparse_as_dense = bool(sparse_as_dense)
         self._slots = [Slot(p, n) for n, p in named]
         self._buckets = make_buckets(self._slots, explicit_groups(groups, self._slots), self.first_bucket_bytes,
-                                     self.bucket_bytes)
+                                     self.bucket_bytes, tail_cap=self.first_bucket_bytes)
         self._next_launch = 0
         self._synchronized = False
         self._should_synchronize = True
