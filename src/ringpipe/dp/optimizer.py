@@ -8,7 +8,9 @@ makes ``param.grad`` a view of that slot. When every parameter of a bucket is re
 earlier buckets have been launched, the bucket is handed to the communicator's background
 :class:`~ringpipe.dp.engine.Engine`. Buckets are therefore launched in the same order on every
 rank whatever order the hooks fire in, and ``step()`` waits only for what is still in flight
-(the hooks, launches and waits are in :mod:`ringpipe.dp.reduction`).
+(the hooks, launches and waits are in :mod:`ringpipe.dp.reduction`). With a per-parameter
+``torch.optim`` optimizer, ``step()`` updates each bucket's parameters as soon as that bucket is
+reduced, while later ones are still in flight (:mod:`ringpipe.dp.bucket_step`).
 
 The first bucket's reduction is announced (:mod:`ringpipe.dp.announce`: its start rides in the
 step's announcement, so this costs no message of its own), which tells every rank
@@ -24,7 +26,6 @@ import contextlib
 import itertools
 import logging
 import os
-import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
@@ -34,9 +35,8 @@ import torch
 from ringpipe.comm.base import Communicator, ReduceOp
 from ringpipe.dp.agreement import agree, comparable, layout_of, validate
 from ringpipe.dp.announce import Note, announce
-from ringpipe.dp.bucket_step import step_only, steps_by_bucket
+from ringpipe.dp.bucket_step import step_by_bucket
 from ringpipe.dp.buckets import (
-    Bucket,
     Slot,
     explicit_groups,
     groups_setting,
@@ -74,7 +74,9 @@ class DistributedOptimizer(GradientReduction, torch.optim.Optimizer):
             ``size / factor`` after it (helps fp16 range); must be 1.0 for other ops.
         bucket_bytes: fusion buffer size in bytes (``bucket_cap_mb`` of DDP, ``HOROVOD_FUSION_THRESHOLD``);
             a bucket is closed once it reaches this size.
-        first_bucket_bytes: the smaller cap of the first bucket, so reduction starts early in backward.
+        first_bucket_bytes: the smaller cap of the first bucket, so reduction starts early in backward,
+            and of the last one (the first registered modules' parameters, whose gradients come last),
+            so little reduction is left when backward ends.
         algorithm: ``"native"`` (the backend's allreduce) or a name from ``ringpipe.collectives.ALGORITHMS``.
         comm: the communicator (default: the one of ``ringpipe.init()``).
         num_groups / groups: Horovod's explicit grouping: ``groups`` lists lists of parameters,
@@ -277,7 +279,7 @@ class DistributedOptimizer(GradientReduction, torch.optim.Optimizer):
                     "using optimizer.skip_synchronize() context if you use optimizer.synchronize() in your code.",
                     stacklevel=2,
                 )
-            elif closure is None and self._step_by_bucket():
+            elif closure is None and step_by_bucket(self):
                 return None
             else:
                 self.synchronize()
@@ -289,37 +291,6 @@ class DistributedOptimizer(GradientReduction, torch.optim.Optimizer):
         if self._peers_joined:
             self._announce_update()
         return self.optimizer.step(closure)
-
-    def _step_by_bucket(self) -> bool:
-        """Reduce and update together: each bucket's parameters are stepped once it is reduced.
-
-        Only where that gives the parameters of one update after the last reduction
-        (:mod:`ringpipe.dp.bucket_step`); returns False, having done nothing, elsewhere.
-        """
-        if self._local or self._adasum or len(self._buckets) < 2 or not steps_by_bucket(self.optimizer):
-            return False
-        stepped: set[int] = set()
-        clock = self.clock
-
-        def after(bucket: Bucket) -> None:
-            if not all(s.used and not s.sparse for s in bucket.slots):
-                return  # stepped after the last reduction, when its gradients are final
-            t0 = time.perf_counter()
-            step_only(self.optimizer, (s.param for s in bucket.slots))
-            stepped.add(bucket.index)
-            if clock is not None:
-                spent = time.perf_counter() - t0
-                clock["bucket_step"] = clock.get("bucket_step", 0.0) + spent
-                clock["wait"] = clock.get("wait", 0.0) - spent
-
-        self._launch_all()
-        self._wait_all(after)
-        self._synchronized = False
-        if self._peers_joined:
-            self._announce_update()
-        if len(stepped) < len(self._buckets):
-            step_only(self.optimizer, (s.param for b in self._buckets if b.index not in stepped for s in b.slots))
-        return True
 
     def _adasum_step(self, closure: Callable[[], float] | None) -> Any:
         """Horovod's Adasum delta optimizer: start = p; p = 0; step (p = the local update); p = start + Adasum(updates).
