@@ -8,8 +8,8 @@ weight decay, Adam, AdamW with amsgrad and RMSprop; two parameter groups with di
 rates; a learning-rate scheduler stepped after every step; ``backward_passes_per_step=2``; a
 parameter no rank uses. They must also equal, bit for bit, the same run where the optimizer
 updates every parameter at once after the last reduction (forced by a step hook on the wrapped
-optimizer). Where stepping by bucket is not provably the same (a hook, a closure, a subclass),
-the wrapped optimizer is stepped once.
+optimizer). Where stepping by bucket is not provably the same (a hook, a closure, a subclass,
+fused SGD), the wrapped optimizer is stepped once.
 """
 
 from __future__ import annotations
@@ -149,9 +149,10 @@ class MySGD(torch.optim.SGD):
 
 def _fallbacks(comm) -> dict[str, int]:
     out = {}
-    for case in ("closure", "subclass", "global-hook", "synchronize"):
+    for case in ("closure", "subclass", "global-hook", "synchronize", "fused"):
         model = Net()
-        inner = (MySGD if case == "subclass" else torch.optim.SGD)(model.parameters(), lr=0.1)
+        kind = MySGD if case == "subclass" else torch.optim.SGD
+        inner = kind(model.parameters(), lr=0.1, momentum=0.9, fused=True if case == "fused" else None)
         calls = [0]
         plain = inner.step
 
@@ -190,4 +191,4 @@ def _fallbacks(comm) -> dict[str, int]:
 @pytest.mark.timeout(120)
 def test_where_stepping_by_bucket_is_not_provably_the_same_the_optimizer_is_stepped_once():
     for per_rank in spawn(_fallbacks, 2):
-        assert per_rank == {"closure": 1, "subclass": 1, "global-hook": 1, "synchronize": 1}
+        assert per_rank == {"closure": 1, "subclass": 1, "global-hook": 1, "synchronize": 1, "fused": 1}

@@ -9,8 +9,9 @@ parameter sees the same gradient and state, and goes through the same arithmetic
 arithmetic then overlaps the tail of the communication instead of following it.
 
 This is done only where it is provably the same: the wrapped optimizer is exactly one of those
-classes (not a subclass, which may couple parameters), no step pre- or post-hook is registered on it
-or globally (they would run once per bucket), ``step()`` got no closure, and the bucket's
+classes (not a subclass, which may couple parameters), not ``fused`` (fused SGD treats the
+parameters it is given as one list when it decides whether this is the first step), no step pre-
+or post-hook is registered on it or globally (they would run once per bucket), ``step()`` got no closure, and the bucket's
 parameters all had a gradient on this rank (so none of them ends the step without one) and none was
 sparse. Everything else is stepped after the last reduction, as before. ``step()`` is still one
 call for learning-rate schedulers; ``synchronize()`` and ``skip_synchronize()`` are unchanged (the
@@ -43,6 +44,8 @@ def steps_by_bucket(optimizer: torch.optim.Optimizer) -> bool:
         return False
     if getattr(optimizer, "_optimizer_step_pre_hooks", None) or getattr(optimizer, "_optimizer_step_post_hooks", None):
         return False
+    if any(group.get("fused") for group in optimizer.param_groups):
+        return False  # fused SGD decides "first step" for the whole list of parameters it is given
     return not (getattr(_optimizer_module, "_global_optimizer_pre_hooks", None)
                 or getattr(_optimizer_module, "_global_optimizer_post_hooks", None))
 
