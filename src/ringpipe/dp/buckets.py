@@ -16,7 +16,7 @@ import torch
 from ringpipe.comm.base import Communicator, ReduceOp
 from ringpipe.dp.engine import Handle
 
-__all__ = ["Slot", "Bucket", "make_buckets", "name_parameters", "timed", "reducer", "groups_setting", "explicit_groups"]
+__all__ = ["Slot", "Bucket", "make_buckets", "split_tail", "name_parameters", "timed", "reducer", "groups_setting", "explicit_groups"]
 
 
 class Slot:
@@ -58,12 +58,17 @@ class Bucket:
         self.ready = 0.0  # when its last gradient arrived (timed steps only)
 
 
-def make_buckets(slots: list[Slot], explicit: list[list[Slot]] | None, first_cap: int, cap: int) -> list[Bucket]:
+def make_buckets(slots: list[Slot], explicit: list[list[Slot]] | None, first_cap: int, cap: int,
+                 tail_cap: int = 0) -> list[Bucket]:
     """Group parameters, last registered first, into buckets closed once they reach their cap.
 
     The first bucket's cap is small (``first_cap``, as DDP's 1 MiB) so that the
     first reduction starts early in backward and overlaps with the rest of it. With
-    ``explicit`` groups (Horovod's ``groups``), each group of one dtype is one bucket.
+    ``tail_cap``, the parameters whose gradients come last (those of the first registered
+    modules, whole modules up to ``tail_cap`` bytes) are split off the last bucket into one of
+    their own, so that the rest of it is reduced while backward computes them and only a small
+    reduction is left when backward ends. With ``explicit`` groups (Horovod's ``groups``), each
+    group of one dtype is one bucket.
     """
     if explicit is not None:
         split: list[list[Slot]] = []
@@ -89,8 +94,27 @@ def make_buckets(slots: list[Slot], explicit: list[list[Slot]] | None, first_cap
         limit = first_cap if len(groups) == 1 else cap
         if sizes[key] >= limit:
             del open_[key]
+    if tail_cap and len(groups) > 1:
+        rest, tail = split_tail(groups[-1], tail_cap)
+        if rest:
+            groups[-1:] = [rest, tail]
     last = len(groups) - 1
     return [Bucket(i, g, bitmap=len(slots) if i == last else 0) for i, g in enumerate(groups)]
+
+
+def split_tail(group: list[Slot], cap: int) -> tuple[list[Slot], list[Slot]]:
+    """The parameters at the end of ``group``, whole modules up to ``cap`` bytes (the tail), and the rest.
+
+    A module's parameters get their gradients from one step of backward, together; a module is
+    told by the parameter's name without its last part (``layer.0`` of ``layer.0.weight``).
+    """
+    i, size = len(group), 0
+    while i > 0 and size < cap:
+        module = group[i - 1].name.rpartition(".")[0]
+        while i > 0 and group[i - 1].name.rpartition(".")[0] == module:
+            size += group[i - 1].param.numel() * group[i - 1].param.element_size()
+            i -= 1
+    return group[:i], group[i:]
 
 
 def name_parameters(

@@ -8,7 +8,9 @@ makes ``param.grad`` a view of that slot. When every parameter of a bucket is re
 earlier buckets have been launched, the bucket is handed to the communicator's background
 :class:`~ringpipe.dp.engine.Engine`. Buckets are therefore launched in the same order on every
 rank whatever order the hooks fire in, and ``step()`` waits only for what is still in flight
-(the hooks, launches and waits are in :mod:`ringpipe.dp.reduction`).
+(the hooks, launches and waits are in :mod:`ringpipe.dp.reduction`). With a per-parameter
+``torch.optim`` optimizer, ``step()`` updates each bucket's parameters as soon as that bucket is
+reduced, while later ones are still in flight (:mod:`ringpipe.dp.bucket_step`).
 
 The first bucket's reduction is announced (:mod:`ringpipe.dp.announce`: its start rides in the
 step's announcement, so this costs no message of its own), which tells every rank
@@ -33,6 +35,7 @@ import torch
 from ringpipe.comm.base import Communicator, ReduceOp
 from ringpipe.dp.agreement import agree, comparable, layout_of, validate
 from ringpipe.dp.announce import Note, announce
+from ringpipe.dp.bucket_step import step_by_bucket
 from ringpipe.dp.buckets import (
     Slot,
     explicit_groups,
@@ -71,7 +74,9 @@ class DistributedOptimizer(GradientReduction, torch.optim.Optimizer):
             ``size / factor`` after it (helps fp16 range); must be 1.0 for other ops.
         bucket_bytes: fusion buffer size in bytes (``bucket_cap_mb`` of DDP, ``HOROVOD_FUSION_THRESHOLD``);
             a bucket is closed once it reaches this size.
-        first_bucket_bytes: the smaller cap of the first bucket, so reduction starts early in backward.
+        first_bucket_bytes: the smaller cap of the first bucket, so reduction starts early in backward,
+            and of the last one (the first registered modules' parameters, whose gradients come last),
+            so little reduction is left when backward ends.
         algorithm: ``"native"`` (the backend's allreduce) or a name from ``ringpipe.collectives.ALGORITHMS``.
         comm: the communicator (default: the one of ``ringpipe.init()``).
         num_groups / groups: Horovod's explicit grouping: ``groups`` lists lists of parameters,
@@ -201,7 +206,7 @@ class DistributedOptimizer(GradientReduction, torch.optim.Optimizer):
         self.sparse_as_dense = bool(sparse_as_dense)
         self._slots = [Slot(p, n) for n, p in named]
         self._buckets = make_buckets(self._slots, explicit_groups(groups, self._slots), self.first_bucket_bytes,
-                                     self.bucket_bytes)
+                                     self.bucket_bytes, tail_cap=self.first_bucket_bytes)
         self._next_launch = 0
         self._synchronized = False
         self._should_synchronize = True
@@ -274,6 +279,8 @@ class DistributedOptimizer(GradientReduction, torch.optim.Optimizer):
                     "using optimizer.skip_synchronize() context if you use optimizer.synchronize() in your code.",
                     stacklevel=2,
                 )
+            elif closure is None and step_by_bucket(self):
+                return None
             else:
                 self.synchronize()
         self._synchronized = False

@@ -231,12 +231,15 @@ class GradientReduction:
             self._launch(bucket, contribute)
         self._next_launch = len(self._buckets)
 
-    def _wait_all(self) -> None:
+    def _wait_all(self, after: Callable[[Bucket], None] | None = None) -> None:
+        """Wait for every bucket in launch order; ``after(bucket)`` runs as soon as one is reduced."""
         t0 = time.perf_counter()
         try:
             for bucket in self._buckets:
                 if bucket.handle is not None:
                     bucket.handle.wait()
+                if after is not None:
+                    after(bucket)
         finally:
             for bucket in self._buckets:
                 bucket.handle = None
