@@ -56,6 +56,15 @@ LEGACY = {"TF_USE_LEGACY_KERAS": "1"}
 K3_COMPILE = (r",\s*experimental_run_tf_function=False", "", "Keras 3: compile() without experimental_run_tf_function")
 K3_VARIABLES = (r"opt\.variables\(\)", "opt.variables", "Keras 3: optimizer.variables is a list")
 
+# the shortened runs that several variants of one program share
+MNIST_STEPS = [(r"10000 // hvd\.size\(\)", "8 // hvd.size()", "10000 steps -> 8")]
+KERAS_MNIST_SHORT = [(r"500 // hvd\.size\(\)", "8 // hvd.size()", "500 steps per epoch -> 8"),
+                     (r"epochs=24\b", "epochs=2", "24 epochs -> 2")]
+ELASTIC_KERAS_MNIST_SHORT = [(r"500 // hvd\.size\(\)", "8 // hvd.size()", "500 steps per epoch -> 8"),
+                             (r"epochs=24-state", "epochs=2-state", "24 epochs -> 2")]
+TF2_SYNTHETIC = "--model MobileNetV2 --batch-size 2 --num-warmup-batches 1 --num-batches-per-iter 1 --num-iters 2"
+KERAS_SYNTHETIC = "--model MobileNetV2 --batch-size 2 --num-batches-per-iter 1 --num-iters 2"
+
 # name: (program, command after the program's path, env, [(pattern, replacement, reason)])
 PROGRAMS = {
     "pytorch_mnist": ("pytorch/pytorch_mnist.py", "--epochs 1 --batch-size 32 --test-batch-size 64", {}, []),
@@ -91,53 +100,35 @@ PROGRAMS = {
     "elastic_pytorch_synthetic_benchmark": ("elastic/pytorch/pytorch_synthetic_benchmark_elastic.py",
                                             "--model resnet50 --batch-size 2 --num-warmup-batches 1 "
                                             "--num-batches-per-iter 1 --num-iters 2", {}, []),
-    "tensorflow2_mnist": ("tensorflow2/tensorflow2_mnist.py", "", {},
-                          [(r"10000 // hvd\.size\(\)", "8 // hvd.size()", "10000 steps -> 8")]),
-    "tensorflow2_mnist_legacy": ("tensorflow2/tensorflow2_mnist.py", "", LEGACY,
-                                 [(r"10000 // hvd\.size\(\)", "8 // hvd.size()", "10000 steps -> 8")]),
-    "tensorflow2_mnist_keras3": ("tensorflow2/tensorflow2_mnist.py", "", {},
-                                 [(r"10000 // hvd\.size\(\)", "8 // hvd.size()", "10000 steps -> 8"), K3_VARIABLES]),
-    "tensorflow2_keras_mnist": ("tensorflow2/tensorflow2_keras_mnist.py", "", {},
-                                [(r"500 // hvd\.size\(\)", "8 // hvd.size()", "500 steps per epoch -> 8"),
-                                 (r"epochs=24\b", "epochs=2", "24 epochs -> 2")]),
+    "tensorflow2_mnist": ("tensorflow2/tensorflow2_mnist.py", "", {}, MNIST_STEPS),
+    "tensorflow2_mnist_legacy": ("tensorflow2/tensorflow2_mnist.py", "", LEGACY, MNIST_STEPS),
+    "tensorflow2_mnist_keras3": ("tensorflow2/tensorflow2_mnist.py", "", {}, [*MNIST_STEPS, K3_VARIABLES]),
+    "tensorflow2_keras_mnist": ("tensorflow2/tensorflow2_keras_mnist.py", "", {}, KERAS_MNIST_SHORT),
     "tensorflow2_keras_mnist_keras3": ("tensorflow2/tensorflow2_keras_mnist.py", "", {},
-                                       [(r"500 // hvd\.size\(\)", "8 // hvd.size()", "500 steps per epoch -> 8"),
-                                        (r"epochs=24\b", "epochs=2", "24 epochs -> 2"), K3_COMPILE]),
-    "tensorflow2_keras_mnist_legacy": ("tensorflow2/tensorflow2_keras_mnist.py", "", LEGACY,
-                                       [(r"500 // hvd\.size\(\)", "8 // hvd.size()", "500 steps per epoch -> 8"),
-                                        (r"epochs=24\b", "epochs=2", "24 epochs -> 2")]),
-    "tensorflow2_synthetic_benchmark": ("tensorflow2/tensorflow2_synthetic_benchmark.py",
-                                        "--model MobileNetV2 --batch-size 2 --num-warmup-batches 1 "
-                                        "--num-batches-per-iter 1 --num-iters 2", {}, []),
+                                       [*KERAS_MNIST_SHORT, K3_COMPILE]),
+    "tensorflow2_keras_mnist_legacy": ("tensorflow2/tensorflow2_keras_mnist.py", "", LEGACY, KERAS_MNIST_SHORT),
+    "tensorflow2_synthetic_benchmark": ("tensorflow2/tensorflow2_synthetic_benchmark.py", TF2_SYNTHETIC, {}, []),
     "tensorflow2_keras_synthetic_benchmark": ("tensorflow2/tensorflow2_keras_synthetic_benchmark.py",
-                                              "--model MobileNetV2 --batch-size 2 --num-batches-per-iter 1 --num-iters 2",
-                                              {}, []),
+                                              KERAS_SYNTHETIC, {}, []),
     "tensorflow2_keras_synthetic_benchmark_keras3": ("tensorflow2/tensorflow2_keras_synthetic_benchmark.py",
-                                                     "--model MobileNetV2 --batch-size 2 --num-batches-per-iter 1 "
-                                                     "--num-iters 2", {}, [K3_COMPILE]),
+                                                     KERAS_SYNTHETIC, {}, [K3_COMPILE]),
     "tensorflow2_keras_synthetic_benchmark_legacy": ("tensorflow2/tensorflow2_keras_synthetic_benchmark.py",
-                                                     "--model MobileNetV2 --batch-size 2 --num-batches-per-iter 1 "
-                                                     "--num-iters 2", LEGACY, []),
+                                                     KERAS_SYNTHETIC, LEGACY, []),
     "elastic_tensorflow2_keras_mnist": ("elastic/tensorflow2/tensorflow2_keras_mnist_elastic.py", "", {},
-                                        [(r"500 // hvd\.size\(\)", "8 // hvd.size()", "500 steps per epoch -> 8"),
-                                         (r"epochs=24-state", "epochs=2-state", "24 epochs -> 2")]),
+                                        ELASTIC_KERAS_MNIST_SHORT),
     "elastic_tensorflow2_keras_mnist_keras3": ("elastic/tensorflow2/tensorflow2_keras_mnist_elastic.py", "", {},
-                                               [(r"500 // hvd\.size\(\)", "8 // hvd.size()", "500 steps per epoch -> 8"),
-                                                (r"epochs=24-state", "epochs=2-state", "24 epochs -> 2"), K3_COMPILE]),
+                                               [*ELASTIC_KERAS_MNIST_SHORT, K3_COMPILE]),
     "elastic_tensorflow2_keras_mnist_legacy": ("elastic/tensorflow2/tensorflow2_keras_mnist_elastic.py", "", LEGACY,
-                                               [(r"500 // hvd\.size\(\)", "8 // hvd.size()", "500 steps per epoch -> 8"),
-                                                (r"epochs=24-state", "epochs=2-state", "24 epochs -> 2")]),
+                                               ELASTIC_KERAS_MNIST_SHORT),
     "elastic_tensorflow2_mnist": ("elastic/tensorflow2/tensorflow2_mnist_elastic.py", "", {},
                                   [(r"100 // hvd\.size\(\)", "8 // hvd.size()", "100 steps -> 8")]),
     "elastic_tensorflow2_mnist_horovod_run": ("elastic/tensorflow2/tensorflow2_mnist_elastic.py",
                                               "PY 2 2 2 localhost:2", {},
                                               [(r"100 // hvd\.size\(\)", "8 // hvd.size()", "100 steps -> 8")]),
     "tensorflow2_synthetic_benchmark_keras3": ("tensorflow2/tensorflow2_synthetic_benchmark.py",
-                                               "--model MobileNetV2 --batch-size 2 --num-warmup-batches 1 "
-                                               "--num-batches-per-iter 1 --num-iters 2", {}, [K3_VARIABLES]),
+                                               TF2_SYNTHETIC, {}, [K3_VARIABLES]),
     "tensorflow2_synthetic_benchmark_legacy": ("tensorflow2/tensorflow2_synthetic_benchmark.py",
-                                               "--model MobileNetV2 --batch-size 2 --num-warmup-batches 1 "
-                                               "--num-batches-per-iter 1 --num-iters 2", LEGACY, []),
+                                               TF2_SYNTHETIC, LEGACY, []),
     "tensorflow2_synthetic_benchmark_legacy_fp16": ("tensorflow2/tensorflow2_synthetic_benchmark.py",
                                                     "--model MobileNetV2 --batch-size 2 --num-warmup-batches 1 "
                                                     "--num-batches-per-iter 1 --num-iters 2 --fp16-allreduce", LEGACY, []),
