@@ -125,7 +125,7 @@ def _register(world: World, ps: ProcessSet) -> ProcessSet:
     size = world.comm.size
     if not ps.ranks or len(set(ps.ranks)) != len(ps.ranks) or not all(0 <= r < size for r in ps.ranks):
         raise ValueError(f"process set ranks {ps.ranks} must be distinct ranks in [0, {size}) (hvd.size() is {size})")
-    if any(other.ranks == ps.ranks for other in world.sets.values()):
+    if _registered_id(world, ps.ranks) is not None:
         raise ValueError(f"Attempted to add a duplicate process set: {ps}")
     set_id = world.next_set_id
     ps.comm = world.engine.run(lambda: world.comm.split(ps.ranks or [], name=f"process_set{set_id}"),
