@@ -31,6 +31,12 @@ from typing import Any
 import tensorflow as tf
 import torch
 
+try:  # the calls behind tf.experimental.dlpack.from_dlpack (see _import_dlpack)
+    from tensorflow.python import pywrap_tfe as _pywrap_tfe
+    from tensorflow.python.eager import context as _context
+except ImportError:  # pragma: no cover - depends on the TensorFlow version
+    _pywrap_tfe = _context = None
+
 from ringpipe.dp.engine import EngineInvalidCallError, EngineMismatchError
 from ringpipe.dp.process_sets import NotAMemberError, registered
 
@@ -45,6 +51,24 @@ _TORCH_OF_TF = {
     tf.bool: torch.bool, tf.complex64: torch.complex64, tf.complex128: torch.complex128,
 }
 _TF_OF_TORCH = {v: k for k, v in _TORCH_OF_TF.items()}
+_TORCH_OF_ENUM = {d.as_datatype_enum: t for d, t in _TORCH_OF_TF.items()}
+_EagerTensor = type(tf.constant(0))
+
+
+def _import_dlpack(capsule: Any) -> tf.Tensor:
+    """``tf.experimental.dlpack.from_dlpack`` without its per-call context set-up once the context exists.
+
+    A small collective is short enough that the code the bridge runs counts: between two calls the
+    calling thread sleeps in the engine's wait, and on waking every function it enters is cold
+    (at 4 KiB on two ranks, each TensorFlow call on the path costs tens of microseconds).
+    """
+    if _pywrap_tfe is None:
+        return tf.experimental.dlpack.from_dlpack(capsule)
+    ctx = _context.context()
+    handle = getattr(ctx, "_context_handle", None)
+    if handle is None:  # not initialized yet: the public call initializes it
+        return tf.experimental.dlpack.from_dlpack(capsule)
+    return _pywrap_tfe.TFE_FromDlpackCapsule(capsule, handle)
 
 
 def graph_op(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -77,9 +101,21 @@ def tf_dtype(dtype: torch.dtype) -> tf.DType:
     return _TF_OF_TORCH[dtype]
 
 
+def as_tensor(x: Any) -> tf.Tensor:
+    """``tf.convert_to_tensor(x)``, skipped for what is already an eager tensor (most eager calls)."""
+    return x if type(x) is _EagerTensor else tf.convert_to_tensor(x)
+
+
 def to_torch(x: Any) -> torch.Tensor:
     """A torch CPU tensor over ``x``'s buffer (read it, never write it); a copy only if DLPack refuses."""
-    t = tf.convert_to_tensor(x)
+    if type(x) is _EagerTensor and x._datatype_enum() in _TORCH_OF_ENUM:
+        # An eager tensor of a supported dtype (the common case) goes straight through the DLPack
+        # protocol: the fewest TensorFlow calls, which matters for small tensors (see _import_dlpack).
+        try:
+            return torch.from_dlpack(x)
+        except Exception:  # noqa: BLE001 - fall back to the general path below
+            pass
+    t = as_tensor(x)
     if t.dtype not in _TORCH_OF_TF:
         raise TypeError(
             f"ringpipe.tensorflow: dtype {t.dtype.name} cannot take part in a collective; supported: "
@@ -108,7 +144,7 @@ def to_tf(t: torch.Tensor) -> tf.Tensor:
     elif t.device.type != "cpu":
         t = t.cpu()
     try:
-        return tf.experimental.dlpack.from_dlpack(torch.utils.dlpack.to_dlpack(t))
+        return _import_dlpack(torch.utils.dlpack.to_dlpack(t))
     except Exception:  # noqa: BLE001 - e.g. an empty tensor; numpy copies it
         if t.dtype == torch.bfloat16:
             return tf.bitcast(tf.constant(t.view(torch.uint16).numpy()), tf.bfloat16)

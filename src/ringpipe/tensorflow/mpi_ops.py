@@ -25,7 +25,12 @@ from ringpipe.dp import ops as _ops
 from ringpipe.dp.process_sets import ProcessSet, global_process_set
 from ringpipe.dp.process_sets import basics as _basics  # noqa: F401 - Horovod's internal, read by its tests
 
-from .bridge import graph_op, run, to_tf, to_torch
+try:  # TensorFlow's check for a recording tape (private; see _recording)
+    from tensorflow.python.eager import record as _record
+except ImportError:  # pragma: no cover - depends on the TensorFlow version
+    _record = None
+
+from .bridge import as_tensor, graph_op, run, to_tf, to_torch
 from .compression import Compression
 
 __all__ = [
@@ -49,13 +54,9 @@ def _recording() -> bool:
     no tape watches; TensorFlow's own check for a recording tape is private, so when it is not
     there the wrapper is always built.
     """
-    if not tf.executing_eagerly():
+    if _record is None or not tf.executing_eagerly():
         return True
-    try:
-        from tensorflow.python.eager import record
-    except ImportError:  # pragma: no cover - depends on the TensorFlow version
-        return True
-    return bool(record.could_possibly_record())
+    return bool(_record.could_possibly_record())
 
 
 def _set_size(process_set: ProcessSet) -> int:
@@ -134,7 +135,7 @@ def allreduce(
         if rop is ReduceOp.AVERAGE:
             values = values / tf.cast(_set_size(process_set), values.dtype)
         return tf.IndexedSlices(values, indices, dense_shape=tensor.dense_shape)
-    return _dense_allreduce(tf.convert_to_tensor(tensor), rop, prescale_factor, postscale_factor,
+    return _dense_allreduce(as_tensor(tensor), rop, prescale_factor, postscale_factor,
                             Compression.parse(compression), name, process_set)
 
 
@@ -143,7 +144,7 @@ def fused_allreduce(tensors: Sequence[tf.Tensor], op: ReduceOp, pre: float, post
                     process_set: ProcessSet) -> list[tf.Tensor]:
     """Reduce dense tensors as one message per dtype (one graph node); differentiable."""
     comp = Compression.parse(compression)
-    xs = [tf.convert_to_tensor(t) for t in tensors]
+    xs = [as_tensor(t) for t in tensors]
     if not xs:
         return []
 
@@ -214,7 +215,7 @@ def grouped_allreduce(
 def allgather(tensor: Any, name: str | None = None, ignore_name_scope: bool = False,
               process_set: ProcessSet = global_process_set) -> tf.Tensor:
     """Every rank's tensor concatenated along dim 0 (first dimensions may differ); differentiable."""
-    x = tf.convert_to_tensor(tensor)
+    x = as_tensor(tensor)
 
     @tf.custom_gradient
     def gather(t: tf.Tensor) -> Any:
@@ -248,7 +249,7 @@ def grouped_allgather(tensors: Sequence[Any], name: str | None = None, ignore_na
 def broadcast(tensor: Any, root_rank: int, name: str | None = None, ignore_name_scope: bool = False,
               process_set: ProcessSet = global_process_set) -> tf.Tensor:
     """``root_rank``'s tensor (a world rank, also on a process set); differentiable."""
-    x = tf.convert_to_tensor(tensor)
+    x = as_tensor(tensor)
 
     @tf.custom_gradient
     def bcast(t: tf.Tensor) -> Any:
@@ -273,7 +274,7 @@ def alltoall(tensor: Any, splits: Any = None, name: str | None = None, ignore_na
 
     As in Horovod, with ``splits`` it returns ``(received, received_splits)``.
     """
-    x = tf.convert_to_tensor(tensor)
+    x = as_tensor(tensor)
     given = splits is not None
     spl = tf.cast(tf.convert_to_tensor(splits if given else tf.zeros([0], tf.int32)), tf.int32)
 
@@ -308,7 +309,7 @@ def reducescatter(tensor: Any, device_dense: str = "", compression: Any = Compre
     """Reduce over ranks and keep this rank's block of dim 0 (Average by default); differentiable."""
     rop = parse_op(op, None)
     comp = Compression.parse(compression)
-    x = tf.convert_to_tensor(tensor)
+    x = as_tensor(tensor)
 
     @tf.custom_gradient
     def scatter(t: tf.Tensor) -> Any:
