@@ -14,6 +14,7 @@ reduction).
 
     python benchmarks/tf_bridge.py                  # 4 KiB, 4 MiB, 64 MiB; 2 ranks over gloo
     python benchmarks/tf_bridge.py --rounds 8 --block 5
+    python benchmarks/tf_bridge.py --variants "tf eager,torch" --block 1 --rounds 1000   # one by one
 """
 
 from __future__ import annotations
@@ -91,16 +92,21 @@ def main() -> None:
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--rounds", type=int, default=8, help="rounds of blocks (each variant once per round)")
     p.add_argument("--block", type=int, default=5, help="consecutive calls per block")
+    p.add_argument("--variants", default=",".join(VARIANTS), help="which variants, comma separated ('torch' always)")
     p.add_argument("--sizes", default=",".join(map(str, SIZES)), help="message sizes in bytes, comma separated")
     args = p.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = sorted(set(variants) - set(VARIANTS))
+    if unknown or "torch" not in variants:
+        p.error(f"--variants: unknown {unknown} or no 'torch' (the reference); valid: {', '.join(VARIANTS)}")
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", OMP_NUM_THREADS="1")
     with tempfile.TemporaryDirectory() as tmp:
         script, result = os.path.join(tmp, "worker.py"), os.path.join(tmp, "out.json")
         with open(script, "w") as f:
             f.write(WORKER)
         cmd = [sys.executable, "-m", "ringpipe.cli", "launch", "-n", str(args.ranks), script, result,
-               str(args.rounds), str(args.block), json.dumps(sizes), json.dumps(list(VARIANTS))]
+               str(args.rounds), str(args.block), json.dumps(sizes), json.dumps(variants)]
         subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
         with open(result) as f:
             out = json.load(f)
@@ -108,22 +114,23 @@ def main() -> None:
         print("ran: " + json.dumps(config))
     print(f"\nallreduce (Sum, float32), {args.ranks} ranks; {args.rounds} rounds x {args.block} calls per variant, "
           "blocks rotating; slowest rank per call; median ms [p10-p90]")
-    print("| size | load | " + " | ".join(VARIANTS) + " | eager / torch | tf.function / torch | "
-          "(tf.function - no op) / torch |")
-    print("|" + "---|" * (len(VARIANTS) + 5))
+    ratios = [("eager / torch", "tf eager", None), ("tf.function / torch", "tf.function", None),
+              ("(tf.function - no op) / torch", "tf.function", "tf.function (no op)")]
+    ratios = [r for r in ratios if r[1] in variants and (r[2] is None or r[2] in variants)]
+    print("| size | load | " + " | ".join(variants) + " | " + " | ".join(r[0] for r in ratios) + " |")
+    print("|" + "---|" * (len(variants) + len(ratios) + 2))
     for size in sizes:
         entry = out["sizes"][str(size)]
         t = entry["times"]
-        med = {v: statistics.median(t[v]) * 1e3 for v in VARIANTS}
-        cells = [f"{med[v]:.3f} [{_q(t[v], 0.1) * 1e3:.3f}-{_q(t[v], 0.9) * 1e3:.3f}]" for v in VARIANTS]
+        med = {v: statistics.median(t[v]) * 1e3 for v in variants}
+        cells = [f"{med[v]:.3f} [{_q(t[v], 0.1) * 1e3:.3f}-{_q(t[v], 0.9) * 1e3:.3f}]" for v in variants]
         label = f"{size >> 10} KiB" if size < 1 << 20 else f"{size >> 20} MiB"
         bad = sorted({v for r in entry["results"] for v, ok in r.items() if ok is False})
         if bad:
-            ratios = [f"no ratio: {', '.join(bad)} did not return size * x"] * 3
+            shown = [f"no ratio: {', '.join(bad)} did not return size * x"] * len(ratios)
         else:
-            ratios = [f"{med['tf eager'] / med['torch']:.2f}", f"{med['tf.function'] / med['torch']:.2f}",
-                      f"{(med['tf.function'] - med['tf.function (no op)']) / med['torch']:.2f}"]
-        print(f"| {label} | {entry['load']:.1f} | {' | '.join(cells)} | {' | '.join(ratios)} |")
+            shown = [f"{(med[a] - (med[b] if b else 0.0)) / med['torch']:.2f}" for _, a, b in ratios]
+        print(f"| {label} | {entry['load']:.1f} | {' | '.join(cells)} | {' | '.join(shown)} |")
 
 
 if __name__ == "__main__":

@@ -15,8 +15,8 @@ the slowest rank's time counts. The ladder (4 KiB float32 unless ``--size``):
 - ``torch api in py_function``: the node calls the torch face's allreduce on a torch tensor;
 - ``tf.function``: ``ringpipe.tensorflow.allreduce`` inside ``tf.function``;
 - ``tf eager``: the same op eagerly;
-- ``inline engine in py_function``: the node runs the torch face's allreduce task (announcement,
-  then the data) on its own thread when the engine is idle (``Engine.submit(inline=True)``)
+- ``inline engine in py_function``: the node runs the torch face's allreduce task (the
+  announcement, which the data rides when it fits, else the data after it) on its own thread when the engine is idle (``Engine.submit(inline=True)``)
   instead of handing it to the engine thread;
 - ``grouped tf.function``, ``grouped inline engine in py_function``, ``grouped torch``: the
   8 gradients of ``tf_tape_vs_mwms.py``'s CNN (38,282 float32) as its step reduces them (one
@@ -98,10 +98,10 @@ def inline(x):
     # thread when the engine is idle (Engine.submit(inline=True)) instead of on the engine thread
     y = x.clone()
     def task():
-        announce(comm, "allreduce", y, ReduceOp.SUM, {"process_set": 0}, checks(comm, "allreduce", y))
-        dp_ops.finish_reduction(dp_ops.start_reduction(comm, y, ReduceOp.SUM))
-        return y
-    return engine.submit(task, inline=True).wait()
+        return dp_ops.reduce_announced(comm, y, ReduceOp.SUM, ReduceOp.SUM, 1.0, {"process_set": 0},
+                                       checks(comm, "allreduce", y))
+    dp_ops.finish_reduction(engine.submit(task, inline=True).wait())
+    return y
 
 def inline_tf(v):
     return bridge.to_tf(inline(bridge.to_torch(v)))
@@ -116,11 +116,10 @@ def inline_group(*vs):
     ts = [bridge.to_torch(v) for v in vs]
     flat = torch.cat([t.reshape(-1) for t in ts])
     def task():
-        announce(comm, "allreduce", flat, ReduceOp.SUM, {"process_set": 0, "shapes": [list(t.shape) for t in ts]},
-                 checks(comm, "grouped_allreduce"))
-        dp_ops.finish_reduction(dp_ops.start_reduction(comm, flat, ReduceOp.SUM))
-        return flat
-    engine.submit(task, inline=True).wait()
+        return dp_ops.reduce_announced(comm, flat, ReduceOp.SUM, ReduceOp.SUM, 1.0,
+                                       {"process_set": 0, "shapes": [list(t.shape) for t in ts]},
+                                       checks(comm, "grouped_allreduce"))
+    dp_ops.finish_reduction(engine.submit(task, inline=True).wait())
     return [bridge.to_tf(p.view(t.shape)) for p, t in zip(flat.split([t.numel() for t in ts]), ts)]
 
 def two_raw():
