@@ -60,3 +60,22 @@ def test_what_is_not_an_eager_tensor_is_converted_first() -> None:
 def test_a_dtype_no_collective_takes_is_refused_by_name() -> None:
     with pytest.raises(TypeError, match="string"):
         bridge.to_torch(tf.constant(["a"]))
+
+
+def test_importing_the_tensorflow_faces_leaves_tensorflow_configurable() -> None:
+    """A Horovod program configures TensorFlow's threads and devices after its imports (seed 002's steps)."""
+    import subprocess
+    import sys
+
+    program = (
+        "import tensorflow as tf\n"
+        "import ringpipe.tensorflow, ringpipe.tensorflow.keras, ringpipe.keras\n"
+        "tf.config.threading.set_intra_op_parallelism_threads(1)\n"
+        "tf.config.threading.set_inter_op_parallelism_threads(2)\n"
+        "tf.config.set_visible_devices(tf.config.list_physical_devices('CPU'))\n"
+        "print('configurable')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=300,
+                          env={**__import__("os").environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "configurable" in done.stdout

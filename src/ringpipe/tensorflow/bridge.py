@@ -30,6 +30,7 @@ from typing import Any
 
 import tensorflow as tf
 import torch
+from tensorflow.python.framework import ops as _ops
 
 try:  # the calls behind tf.experimental.dlpack.from_dlpack (see _import_dlpack)
     from tensorflow.python import pywrap_tfe as _pywrap_tfe
@@ -52,7 +53,9 @@ _TORCH_OF_TF = {
 }
 _TF_OF_TORCH = {v: k for k, v in _TORCH_OF_TF.items()}
 _TORCH_OF_ENUM = {d.as_datatype_enum: t for d, t in _TORCH_OF_TF.items()}
-_EagerTensor = type(tf.constant(0))
+# The class of eager tensors, named without creating one: a tensor made at import would start
+# TensorFlow's runtime before the program could configure its threads and devices.
+_EagerTensor: type = getattr(getattr(tf, "__internal__", None), "EagerTensor", None) or _ops.EagerTensor
 
 
 def _import_dlpack(capsule: Any) -> tf.Tensor:
