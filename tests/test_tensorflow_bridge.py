@@ -62,17 +62,20 @@ def test_a_dtype_no_collective_takes_is_refused_by_name() -> None:
         bridge.to_torch(tf.constant(["a"]))
 
 
-def test_importing_the_tensorflow_faces_leaves_tensorflow_configurable() -> None:
-    """A Horovod program configures TensorFlow's threads and devices after its imports (seed 002's steps)."""
+def test_importing_the_tensorflow_faces_and_init_leave_tensorflow_configurable() -> None:
+    """A Horovod program configures TensorFlow's threads and devices after its imports and ``hvd.init()``."""
     import subprocess
     import sys
 
     program = (
         "import tensorflow as tf\n"
         "import ringpipe.tensorflow, ringpipe.tensorflow.keras, ringpipe.keras\n"
+        "import ringpipe.tensorflow as hvd\n"
+        "hvd.init()\n"  # seed 002: hvd.init(), then pin the GPU and set memory growth
         "tf.config.threading.set_intra_op_parallelism_threads(1)\n"
         "tf.config.threading.set_inter_op_parallelism_threads(2)\n"
         "tf.config.set_visible_devices(tf.config.list_physical_devices('CPU'))\n"
+        "hvd.shutdown()\n"
         "print('configurable')\n"
     )
     done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=300,
