@@ -30,7 +30,7 @@ from typing import Any
 
 import tensorflow as tf
 import torch
-from tensorflow.python.framework import ops as _ops
+from tensorflow.python.framework.ops import EagerTensor as _EagerTensor
 
 try:  # the calls behind tf.experimental.dlpack.from_dlpack (see _import_dlpack)
     from tensorflow.python import pywrap_tfe as _pywrap_tfe
@@ -53,9 +53,6 @@ _TORCH_OF_TF = {
 }
 _TF_OF_TORCH = {v: k for k, v in _TORCH_OF_TF.items()}
 _TORCH_OF_ENUM = {d.as_datatype_enum: t for d, t in _TORCH_OF_TF.items()}
-# The class of eager tensors, named without creating one: a tensor made at import would start
-# TensorFlow's runtime before the program could configure its threads and devices.
-_EagerTensor: type = getattr(getattr(tf, "__internal__", None), "EagerTensor", None) or _ops.EagerTensor
 
 
 def _import_dlpack(capsule: Any) -> tf.Tensor:
@@ -105,7 +102,11 @@ def tf_dtype(dtype: torch.dtype) -> tf.DType:
 
 
 def as_tensor(x: Any) -> tf.Tensor:
-    """``tf.convert_to_tensor(x)``, skipped for what is already an eager tensor (most eager calls)."""
+    """``tf.convert_to_tensor(x)``, skipped for what is already an eager tensor (most eager calls).
+
+    The eager tensor class is imported by name: a tensor made at import to learn its type would
+    start TensorFlow's runtime before the program could configure its threads and devices.
+    """
     return x if type(x) is _EagerTensor else tf.convert_to_tensor(x)
 
 
@@ -141,7 +142,7 @@ def to_tf(t: torch.Tensor) -> tf.Tensor:
     t = t.detach().contiguous()
     if t.device.type == "cuda":
         try:
-            return tf.experimental.dlpack.from_dlpack(torch.utils.dlpack.to_dlpack(t))
+            return _import_dlpack(torch.utils.dlpack.to_dlpack(t))
         except Exception:  # noqa: BLE001 - a TensorFlow built without CUDA refuses a GPU capsule
             t = t.cpu()
     elif t.device.type != "cpu":
