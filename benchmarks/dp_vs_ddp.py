@@ -34,6 +34,11 @@ Models (``--models``): ``small`` (the trainer's MLP 64-128-64-10, batch 32), ``m
 (1024-2048-2048-2048-10, batch 64), ``resnet`` (ResNet-18: 11.2M parameters, basic blocks
 2-2-2-2, ImageNet stem, 32x32 inputs, batch 16) and ``transformer`` (the trainer's: d_model 64,
 4 heads, 2 layers, ff 128, vocab 32, sequences of 16, batch 32).
+
+On a GPU host, ``--device cuda`` puts every variant's model and batch on the rank's GPU (its
+local rank modulo the GPUs there, so ranks may share one), times each phase up to a device
+synchronisation, and gives DDP ``device_ids``; ``--backend nccl`` (one rank per GPU) or ``gloo``
+(CUDA tensors over gloo, which lets two ranks share one GPU) picks the transport of both sides.
 """
 
 from __future__ import annotations
@@ -111,6 +116,11 @@ def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
 
 
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _steps(variant: dict[str, Any], n: int, clocked: bool = False) -> None:
     """Time ``n`` steps of a variant, appending to its samples.
 
@@ -119,6 +129,7 @@ def _steps(variant: dict[str, Any], n: int, clocked: bool = False) -> None:
     never in the step times compared with DDP's.
     """
     model, opt, x, y = variant["model"], variant["opt"], variant["x"], variant["y"]
+    dev = x.device
     clock: dict[str, float] | None = {} if clocked else None
     if hasattr(opt, "clock"):
         opt.clock = clock
@@ -129,10 +140,13 @@ def _steps(variant: dict[str, Any], n: int, clocked: bool = False) -> None:
         t0 = time.perf_counter()
         opt.zero_grad()
         loss = _loss(model(x), y)
+        _sync(dev)
         t1 = time.perf_counter()
         loss.backward()
+        _sync(dev)
         t2 = time.perf_counter()
         opt.step()
+        _sync(dev)
         t3 = time.perf_counter()
         if clock is not None:
             for k in CLOCK:
@@ -144,17 +158,22 @@ def _steps(variant: dict[str, Any], n: int, clocked: bool = False) -> None:
         s["step"].append(t3 - t2)
 
 
-def _variants(comm: Any, kind: str, compression: str, nojoin: bool) -> dict[str, dict[str, Any]]:
+def _variants(comm: Any, kind: str, compression: str, nojoin: bool,
+              device: torch.device) -> dict[str, dict[str, Any]]:
     from ringpipe.dp import DistributedOptimizer
+
+    def make_model_on_device(kind: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+        model, x, y = make_model(kind)
+        return model.to(device), x.to(device), y.to(device)
 
     def sgd(m: nn.Module) -> torch.optim.Optimizer:
         return torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
 
     out: dict[str, dict[str, Any]] = {}
-    model, x, y = make_model(kind)
+    model, x, y = make_model_on_device(kind)
     out["bound"] = {"model": model, "opt": sgd(model), "x": x, "y": y}
-    model, x, y = make_model(kind)
-    ddp = nn.parallel.DistributedDataParallel(model)
+    model, x, y = make_model_on_device(kind)
+    ddp = nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
     if compression == "fp16":
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -163,7 +182,7 @@ def _variants(comm: Any, kind: str, compression: str, nojoin: bool) -> dict[str,
     for name, join in (("ringpipe", True), ("ringpipe-nojoin", False)):
         if name == "ringpipe-nojoin" and not nojoin:
             continue
-        model, x, y = make_model(kind)
+        model, x, y = make_model_on_device(kind)
         opt = DistributedOptimizer(sgd(model), model.named_parameters(), comm=comm, compression=compression,
                                    join_support=join)
         out[name] = {"model": model, "opt": opt, "x": x, "y": y, "clocked": True}
@@ -172,10 +191,15 @@ def _variants(comm: Any, kind: str, compression: str, nojoin: bool) -> dict[str,
     return out
 
 
-def run_ranks(comm: Any, kind: str, compression: str, blocks: int, steps: int, nojoin: bool) -> dict[str, Any]:
+def run_ranks(comm: Any, kind: str, compression: str, blocks: int, steps: int, nojoin: bool,
+              device_type: str = "cpu") -> dict[str, Any]:
     """One run on every rank: alternated blocks; per variant the median of each measure (slowest rank)."""
     torch.set_num_threads(1)
-    variants = _variants(comm, kind, compression, nojoin)
+    device = torch.device("cpu")
+    if device_type == "cuda":
+        device = torch.device("cuda", comm.topology.local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    variants = _variants(comm, kind, compression, nojoin, device)
     for v in variants.values():
         _steps(v, 3)  # warm-up
         if v.get("clocked"):
@@ -193,18 +217,22 @@ def run_ranks(comm: Any, kind: str, compression: str, blocks: int, steps: int, n
     every = comm.allgather_object(mine)
     slowest = max(every, key=lambda m: m["ringpipe"]["total"])  # one rank's figures, consistent phases
     return {"params": sum(p.numel() for p in variants["bound"]["model"].parameters()), "ranks": comm.size,
-            "variants": slowest, "per_rank_total": [{n: m[n]["total"] for n in m} for m in every]}
+            "variants": slowest, "per_rank_total": [{n: m[n]["total"] for n in m} for m in every],
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "backend": comm.backend}
 
 
-def _one_run(kind: str, ranks: int, compression: str, blocks: int, steps: int, nojoin: bool) -> dict[str, Any]:
+def _one_run(kind: str, ranks: int, compression: str, blocks: int, steps: int, nojoin: bool,
+             device: str = "cpu", backend: str = "gloo") -> dict[str, Any]:
     from ringpipe.launch import spawn
 
-    return spawn(run_ranks, ranks, args=(kind, compression, blocks, steps, nojoin))[0]
+    return spawn(run_ranks, ranks, backend=backend, args=(kind, compression, blocks, steps, nojoin, device))[0]
 
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Median over runs of every variant's measures, and the spread of the step time."""
-    out: dict[str, Any] = {"params": runs[0]["params"], "ranks": runs[0]["ranks"], "runs": len(runs), "variants": {}}
+    out: dict[str, Any] = {"params": runs[0]["params"], "ranks": runs[0]["ranks"], "runs": len(runs), "variants": {},
+                           "device": runs[0].get("device", "cpu"), "backend": runs[0].get("backend", "gloo")}
     for name in runs[0]["variants"]:
         keys = runs[0]["variants"][name]
         med = {k: statistics.median(r["variants"][name][k] for r in runs) for k in keys}
@@ -258,17 +286,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=0, help="timed steps per block (default: by model)")
     p.add_argument("--nojoin", action="store_true", help="also time DistributedOptimizer(join_support=False)")
     p.add_argument("--json", default=None, help="write the numbers to this file")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where models and batches live")
+    p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo",
+                   help="transport of DDP and ringpipe alike (nccl: one rank per GPU, --device cuda)")
     args = p.parse_args(argv)
+    if args.backend == "nccl" and args.device != "cuda":
+        p.error("--backend nccl moves CUDA tensors only: add --device cuda")
     default_steps = {"small": 60, "transformer": 15, "mlp": 5, "resnet": 3}
+    if args.device == "cuda":  # steps of a millisecond or less: more of them per block
+        default_steps = {"small": 200, "transformer": 100, "mlp": 100, "resnet": 50}
     results = []
     for kind in args.models.split(","):
         for ranks in (int(r) for r in args.ranks.split(",")):
             for comp in args.compression.split(","):
                 steps = args.steps or default_steps.get(kind, 5)
-                runs = [_one_run(kind, ranks, comp, args.blocks, steps, args.nojoin) for _ in range(args.runs)]
+                runs = [_one_run(kind, ranks, comp, args.blocks, steps, args.nojoin, args.device, args.backend)
+                        for _ in range(args.runs)]
                 s = summarize(runs)
                 results.append((kind, ranks, comp, s))
-                print(f"{kind} ranks={ranks} wire={comp}: ringpipe/DDP {s['ratio_median']:.3f} "
+                print(f"{kind} ranks={ranks} wire={comp} on {s['device']} over {s['backend']}: ringpipe/DDP {s['ratio_median']:.3f} "
                       f"({s['ratio_min']:.3f}-{s['ratio_max']:.3f}); load {os.getloadavg()[0]:.1f}", flush=True)
     print(report(results))
     if args.json:

@@ -51,7 +51,7 @@ class Net(nn.Module):
 
 
 def metric_average(val, name):
-    tensor = torch.tensor(val, device=device)
+    tensor = torch.tensor(val)
     avg_tensor = hvd.allreduce(tensor, name=name)
     return avg_tensor.item()
 

@@ -214,8 +214,10 @@ def test_example_runs_under_mpirun(tmp_path):
 def test_example_runs_on_gpus_with_nccl(capfd):
     """On a GPU host the example pins each rank to its GPU and trains there, over NCCL."""
     n = min(2, torch.cuda.device_count())
-    assert spawn(_run_example, n, backend="nccl", args=(["--epochs", "2"],)) == [f"cuda:{r}" for r in range(n)]
+    # The learning rate of two ranks (the example scales --lr by the world size) on however many GPUs.
+    argv = ["--epochs", "3", "--lr", str(0.06 / n)]
+    assert spawn(_run_example, n, backend="nccl", args=(argv,)) == [f"cuda:{r}" for r in range(n)]
     out = capfd.readouterr().out
     acc = _accuracies(out)
-    assert len(acc) == 2 and acc[-1] > 50.0, out[-2000:]
+    assert len(acc) == 3 and acc[-1] > 50.0, out[-2000:]
     assert f"(ranks: {n})" in out

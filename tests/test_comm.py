@@ -91,14 +91,22 @@ def test_wrong_device_is_refused():
     assert all("cannot send tensors on meta" in m for m in msgs)
 
 
+def _nccl_cpu_and_cuda(comm):
+    cpu = torch.full((3,), float(comm.rank + 1))
+    comm.allreduce(cpu, "sum")
+    gpu = torch.full((3,), float(comm.rank + 1), device=comm.device)
+    comm.allreduce(gpu, "average")
+    got = comm.allgather(torch.tensor([comm.rank]))
+    return cpu.device.type, cpu.tolist(), gpu.device.type, gpu.cpu().tolist(), [g.device.type for g in got]
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_nccl_refuses_cpu_tensors():
-    def fn(comm):
-        try:
-            comm.allreduce(torch.ones(2))
-        except CommError as exc:
-            return str(exc)
-        return "accepted"
-
-    assert all("needs CUDA tensors" in m for m in spawn(fn, 1, backend="nccl"))
+def test_nccl_world_moves_cpu_tensors_over_gloo_as_horovod():
+    """Horovod reduces a CPU tensor in a GPU job (its CPU operations); under NCCL so does ringpipe."""
+    n = min(2, torch.cuda.device_count())
+    total = float(sum(range(1, n + 1)))
+    for cpu_dev, cpu, gpu_dev, gpu, gathered in spawn(_nccl_cpu_and_cuda, n, backend="nccl"):
+        assert (cpu_dev, cpu) == ("cpu", [total] * 3)
+        assert (gpu_dev, gpu) == ("cuda", [total / n] * 3)
+        assert gathered == ["cpu"] * n

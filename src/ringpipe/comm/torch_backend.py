@@ -1,5 +1,9 @@
 """Communicator over torch c10d process groups: gloo for CPU tensors, NCCL for CUDA tensors.
 
+Under the ``nccl`` backend the world is c10d's two-backend group (``cpu:gloo,cuda:nccl``): CUDA
+tensors travel over NCCL and CPU tensors over gloo, as Horovod moves a CPU tensor through its
+CPU operations (MPI or gloo) in a job whose GPU operations are NCCL's.
+
 Every dtype of :data:`DTYPES` works with every operation, whatever the process group takes
 itself. gloo has no int16 and NCCL neither int16 nor bool, so a dtype outside
 :data:`_C10D_MOVES` travels as its bytes (a ``uint8`` view of the same memory: the bits arrive
@@ -79,13 +83,15 @@ class TorchCommunicator(Communicator):
     # ------------------------------------------------------------------ checks
 
     def _check_device(self, tensor: torch.Tensor, what: str) -> None:
-        if self.backend == "nccl" and tensor.device.type != "cuda":
+        if tensor.device.type not in ("cpu", "cuda"):
             raise CommError(
-                f"{what}: the nccl backend needs CUDA tensors, got one on {tensor.device}; "
-                f"move it with .to('{self.device}') or use the gloo backend for CPU tensors"
+                f"{what}: the {self.backend} backend cannot send tensors on {tensor.device}; "
+                "move it to the CPU or a CUDA device"
             )
-        if self.backend == "gloo" and tensor.device.type not in ("cpu", "cuda"):
-            raise CommError(f"{what}: the gloo backend cannot send tensors on {tensor.device}")
+
+    def _on_gloo(self, tensor: torch.Tensor) -> bool:
+        """Whether gloo carries ``tensor``: always under gloo; CPU tensors under NCCL (as Horovod)."""
+        return self.backend == "gloo" or tensor.device.type != "cuda"
 
     def _object_device(self) -> torch.device:
         return self.device if self.backend == "nccl" else torch.device("cpu")
@@ -142,7 +148,7 @@ class TorchCommunicator(Communicator):
         every backend, so that an integer average means the same everywhere.
         """
         if op is ReduceOp.AVERAGE:
-            if self.backend == "nccl" and tensor.is_floating_point():
+            if not self._on_gloo(tensor) and tensor.is_floating_point():
                 return dist.ReduceOp.AVG, False
             return dist.ReduceOp.SUM, True
         native = _NATIVE_OPS.get(op)
@@ -207,7 +213,7 @@ class TorchCommunicator(Communicator):
     def _reduce_scatter(self, tensor: torch.Tensor, op: ReduceOp) -> torch.Tensor:
         work = self._widened(tensor, "reduce_scatter")
         native, divide = self._native(work, op)
-        if self.backend == "gloo":
+        if self._on_gloo(work):
             # gloo has no reduce_scatter: allreduce a copy and keep this rank's block.
             if work is tensor:
                 work = tensor.clone()
@@ -222,7 +228,7 @@ class TorchCommunicator(Communicator):
 
     def _alltoall(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         out = [torch.empty_like(t) for t in tensors]
-        if self.backend == "gloo":
+        if any(self._on_gloo(t) for t in tensors):
             # gloo's all_to_all is not implemented for lists: post every pair as p2p messages.
             works = []
             for peer in range(self.size):

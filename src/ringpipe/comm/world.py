@@ -177,10 +177,12 @@ def init_world(
         from ringpipe.comm.torch_backend import TorchCommunicator
 
         device = pin_device(topo) if backend == "nccl" else torch.device("cpu")
+        # Under NCCL, CPU tensors travel over gloo (Horovod's CPU operations in a GPU job).
+        c10d_backend = "cpu:gloo,cuda:nccl" if backend == "nccl" else backend
         if not dist.is_initialized():
             timeout = datetime.timedelta(seconds=timeout_s)
             if topo.size == 1:
-                dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+                dist.init_process_group(c10d_backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
             else:
                 addr, port = topo.master_addr, topo.master_port
                 if (addr is None or port is None) and topo.launcher in ("openmpi", "mpich"):
@@ -208,7 +210,7 @@ def init_world(
                 else:
                     client = _job_store(addr, port, topo.size, topo.rank == 0, timeout)
                     prefix = f"/ringpipe/world_{_WORLDS_MADE[0]}"
-                dist.init_process_group(backend, store=dist.PrefixStore(prefix, client), rank=topo.rank,
+                dist.init_process_group(c10d_backend, store=dist.PrefixStore(prefix, client), rank=topo.rank,
                                         world_size=topo.size, timeout=timeout)
         comm = TorchCommunicator(backend, topo, device=device)
 

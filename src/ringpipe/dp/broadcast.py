@@ -46,8 +46,6 @@ def broadcast_tensors(
         flat = torch.cat([t.detach().reshape(-1) for t in members]) if members else None
         if flat is None or flat.numel() == 0:
             continue
-        if comm.backend == "nccl" and flat.device.type != "cuda":
-            flat = flat.to(comm.device)  # type: ignore[attr-defined]
         engine.run(functools.partial(comm.broadcast, flat, root_rank), name="broadcast-tensors")
         offset = 0
         with torch.no_grad():

@@ -94,12 +94,16 @@ def spawn(
     Processes are started by ``torch.multiprocessing`` with the standard torch variables set,
     so ``fn`` sees a world as under torchrun. If a rank raises or dies, the others are
     terminated and :class:`WorkerFailed` names the rank. ``start_method='spawn'`` needs a
-    picklable, module-level ``fn``; ``fork`` starts faster and is the default unless the
-    backend is NCCL or CUDA is already initialised here (CUDA cannot be used after fork).
+    picklable, module-level ``fn``; ``fork`` starts faster and is the default on a host without
+    GPUs. With NCCL, or once CUDA is initialised here, the default is ``spawn`` (a forked child
+    cannot use CUDA); on a host with GPUs it is ``spawn`` too whenever ``fn`` and ``args`` can be
+    pickled, because ``torch.cuda.is_available()`` alone (a test's skip condition, say) already
+    makes CUDA unusable in forked children, and no call says whether that has happened.
     """
     if start_method is None:
         cuda = backend == "nccl" or torch.cuda.is_initialized()
-        start_method = "spawn" if cuda or sys.platform != "linux" else "fork"
+        gpus = torch.cuda.device_count() > 0  # NVML's count: does not itself initialise CUDA
+        start_method = "spawn" if cuda or (gpus and _picklable(fn, args)) or sys.platform != "linux" else "fork"
     if backend not in BACKENDS or backend == "mpi":
         raise ValueError(f"spawn supports backends gloo and nccl; got {backend!r} (use mpirun for mpi)")
     ctx = tmp.get_context(start_method)
@@ -130,6 +134,15 @@ def spawn(
     drain()
     return out
 
+
+
+def _picklable(fn: Callable[..., Any], args: Sequence[Any]) -> bool:
+    """Whether a ``spawn`` child can receive ``fn`` and ``args`` (module-level functions, plain data)."""
+    try:
+        pickle.dumps((fn, tuple(args)))
+    except Exception:  # noqa: BLE001 - any pickling failure means: start by fork instead
+        return False
+    return True
 
 
 def _root_cause(ctx: Any, first: int) -> tuple[int, str]:

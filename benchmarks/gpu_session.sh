@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# The GPU checks and measurements, run in one go on a CUDA machine from the repository root:
+#
+#   bash benchmarks/gpu_session.sh STAGE [STAGE ...]      (output also under $OUT when set)
+#
+# Stages: env (GPU, torch, NCCL), tests (the cuda-marked tests and the GPU-sensitive files),
+# nccl2 (whether two NCCL ranks may share one GPU), bench (ringpipe bench: NCCL and gloo on CUDA
+# tensors), dp1/dp2 (DistributedOptimizer against DDP on the GPU), suite (the whole test suite on the GPU
+# host). Uses the machine's own python3 with torch; ringpipe is taken from src/.
+set -uo pipefail
+OUT=${OUT:-/tmp/gpu-out}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
+PY=${PY:-python3}
+
+stage_env() {
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv
+    $PY -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version(), 'gpus', torch.cuda.device_count())"
+    nproc; uname -r
+}
+
+stage_tests() {
+    timeout 420 $PY -m pytest -q -p no:cacheprovider --timeout=240 -m cuda tests 2>&1 | tee "$OUT/tests_cuda.log" | tail -40
+}
+
+stage_nccl2() {
+    cat > /tmp/nccl2.py <<'EOF2'
+import torch
+from ringpipe.launch import spawn
+
+def f(comm):
+    t = torch.ones(4, device="cuda") * (comm.rank + 1)
+    comm.allreduce(t, "sum")
+    return t.tolist()
+
+if __name__ == "__main__":
+    try:
+        print("two NCCL ranks on one GPU:", spawn(f, 2, backend="nccl"))
+    except Exception as exc:  # the refusal is what is being probed
+        print("two NCCL ranks on one GPU refused:", type(exc).__name__, str(exc)[:600])
+EOF2
+    timeout 120 $PY /tmp/nccl2.py 2>&1 | tail -4
+}
+
+stage_bench() {
+    # One GPU holds one NCCL rank: the own algorithms against NCCL's allreduce at world size 1.
+    timeout 200 ringpipe bench allreduce -n 1 --backend nccl -b 4K -e 64M -f 4 -r 5 2>&1 | tail -30
+}
+
+# DistributedOptimizer against DDP with the models on the GPU: one rank over NCCL (dp1), two
+# ranks sharing the GPU over gloo, CUDA tensors through gloo (dp2).
+stage_dp1() {
+    timeout 280 $PY benchmarks/dp_vs_ddp.py --device cuda --backend nccl --ranks 1 --runs 3 --blocks 4 \
+        --models small,mlp,resnet,transformer --json "$OUT/dp_cuda_nccl1.json" 2>&1 | grep -v Warning | tail -16
+}
+
+stage_dp2() {
+    timeout 280 $PY benchmarks/dp_vs_ddp.py --device cuda --backend gloo --ranks 2 --runs 3 --blocks 4 \
+        --models small,mlp,resnet,transformer --json "$OUT/dp_cuda_gloo2.json" 2>&1 | grep -v Warning | tail -16
+}
+
+stage_suite() {
+    # The whole suite on a host with a GPU (tests whose outcome may depend on seeing one).
+    timeout 500 $PY -m pytest -q -p no:cacheprovider -n 14 --timeout=300 -m "not netns" tests 2>&1 | tee "$OUT/suite.log" | tail -30
+}
+
+for s in "$@"; do
+    echo "=== stage $s ($(date -u +%H:%M:%S))"
+    "stage_$s"
+done
+echo "=== done ($(date -u +%H:%M:%S))"
