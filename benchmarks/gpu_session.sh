@@ -55,13 +55,14 @@ stage_dp1() {
 }
 
 stage_dp2() {
-    timeout 280 $PY benchmarks/dp_vs_ddp.py --device cuda --backend gloo --ranks 2 --runs 3 --blocks 4 \
+    timeout ${DP2_S:-280} $PY benchmarks/dp_vs_ddp.py --device cuda --backend gloo --ranks 2 --runs ${DP2_RUNS:-3} --blocks 4 \
         --models small,mlp,resnet,transformer --json "$OUT/dp_cuda_gloo2.json" 2>&1 | grep -v Warning | tail -16
 }
 
 stage_suite() {
     # The whole suite on a host with a GPU (tests whose outcome may depend on seeing one).
-    timeout 500 $PY -m pytest -q -p no:cacheprovider -n 14 --timeout=300 -m "not netns" tests 2>&1 | tee "$OUT/suite.log" | tail -30
+    timeout ${SUITE_S:-500} $PY -m pytest -v -p no:cacheprovider -n 14 --timeout=300 -m "not netns" tests > "$OUT/suite.log" 2>&1
+    grep -E "FAILED|ERROR|passed|failed" "$OUT/suite.log" | grep -v "^\[gw" | tail -30; grep -c PASSED "$OUT/suite.log"
 }
 
 for s in "$@"; do
