@@ -96,3 +96,11 @@ def _dp_cuda(comm, steps):
 def test_distributed_optimizer_on_nccl_equals_plain_training():
     (diff,) = spawn(_dp_cuda, 1, backend="nccl", args=(3,))
     assert diff < 1e-6
+
+
+def test_default_backend_is_nccl_only_where_every_local_rank_has_a_gpu():
+    from ringpipe.comm.world import default_backend
+
+    gpus = torch.cuda.device_count()
+    assert default_backend(gpus) == "nccl"
+    assert default_backend(gpus + 1) == "gloo"  # NCCL refuses two ranks on one GPU

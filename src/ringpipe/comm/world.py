@@ -49,17 +49,25 @@ def free_port(host: str = "") -> int:
         return int(s.getsockname()[1])
 
 
-def default_backend() -> str:
-    return "nccl" if torch.cuda.is_available() else "gloo"
+def default_backend(local_size: int = 1) -> str:
+    """NCCL where each of this node's ``local_size`` ranks has a GPU of its own, else gloo.
+
+    The GPUs are counted through NVML (``torch.cuda.device_count`` before CUDA is initialised),
+    which neither initialises CUDA nor creates a context, so a CPU job on a GPU host stays off
+    its GPUs. With more ranks on a node than GPUs, NCCL could not give each rank a device (it
+    refuses two ranks on one GPU), so those jobs run on gloo.
+    """
+    gpus = torch.cuda.device_count()
+    return "nccl" if gpus > 0 and local_size <= gpus else "gloo"
 
 
-def resolve_backend(backend: str | None = None) -> str:
+def resolve_backend(backend: str | None = None, local_size: int = 1) -> str:
     """The backend to use: the argument, else ``$RINGPIPE_BACKEND``, else :func:`default_backend`."""
     source = "backend"
     if not backend:
         backend, source = os.environ.get("RINGPIPE_BACKEND", "").strip(), "RINGPIPE_BACKEND"
     if not backend:
-        return default_backend()
+        return default_backend(local_size)
     backend = backend.lower()
     if backend not in BACKENDS:
         raise CommError(f"unknown backend {backend!r} (from {source}); valid backends: {', '.join(BACKENDS)}")
@@ -145,14 +153,15 @@ def init_world(
     """Initialise the job's world communicator from the launch environment.
 
     ``backend`` is ``gloo`` (CPU), ``nccl`` (CUDA) or ``mpi`` (mpi4py); without it
-    ``$RINGPIPE_BACKEND`` (which ``ringpipe launch --backend`` exports), else NCCL where CUDA is
-    available and gloo otherwise — the rule of :func:`ringpipe.init`, ``bench`` and ``doctor`` too.
+    ``$RINGPIPE_BACKEND`` (which ``ringpipe launch --backend`` exports), else NCCL where every
+    local rank has a GPU of its own and gloo otherwise — the rule of :func:`ringpipe.init`,
+    ``bench`` and ``doctor`` too.
     For gloo/NCCL the torch default process group is initialised too, so plain
     ``torch.distributed`` and DDP code works alongside. Under MPI an uncaught exception prints its
     traceback and aborts the whole MPI job (see :func:`abort_mpi_job_on_exception`).
     """
-    backend = resolve_backend(backend)
     topo = topology or detect()
+    backend = resolve_backend(backend, topo.local_size)
 
     if backend == "mpi":
         from ringpipe.comm.mpi_backend import MPICommunicator, mpi_available

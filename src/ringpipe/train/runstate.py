@@ -91,7 +91,7 @@ def nothing_to_resume(run_dir: str | Path, step: int, total: int, max_steps: int
 def _rng_state() -> dict[str, Any]:
     """The RNG state that training consumes after initialisation (dropout and other torch sampling)."""
     state = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
+    if torch.cuda.is_initialized():  # a run that never touched CUDA has no CUDA state to keep
         state["cuda"] = torch.cuda.get_rng_state()
     return state
 
