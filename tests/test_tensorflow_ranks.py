@@ -125,6 +125,12 @@ def test_gradients_and_mismatches_on_n_ranks(nranks):
         assert all(e == errors[0] for e in errors), key  # the same error, every rank
         assert errors[0][0] is True and words in errors[0][1]
         assert all(f"rank {i}:" in errors[0][1] for i in range(n))  # every rank's call is listed
+    for key, what in [("err_dtype", "allreduce"), ("err_dtype_gather", "allgather"),
+                      ("err_dtype_vars", "broadcast")]:
+        errors = [res[key] for res in nranks]
+        assert all(e is not None and e[1] == errors[0][1] for e in errors), (key, errors)
+        assert f"{what} on world: rank {n - 1} made an invalid call" in errors[0][1], errors[0]
+        assert "dtype string cannot take part in a collective" in errors[0][1], errors[0]
 
 
 def test_training_on_n_ranks_equals_one_process_on_the_global_batch(nranks):

@@ -83,6 +83,11 @@ def collectives(r, n):
 
     result["err_shape"] = raised(lambda: hvd.allreduce(tf.ones([r + 1])))
     result["err_root"] = raised(lambda: hvd.broadcast(tf.ones([2]), root_rank=r))
+    # the last rank passes a dtype no collective takes: every rank raises (none waits for it)
+    result["err_dtype"] = raised(lambda: hvd.allreduce(tf.constant(["a", "b"]) if r == n - 1 else tf.ones([2])))
+    result["err_dtype_gather"] = raised(lambda: hvd.allgather(tf.constant(["a"]) if r == n - 1 else tf.ones([1])))
+    result["err_dtype_vars"] = raised(lambda: hvd.broadcast_variables(
+        [tf.Variable(["a"]) if r == n - 1 else tf.Variable([1.0])], root_rank=0))
     result["after_errors"] = hvd.allreduce(tf.constant([1.0]), op=hvd.Sum).numpy().tolist()
     return result
 

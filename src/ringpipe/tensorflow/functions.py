@@ -22,7 +22,10 @@ def _broadcast_values(values: Sequence[tf.Tensor], root_rank: int, process_set: 
     """``root_rank``'s values of every tensor: announced once (with every shape and dtype), one message per dtype."""
     call = Call("broadcast", process_set, None)
     root, problem = set_root(call.ranks, root_rank, "broadcast_variables")
-    copies = [to_torch(v).clone() for v in values]  # written by the broadcast: never a TF buffer
+    try:
+        copies = [to_torch(v).clone() for v in values]  # written by the broadcast: never a TF buffer
+    except TypeError as exc:  # a dtype no collective takes: refused on every rank by the announcement
+        copies, problem = [], problem or exc
     layout = [[str(t.dtype).removeprefix("torch."), *t.shape] for t in copies]
     detail = {**call.detail, "root_rank": root_rank, "variables": layout}
     call.engine.run(lambda: announce(call.comm, "broadcast", detail=detail,

@@ -22,6 +22,7 @@ from ringpipe import api as _api
 from ringpipe.api.calls import Call, parse_op
 from ringpipe.comm.base import ReduceOp
 from ringpipe.dp import ops as _ops
+from ringpipe.dp.announce import checks, run_announced
 from ringpipe.dp.process_sets import ProcessSet, global_process_set
 from ringpipe.dp.process_sets import basics as _basics  # noqa: F401 - Horovod's internal, read by its tests
 
@@ -59,6 +60,22 @@ def _recording() -> bool:
     return bool(_record.could_possibly_record())
 
 
+def _torch_of(x: tf.Tensor, what: str, name: str | None, process_set: ProcessSet) -> torch.Tensor:
+    """``x`` as a torch tensor for collective ``what``; a dtype no collective takes is refused on every rank.
+
+    The refusal is announced as an invalid call, so the other ranks of the set, waiting in the
+    same collective, raise the same :class:`~ringpipe.comm.header.InvalidCallError` naming this
+    rank and the dtype instead of waiting for a rank that will never come.
+    """
+    try:
+        return to_torch(x)
+    except TypeError as exc:
+        call = Call(what, process_set, name)
+        run_announced(call.comm, what, lambda: None, name, detail=call.detail,
+                      validate=checks(call.comm, what, problem=exc), key=call.key)
+        raise  # not reached: the announcement raises on every rank, this one included
+
+
 def _set_size(process_set: ProcessSet) -> int:
     ranks = process_set.ranks
     if not ranks:
@@ -78,7 +95,8 @@ def _set_rank(process_set: ProcessSet) -> int:
 def _dense_allreduce(x: tf.Tensor, op: ReduceOp, pre: float, post: float, compression: Any, name: str | None,
                      process_set: ProcessSet) -> tf.Tensor:
     def fn(v: tf.Tensor) -> list[tf.Tensor]:
-        out = _api.allreduce(to_torch(v), name=name, compression=compression, op=op, prescale_factor=pre,
+        src = _torch_of(v, "allreduce", name, process_set)
+        out = _api.allreduce(src, name=name, compression=compression, op=op, prescale_factor=pre,
                              postscale_factor=post, process_set=process_set)
         return [to_tf(out)]
 
@@ -149,7 +167,7 @@ def fused_allreduce(tensors: Sequence[tf.Tensor], op: ReduceOp, pre: float, post
         return []
 
     def fn(*vs: tf.Tensor) -> list[tf.Tensor]:
-        wire = [comp.compress(to_torch(v)) for v in vs]
+        wire = [comp.compress(_torch_of(v, "grouped_allreduce", None, process_set)) for v in vs]
         groups: dict[torch.dtype, list[int]] = {}
         for i, (w, _) in enumerate(wire):
             groups.setdefault(w.dtype, []).append(i)
@@ -220,7 +238,8 @@ def allgather(tensor: Any, name: str | None = None, ignore_name_scope: bool = Fa
     @tf.custom_gradient
     def gather(t: tf.Tensor) -> Any:
         def fn(v: tf.Tensor) -> list[tf.Tensor]:
-            return [to_tf(_api.allgather(to_torch(v), name=name, process_set=process_set))]
+            src = _torch_of(v, "allgather", name, process_set)
+            return [to_tf(_api.allgather(src, name=name, process_set=process_set))]
 
         shape = None if t.shape.rank is None else ([None, *t.shape[1:]] if t.shape.rank else [None])
         (y,) = run(fn, [t], [t.dtype], [shape], name="RingpipeAllgather")
@@ -254,7 +273,8 @@ def broadcast(tensor: Any, root_rank: int, name: str | None = None, ignore_name_
     @tf.custom_gradient
     def bcast(t: tf.Tensor) -> Any:
         def fn(v: tf.Tensor) -> list[tf.Tensor]:
-            return [to_tf(_api.broadcast(to_torch(v), root_rank, name=name, process_set=process_set))]
+            src = _torch_of(v, "broadcast", name, process_set)
+            return [to_tf(_api.broadcast(src, root_rank, name=name, process_set=process_set))]
 
         (y,) = run(fn, [t], [t.dtype], [t.shape], name="RingpipeBroadcast")
 
@@ -284,7 +304,8 @@ def alltoall(tensor: Any, splits: Any = None, name: str | None = None, ignore_na
             # the torch face's alltoall, keeping the received splits also of an even split (each
             # rank's own dim 0 / size rows, which differ between ranks): the gradient sends them back
             call = Call("alltoall", process_set, name)
-            received, rsplits = _ops.alltoall(call.comm, to_torch(v), [int(i) for i in w.numpy()] if given else None,
+            src = _torch_of(v, "alltoall", name, process_set)
+            received, rsplits = _ops.alltoall(call.comm, src, [int(i) for i in w.numpy()] if given else None,
                                               call.detail)
             return [to_tf(received), to_tf(torch.tensor(rsplits, dtype=torch.int32))]
 
@@ -314,7 +335,8 @@ def reducescatter(tensor: Any, device_dense: str = "", compression: Any = Compre
     @tf.custom_gradient
     def scatter(t: tf.Tensor) -> Any:
         def fn(v: tf.Tensor) -> list[tf.Tensor]:
-            out = _api.reducescatter(to_torch(v), name=name, compression=comp, op=rop, process_set=process_set,
+            src = _torch_of(v, "reducescatter", name, process_set)
+            out = _api.reducescatter(src, name=name, compression=comp, op=rop, process_set=process_set,
                                      prescale_factor=prescale_factor, postscale_factor=postscale_factor)
             return [to_tf(out)]
 
