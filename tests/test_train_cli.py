@@ -327,7 +327,10 @@ def test_pipeline_run_is_quiet_and_tidy(tmp_path):
     assert proc.returncode == 0, out[-3000:]
     assert "fontManager" not in out and "micro-batches of" not in out and "WARNING" not in out
     assert not (run / ".mplconfig").exists() and (run / "curves.png").stat().st_size > 0
-    assert not [p for p in tmp.iterdir() if "matplotlib" in p.name] and list(home.iterdir()) == []
+    # On a GPU host torch's own optimizer step asks torch.cuda.is_available(), whose driver
+    # start makes $HOME/.nv: torch's doing, not the run's (a plain torch loop leaves it too).
+    assert not [p for p in tmp.iterdir() if "matplotlib" in p.name]
+    assert [p.name for p in home.iterdir() if p.name != ".nv"] == []
     summary = json.loads((run / "summary.json").read_text())
     assert summary["stop_reason"] == "complete" and summary["complete"]
     assert yaml.safe_load((run / "config.yaml").read_text())["mode"] == "gpipe"
