@@ -22,15 +22,16 @@ def _broadcast_values(values: Sequence[tf.Tensor], root_rank: int, process_set: 
     """``root_rank``'s values of every tensor: announced once (with every shape and dtype), one message per dtype."""
     call = Call("broadcast", process_set, None)
     root, problem = set_root(call.ranks, root_rank, "broadcast_variables")
+    refused: BaseException | None = problem
     try:
         copies = [to_torch(v).clone() for v in values]  # written by the broadcast: never a TF buffer
     except TypeError as exc:  # a dtype no collective takes: refused on every rank by the announcement
-        copies, problem = [], problem or exc
+        copies, refused = [], problem or exc
     layout = [[str(t.dtype).removeprefix("torch."), *t.shape] for t in copies]
     detail = {**call.detail, "root_rank": root_rank, "variables": layout}
     call.engine.run(lambda: announce(call.comm, "broadcast", detail=detail,
                                      validate=checks(call.comm, "broadcast_variables", root=root,
-                                                     problem=problem)),
+                                                     problem=refused)),
                     name="broadcast_variables")
     broadcast_tensors(copies, root, call.comm, announced=True)
     return [to_tf(t) for t in copies]
