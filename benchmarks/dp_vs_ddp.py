@@ -10,6 +10,11 @@ SGD with momentum) of the same model definition, data and transport in three way
 - ``bound``: the step with no communication at all (each rank trains alone, on the same
   threads and under the same load as the other variants): what a data-parallel system can at
   best reach;
+- ``serial`` (``--serial``): the bound's step plus one blocking allreduce (gloo's, or the
+  backend's) of a buffer as large as all gradients, after backward and before the update: the
+  transport's own cost with no framework around it, no copies and no overlap. A one-bucket model
+  (the small MLP) cannot overlap its reduction with backward, so neither system can be much
+  faster than this on it; a system's time over ``serial`` is its own overhead;
 - ``ddp``: ``torch.nn.parallel.DistributedDataParallel`` (with ``--compression fp16``, its
   ``fp16_compress_hook``);
 - ``ringpipe``: ``DistributedOptimizer`` with its defaults (join support on, as Horovod), and
@@ -158,8 +163,24 @@ def _steps(variant: dict[str, Any], n: int, clocked: bool = False) -> None:
         s["step"].append(t3 - t2)
 
 
+class _SerialReduce:
+    """An optimizer that, before each update, allreduces one preallocated gradient-sized buffer."""
+
+    def __init__(self, opt: torch.optim.Optimizer, numel: int, device: torch.device) -> None:
+        self.opt, self.flat = opt, torch.zeros(numel, device=device)
+
+    def zero_grad(self) -> None:
+        self.opt.zero_grad()
+
+    def step(self) -> None:
+        import torch.distributed as dist
+
+        dist.all_reduce(self.flat)
+        self.opt.step()
+
+
 def _variants(comm: Any, kind: str, compression: str, nojoin: bool,
-              device: torch.device) -> dict[str, dict[str, Any]]:
+              device: torch.device, serial: bool = False) -> dict[str, dict[str, Any]]:
     from ringpipe.dp import DistributedOptimizer
 
     def make_model_on_device(kind: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
@@ -172,6 +193,10 @@ def _variants(comm: Any, kind: str, compression: str, nojoin: bool,
     out: dict[str, dict[str, Any]] = {}
     model, x, y = make_model_on_device(kind)
     out["bound"] = {"model": model, "opt": sgd(model), "x": x, "y": y}
+    if serial:
+        model, x, y = make_model_on_device(kind)
+        numel = sum(p.numel() for p in model.parameters())
+        out["serial"] = {"model": model, "opt": _SerialReduce(sgd(model), numel, device), "x": x, "y": y}
     model, x, y = make_model_on_device(kind)
     ddp = nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
     if compression == "fp16":
@@ -192,14 +217,14 @@ def _variants(comm: Any, kind: str, compression: str, nojoin: bool,
 
 
 def run_ranks(comm: Any, kind: str, compression: str, blocks: int, steps: int, nojoin: bool,
-              device_type: str = "cpu") -> dict[str, Any]:
+              device_type: str = "cpu", serial: bool = False) -> dict[str, Any]:
     """One run on every rank: alternated blocks; per variant the median of each measure (slowest rank)."""
     torch.set_num_threads(1)
     device = torch.device("cpu")
     if device_type == "cuda":
         device = torch.device("cuda", comm.topology.local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
-    variants = _variants(comm, kind, compression, nojoin, device)
+    variants = _variants(comm, kind, compression, nojoin, device, serial)
     for v in variants.values():
         _steps(v, 3)  # warm-up
         if v.get("clocked"):
@@ -223,10 +248,11 @@ def run_ranks(comm: Any, kind: str, compression: str, blocks: int, steps: int, n
 
 
 def _one_run(kind: str, ranks: int, compression: str, blocks: int, steps: int, nojoin: bool,
-             device: str = "cpu", backend: str = "gloo") -> dict[str, Any]:
+             device: str = "cpu", backend: str = "gloo", serial: bool = False) -> dict[str, Any]:
     from ringpipe.launch import spawn
 
-    return spawn(run_ranks, ranks, backend=backend, args=(kind, compression, blocks, steps, nojoin, device))[0]
+    return spawn(run_ranks, ranks, backend=backend,
+                 args=(kind, compression, blocks, steps, nojoin, device, serial))[0]
 
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -241,6 +267,10 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
         out["variants"][name] = med
     ratios = [r["variants"]["ringpipe"]["total"] / r["variants"]["ddp"]["total"] for r in runs]
     out["ratio_median"], out["ratio_min"], out["ratio_max"] = statistics.median(ratios), min(ratios), max(ratios)
+    if "serial" in runs[0]["variants"]:  # each system against the bare transport, run by run
+        for name in ("ddp", "ringpipe"):
+            r = [run["variants"][name]["total"] / run["variants"]["serial"]["total"] for run in runs]
+            out[f"{name}_over_serial"] = (statistics.median(r), min(r), max(r))
     return out
 
 
@@ -262,6 +292,16 @@ def report(results: list[tuple[str, int, str, dict[str, Any]]]) -> str:
             f"{_ms(v['ddp']['max'])}) | {_ms(r)} ({_ms(v['ringpipe']['min'])}-{_ms(v['ringpipe']['max'])}) | "
             f"**{s['ratio_median']:.3f}** ({s['ratio_min']:.3f}-{s['ratio_max']:.3f}) | {_ms(d - b)} | {_ms(r - b)} |"
         )
+    if any("ddp_over_serial" in s for *_, s in results):
+        lines += ["", "Against the bound plus one bare blocking allreduce of all gradients (`serial`; median over "
+                  "runs of each run's ratio, lowest-highest):", "",
+                  "| model | ranks | wire | serial (ms) | DDP / serial | ringpipe / serial |",
+                  "| --- | ---: | --- | ---: | --- | --- |"]
+        for kind, ranks, comp, s in results:
+            if "ddp_over_serial" in s:
+                d, r = s["ddp_over_serial"], s["ringpipe_over_serial"]
+                lines.append(f"| {kind} | {ranks} | {comp} | {_ms(s['variants']['serial']['total'])} | "
+                             f"{d[0]:.3f} ({d[1]:.3f}-{d[2]:.3f}) | {r[0]:.3f} ({r[1]:.3f}-{r[2]:.3f}) |")
     lines += ["", "Per phase (ms, median over runs): forward / backward / step; ringpipe's clock: copies in, "
               "ready to task, engine tasks, copies out, wait in step(), optimizer arithmetic on buckets already "
               "reduced while later ones travel (bucket step)", "",
@@ -285,6 +325,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--blocks", type=int, default=6, help="alternating timing blocks per variant and run")
     p.add_argument("--steps", type=int, default=0, help="timed steps per block (default: by model)")
     p.add_argument("--nojoin", action="store_true", help="also time DistributedOptimizer(join_support=False)")
+    p.add_argument("--serial", action="store_true",
+                   help="also time the bound plus one blocking allreduce of all gradients (the transport alone)")
     p.add_argument("--json", default=None, help="write the numbers to this file")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where models and batches live")
     p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo",
@@ -300,7 +342,8 @@ def main(argv: list[str] | None = None) -> int:
         for ranks in (int(r) for r in args.ranks.split(",")):
             for comp in args.compression.split(","):
                 steps = args.steps or default_steps.get(kind, 5)
-                runs = [_one_run(kind, ranks, comp, args.blocks, steps, args.nojoin, args.device, args.backend)
+                runs = [_one_run(kind, ranks, comp, args.blocks, steps, args.nojoin, args.device, args.backend,
+                                 args.serial)
                         for _ in range(args.runs)]
                 s = summarize(runs)
                 results.append((kind, ranks, comp, s))
