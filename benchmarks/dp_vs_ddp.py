@@ -239,6 +239,9 @@ def run_ranks(comm: Any, kind: str, compression: str, blocks: int, steps: int, n
                 comm.barrier()
                 _steps(variants[name], max(2, steps // 2), clocked=True)
     mine = {name: {k: statistics.median(s) for k, s in v["samples"].items()} for name, v in variants.items()}
+    for name, v in variants.items():  # the spread of single steps: a fast path against stalls
+        deciles = statistics.quantiles(v["samples"]["total"], n=10)
+        mine[name]["p10"], mine[name]["p90"] = deciles[0], deciles[-1]
     every = comm.allgather_object(mine)
     slowest = max(every, key=lambda m: m["ringpipe"]["total"])  # one rank's figures, consistent phases
     return {"params": sum(p.numel() for p in variants["bound"]["model"].parameters()), "ranks": comm.size,
@@ -278,6 +281,14 @@ def _ms(t: float) -> str:
     return f"{t * 1e3:.2f}" if t < 0.1 else f"{t * 1e3:.1f}"
 
 
+def _names(results: list[tuple[str, int, str, dict[str, Any]]]) -> list[str]:
+    """Every variant that ran, in the order of the first configuration that had it."""
+    names: list[str] = []
+    for *_, s in results:
+        names += [n for n in s["variants"] if n not in names]
+    return names
+
+
 def report(results: list[tuple[str, int, str, dict[str, Any]]]) -> str:
     lines = [
         "| model | params | ranks | wire | bound (ms) | DDP (ms) | ringpipe (ms) | ringpipe / DDP (runs) |"
@@ -302,6 +313,13 @@ def report(results: list[tuple[str, int, str, dict[str, Any]]]) -> str:
                 d, r = s["ddp_over_serial"], s["ringpipe_over_serial"]
                 lines.append(f"| {kind} | {ranks} | {comp} | {_ms(s['variants']['serial']['total'])} | "
                              f"{d[0]:.3f} ({d[1]:.3f}-{d[2]:.3f}) | {r[0]:.3f} ({r[1]:.3f}-{r[2]:.3f}) |")
+    lines += ["", "Single steps (ms, median over runs of each run's 10th / 50th / 90th percentile):", "",
+              "| model | ranks | wire | " + " | ".join(_names(results)) + " |",
+              "| --- | ---: | --- |" + " ---: |" * len(_names(results))]
+    for kind, ranks, comp, s in results:
+        cells = [" / ".join(_ms(s["variants"][n][k]) for k in ("p10", "total", "p90")) if n in s["variants"] else ""
+                 for n in _names(results)]
+        lines.append(f"| {kind} | {ranks} | {comp} | " + " | ".join(cells) + " |")
     lines += ["", "Per phase (ms, median over runs): forward / backward / step; ringpipe's clock: copies in, "
               "ready to task, engine tasks, copies out, wait in step(), optimizer arithmetic on buckets already "
               "reduced while later ones travel (bucket step)", "",
