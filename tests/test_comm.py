@@ -78,6 +78,15 @@ def test_bad_backends_are_named():
             init_world("nccl")
 
 
+@pytest.mark.skipif(torch.cuda.device_count() > 0, reason="a host without GPUs")
+def test_default_backend_without_gpus_is_gloo(monkeypatch):
+    from ringpipe.comm.world import default_backend, resolve_backend
+
+    monkeypatch.delenv("RINGPIPE_BACKEND", raising=False)
+    assert default_backend() == default_backend(8) == "gloo"
+    assert resolve_backend(None, 2) == "gloo" and resolve_backend("NCCL", 2) == "nccl"  # asked for: kept
+
+
 def _wrong_device(comm):
     try:
         comm.allreduce(torch.ones(2, device="meta"))
