@@ -5,7 +5,8 @@
 #
 # Stages: env (GPU, torch, NCCL), tests (the cuda-marked tests and the GPU-sensitive files),
 # nccl2 (whether two NCCL ranks may share one GPU), bench (ringpipe bench: NCCL and gloo on CUDA
-# tensors), dp1/dp2 (DistributedOptimizer against DDP on the GPU), suite (the whole test suite on the GPU
+# tensors), dp1/dp2 (DistributedOptimizer against DDP on the GPU), profile (where a step's
+# time goes on the GPU, by torch.profiler), suite (the whole test suite on the GPU
 # host). Uses the machine's own python3 with torch; ringpipe is taken from src/.
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-out}
@@ -57,6 +58,15 @@ stage_dp1() {
 stage_dp2() {
     timeout ${DP2_S:-280} $PY benchmarks/dp_vs_ddp.py --device cuda --backend gloo --ranks 2 --runs ${DP2_RUNS:-3} --blocks 4 \
         --models small,mlp,resnet,transformer --json "$OUT/dp_cuda_gloo2.json" 2>&1 | grep -v Warning | tail -16
+}
+
+stage_profile() {
+    # Where one step's time goes on the GPU, ringpipe against DDP, one rank (kernel launches,
+    # synchronisations, operators); Chrome traces under $OUT.
+    for m in small mlp; do
+        timeout 150 $PY benchmarks/dp_profile.py --model $m --device cuda --steps 20 --trace "$OUT/$m" 2>&1 \
+            | grep -v USDT | cut -c1-150 | head -30
+    done
 }
 
 stage_suite() {
