@@ -4,8 +4,8 @@
 #   bash benchmarks/gpu_session.sh STAGE [STAGE ...]      (output also under $OUT when set)
 #
 # Stages: env (GPU, torch, NCCL), tests (the cuda-marked tests and the GPU-sensitive files),
-# nccl2 (whether two NCCL ranks may share one GPU), bench (ringpipe bench: NCCL and gloo on CUDA
-# tensors), dp1/dp2 (DistributedOptimizer against DDP on the GPU), profile (where a step's
+# nccl2 (whether two NCCL ranks may share one GPU), bench (ringpipe bench over NCCL on as many
+# ranks as GPUs), dp1/dp2 (DistributedOptimizer against DDP on the GPU), profile (where a step's
 # time goes on the GPU, by torch.profiler), suite (the whole test suite on the GPU
 # host). Uses the machine's own python3 with torch; ringpipe is taken from src/.
 set -uo pipefail
@@ -44,8 +44,9 @@ EOF2
 }
 
 stage_bench() {
-    # One GPU holds one NCCL rank: the own algorithms against NCCL's allreduce at world size 1.
-    timeout 200 ringpipe bench allreduce -n 1 --backend nccl -b 4K -e 64M -f 4 -r 5 2>&1 | tail -30
+    # One NCCL rank per GPU: the own algorithms against NCCL's allreduce (at one GPU, call costs only).
+    gpus=$($PY -c "import torch; print(torch.cuda.device_count())")
+    timeout 200 ringpipe bench allreduce -n "$gpus" --backend nccl -b 4K -e 64M -f 4 -r 5 2>&1 | tail -30
 }
 
 # DistributedOptimizer against DDP with the models on the GPU: one rank over NCCL (dp1), two
