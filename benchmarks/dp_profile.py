@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from dp_vs_ddp import _loss, make_model  # noqa: E402 - the one definition of the models
+from dp_vs_ddp import _loss, _sync, make_model  # noqa: E402 - the one definition of the models and step
 
 
 def _step(model: nn.Module, opt: Any, x: torch.Tensor, y: torch.Tensor) -> None:
@@ -32,8 +32,7 @@ def _step(model: nn.Module, opt: Any, x: torch.Tensor, y: torch.Tensor) -> None:
     opt.zero_grad()
     _loss(model(x), y).backward()
     opt.step()
-    if x.device.type == "cuda":
-        torch.cuda.synchronize(x.device)
+    _sync(x.device)
 
 
 def _profile(comm: Any, kind: str, device_type: str, steps: int, trace: str | None) -> dict[str, Any]:

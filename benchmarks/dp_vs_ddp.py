@@ -57,6 +57,7 @@ import time
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 __all__ = ["main", "make_model", "run_ranks"]
@@ -173,8 +174,6 @@ class _SerialReduce:
         self.opt.zero_grad()
 
     def step(self) -> None:
-        import torch.distributed as dist
-
         dist.all_reduce(self.flat)
         self.opt.step()
 
@@ -313,12 +312,13 @@ def report(results: list[tuple[str, int, str, dict[str, Any]]]) -> str:
                 d, r = s["ddp_over_serial"], s["ringpipe_over_serial"]
                 lines.append(f"| {kind} | {ranks} | {comp} | {_ms(s['variants']['serial']['total'])} | "
                              f"{d[0]:.3f} ({d[1]:.3f}-{d[2]:.3f}) | {r[0]:.3f} ({r[1]:.3f}-{r[2]:.3f}) |")
+    names = _names(results)
     lines += ["", "Single steps (ms, median over runs of each run's 10th / 50th / 90th percentile):", "",
-              "| model | ranks | wire | " + " | ".join(_names(results)) + " |",
-              "| --- | ---: | --- |" + " ---: |" * len(_names(results))]
+              "| model | ranks | wire | " + " | ".join(names) + " |",
+              "| --- | ---: | --- |" + " ---: |" * len(names)]
     for kind, ranks, comp, s in results:
         cells = [" / ".join(_ms(s["variants"][n][k]) for k in ("p10", "total", "p90")) if n in s["variants"] else ""
-                 for n in _names(results)]
+                 for n in names]
         lines.append(f"| {kind} | {ranks} | {comp} | " + " | ".join(cells) + " |")
     lines += ["", "Per phase (ms, median over runs): forward / backward / step; ringpipe's clock: copies in, "
               "ready to task, engine tasks, copies out, wait in step(), optimizer arithmetic on buckets already "

@@ -3,7 +3,7 @@
 #
 #   bash benchmarks/gpu_session.sh STAGE [STAGE ...]      (output also under $OUT when set)
 #
-# Stages: env (GPU, torch, NCCL), tests (the cuda-marked tests and the GPU-sensitive files),
+# Stages: env (GPU, torch, NCCL), tests (the cuda-marked tests),
 # nccl2 (whether two NCCL ranks may share one GPU), bench (ringpipe bench over NCCL on as many
 # ranks as GPUs), dp1/dp2 (DistributedOptimizer against DDP on the GPU), profile (where a step's
 # time goes on the GPU, by torch.profiler), suite (the whole test suite on the GPU
