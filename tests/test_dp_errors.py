@@ -26,6 +26,7 @@ def _errors(comm):
     out["op"] = _catch(lambda: DistributedOptimizer(sgd(), op="max", comm=comm))
     out["algorithm"] = _catch(lambda: DistributedOptimizer(sgd(), algorithm="carrier-pigeon", comm=comm))
     out["passes"] = _catch(lambda: DistributedOptimizer(sgd(), backward_passes_per_step=0, comm=comm))
+    out["overlap"] = _catch(lambda: DistributedOptimizer(sgd(), overlap="sometimes", comm=comm))
 
     # Ranks that built different models are told so at construction (on every rank, no hang).
     other = nn.Linear(3, 2 + comm.rank)
@@ -51,6 +52,8 @@ def test_errors_name_the_problem_and_the_fix():
         assert "Average or Sum" in out["op"]
         assert "'carrier-pigeon'" in out["algorithm"] and "valid: native" in out["algorithm"]
         assert "backward_passes_per_step must be an integer >= 1" in out["passes"]
+        assert "overlap='sometimes' is not a launch policy" in out["overlap"], out["overlap"]
+        assert "overlap, after_backward" in out["overlap"]
         assert "parameter mismatch across ranks" in out["mismatch"] and "rank 1" in out["mismatch"]
         assert "(2, 3)" in out["mismatch"] and "(3, 3)" in out["mismatch"]
         assert "'weight' was computed 2 times before step()" in out["twice"] or "'bias'" in out["twice"]
@@ -76,8 +79,9 @@ DIFFERENT = {
     "backward_passes_per_step": (1, 2),
     "op": ("average", "sum"),
     "gradient_predivide_factor": (1.0, 2.0),
+    "overlap": (None, "sometimes"),  # rank 0 the default, rank 1 an unknown launch policy
 }
-SHOWN = {"compression": ("none", "fp16"), "op": ("average", "sum")}
+SHOWN = {"compression": ("none", "fp16"), "op": ("average", "sum"), "overlap": ("overlap", "sometimes")}
 
 
 def _different_settings(comm):

@@ -92,6 +92,8 @@ def configs() -> list[dict]:
         {"opt": "adam", "bucket": 256, "predivide": 2.0},
         {"opt": "sgd", "bucket": 64, "model": "branchy"},
         {"opt": "adam", "bucket": 1 << 22, "model": "branchy"},
+        {"opt": "sgd", "bucket": 64, "overlap": "after_backward"},
+        {"opt": "adam", "bucket": 256, "bpps": 2, "overlap": False, "model": "branchy"},
     ]
     return out
 
@@ -111,6 +113,7 @@ def train_distributed(comm, cfgs: list[dict]) -> list[list]:
             bucket_bytes=cfg["bucket"],
             algorithm=cfg.get("alg", "native"),
             comm=comm,
+            overlap=cfg.get("overlap"),
         )
         passes, n = cfg.get("bpps", 1), comm.size
         x_all, y_all = data(STEPS * passes * n * B)
@@ -136,11 +139,10 @@ def reference(cfg: dict, n: int) -> list[torch.Tensor]:
     for step in range(STEPS):
         opt.zero_grad()
         lo, hi = step * passes * n * B, (step + 1) * passes * n * B
-        if cfg.get("model") == "branchy":
+        if cfg.get("model") == "branchy":  # every pass of every rank: rank r's samples of pass j
             losses = [
-                nn.functional.mse_loss(forward(model, cfg, x_all[lo + r * B : lo + (r + 1) * B], r),
-                                       y_all[lo + r * B : lo + (r + 1) * B])
-                for r in range(n)
+                nn.functional.mse_loss(forward(model, cfg, x_all[c : c + B], r), y_all[c : c + B])
+                for j in range(passes) for r in range(n) for c in [lo + (j * n + r) * B]
             ]
             loss = torch.stack(losses).mean()
         else:
@@ -290,12 +292,12 @@ class _Halves(nn.Module):
         return self.top(_Pause.apply(self.bottom(x)))
 
 
-def _overlap(comm):
+def _overlap(comm, policy="overlap"):
     from ringpipe.comm.events import default_log
 
     model = _Halves()
     opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
-                               bucket_bytes=1, comm=comm)  # one bucket per parameter
+                               bucket_bytes=1, comm=comm, overlap=policy)  # one bucket per parameter
     x, y = data(B)
     log = default_log()
     log.clear()
@@ -320,6 +322,14 @@ def test_buckets_are_reduced_while_backward_runs():
         assert starts[0] < starts[3] < pause_end < starts[4]
         assert starts[3] < backward_end
         assert pause_end - pause_start >= PAUSE_S * 1e9
+
+
+@pytest.mark.timeout(60)
+def test_after_backward_holds_every_bucket_until_backward_ends(monkeypatch):
+    monkeypatch.setenv("RINGPIPE_OVERLAP", "0")  # the environment's spelling of overlap=False
+    for buckets, starts, _, backward_end in spawn(_overlap, 2, args=(None,)):
+        assert buckets == 8 and len(starts) == buckets
+        assert backward_end < starts[0], "a bucket went out before backward ended"
 
 
 def _messages_per_step(comm, join_support, compression="none"):

@@ -46,6 +46,7 @@ from ringpipe.dp.buckets import (
 )
 from ringpipe.dp.compression import Compression, Compressor
 from ringpipe.dp.engine import Engine
+from ringpipe.dp.launch_policy import policy_setting
 from ringpipe.dp.reduction import GradientReduction
 
 __all__ = ["DistributedOptimizer", "DEFAULT_BUCKET_BYTES", "DEFAULT_FIRST_BUCKET_BYTES"]
@@ -55,6 +56,14 @@ log = logging.getLogger(__name__)
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
 DEFAULT_FIRST_BUCKET_BYTES = 1024 * 1024
 _CREATED = itertools.count()
+
+
+def _launch_policy(overlap: str | bool | None) -> Any:
+    """The launch policy to compare across ranks: the resolved one, or the invalid value as given."""
+    try:
+        return policy_setting(overlap)
+    except ValueError:
+        return overlap
 
 
 class DistributedOptimizer(GradientReduction, torch.optim.Optimizer):
@@ -94,6 +103,10 @@ class DistributedOptimizer(GradientReduction, torch.optim.Optimizer):
             one-bucket step is still one allreduce; other announced collectives then carry that
             many zeros too. ``False`` (even shards, as DDP without its ``Join`` context) leaves
             them out; :func:`ringpipe.join` then refuses, naming this setting.
+        overlap: when buckets are launched (ringpipe's own setting; ``RINGPIPE_OVERLAP`` when
+            None): ``"overlap"`` or ``True`` (the default) as soon as each is full during
+            backward, ``"after_backward"`` or ``False`` all once backward ends
+            (:mod:`ringpipe.dp.launch_policy`). The numbers are the same either way.
 
     Construction is collective: every rank must pass the same settings and parameters (names,
     shapes, dtypes); otherwise every rank raises a ``ValueError`` naming what differs.
@@ -116,6 +129,7 @@ class DistributedOptimizer(GradientReduction, torch.optim.Optimizer):
         groups: int | Sequence[Sequence[torch.Tensor]] | None = None,
         sparse_as_dense: bool = False,
         process_set: Any = None,
+        overlap: str | bool | None = None,
     ) -> None:
         if isinstance(optimizer, DistributedOptimizer):
             raise TypeError("the optimizer is already a DistributedOptimizer; wrap the plain torch optimizer once")
@@ -147,6 +161,7 @@ class DistributedOptimizer(GradientReduction, torch.optim.Optimizer):
             "op": op,
             "gradient_predivide_factor": gradient_predivide_factor,
             "join_support": bool(join_support),
+            "overlap": _launch_policy(overlap),
         }
         # Invalid settings are raised only after every rank compared its settings (agree()), so
         # that a setting wrong on one rank does not leave the others waiting for it.
@@ -154,6 +169,7 @@ class DistributedOptimizer(GradientReduction, torch.optim.Optimizer):
         try:
             rop = validate(op, gradient_predivide_factor, backward_passes_per_step, bucket_bytes, first_bucket_bytes)
             compressor = Compression.parse(compression)
+            policy_setting(overlap)
         except ValueError as exc:
             problem = exc
         if comm is None:
@@ -207,6 +223,7 @@ class DistributedOptimizer(GradientReduction, torch.optim.Optimizer):
         self._slots = [Slot(p, n) for n, p in named]
         self._buckets = make_buckets(self._slots, explicit_groups(groups, self._slots), self.first_bucket_bytes,
                                      self.bucket_bytes, tail_cap=self.first_bucket_bytes)
+        self._hold = settings["overlap"] == "after_backward"  # ready buckets wait for step() / synchronize()
         self._next_launch = 0
         self._synchronized = False
         self._should_synchronize = True

@@ -51,6 +51,7 @@ class GradientReduction:
     _prescale: float
     _ride: int
     _served: torch.Tensor | None
+    _hold: bool
 
     def _ride_of(self, bucket: Bucket) -> int:
         """How many elements of the first bucket ride in the step's header (a float32 message).
@@ -89,7 +90,7 @@ class GradientReduction:
             bucket.pending -= 1
             if bucket.pending == 0 and clock is not None:
                 bucket.ready = time.perf_counter()
-            if bucket.pending == 0 and bucket.index == self._next_launch:
+            if bucket.pending == 0 and bucket.index == self._next_launch and not self._hold:
                 self._launch_ready()
 
         return hook

@@ -1,0 +1,41 @@
+"""When a DistributedOptimizer launches its buckets: as they fill during backward, or once it ends.
+
+Launching each bucket as soon as its gradients are ready (``overlap``, the default, as DDP and
+Horovod do) overlaps the reduction with the rest of backward. The overlap is free only where the
+transport's threads have cores of their own; where every core already runs backward, the
+reduction threads take cores from it, and posting every bucket after backward
+(``after_backward``) spends the same CPU time in another order. On a two-core host with a rank
+per core the two were level within the noise for an MLP at 2 and 4 ranks
+(``benchmarks/RESULTS.md``), so ``overlap`` stays the default and ``after_backward`` is a
+setting for hosts where it measures faster. The choice changes when buckets are posted, never
+what is summed or the order in which buckets go out; like every setting of the optimizer, it is
+compared across ranks at construction.
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["POLICIES", "policy_setting"]
+
+#: The accepted settings.
+POLICIES = ("overlap", "after_backward")
+_SPELLINGS = {"1": "overlap", "true": "overlap", "0": "after_backward", "false": "after_backward"}
+
+
+def policy_setting(value: str | bool | None) -> str:
+    """The launch policy from the argument, or from ``RINGPIPE_OVERLAP`` when it is None.
+
+    ``True`` means ``"overlap"`` and ``False`` ``"after_backward"`` (so do ``1`` / ``0`` in the
+    environment); anything else is refused, naming the accepted values.
+    """
+    source = "overlap"
+    if value is None:
+        raw = os.environ.get("RINGPIPE_OVERLAP", "").strip().lower()
+        value, source = _SPELLINGS.get(raw, raw or "overlap"), "RINGPIPE_OVERLAP"
+    if value is True or value is False:
+        return "overlap" if value else "after_backward"
+    if value not in POLICIES:
+        raise ValueError(f"{source}={value!r} is not a launch policy; use one of {', '.join(POLICIES)} "
+                         "(or True / False)")
+    return str(value)
