@@ -17,8 +17,9 @@ SGD with momentum) of the same model definition, data and transport in three way
   faster than this on it; a system's time over ``serial`` is its own overhead;
 - ``ddp``: ``torch.nn.parallel.DistributedDataParallel`` (with ``--compression fp16``, its
   ``fp16_compress_hook``);
-- ``ringpipe``: ``DistributedOptimizer`` with its defaults (join support on, as Horovod), and
-  ``ringpipe-nojoin`` with ``join_support=False`` (``--nojoin``).
+- ``ringpipe``: ``DistributedOptimizer`` with its defaults (join support on, as Horovod),
+  ``ringpipe-nojoin`` with ``join_support=False`` (``--nojoin``), and ``ringpipe-held`` with
+  ``overlap=False``: every bucket held until backward ends (``--held``).
 
 Each step is split into forward (+ loss), backward and optimizer step; for ringpipe, the
 optimizer's own clock adds gradient copies into the fusion buffers, the time from a bucket
@@ -179,7 +180,7 @@ class _SerialReduce:
 
 
 def _variants(comm: Any, kind: str, compression: str, nojoin: bool,
-              device: torch.device, serial: bool = False) -> dict[str, dict[str, Any]]:
+              device: torch.device, serial: bool = False, held: bool = False) -> dict[str, dict[str, Any]]:
     from ringpipe.dp import DistributedOptimizer
 
     def make_model_on_device(kind: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
@@ -203,12 +204,13 @@ def _variants(comm: Any, kind: str, compression: str, nojoin: bool,
 
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
     out["ddp"] = {"model": ddp, "opt": sgd(ddp), "x": x, "y": y}
-    for name, join in (("ringpipe", True), ("ringpipe-nojoin", False)):
-        if name == "ringpipe-nojoin" and not nojoin:
+    for name, join, overlap in (("ringpipe", True, True), ("ringpipe-nojoin", False, True),
+                                ("ringpipe-held", True, False)):
+        if (name == "ringpipe-nojoin" and not nojoin) or (name == "ringpipe-held" and not held):
             continue
         model, x, y = make_model_on_device(kind)
         opt = DistributedOptimizer(sgd(model), model.named_parameters(), comm=comm, compression=compression,
-                                   join_support=join)
+                                   join_support=join, overlap=overlap)
         out[name] = {"model": model, "opt": opt, "x": x, "y": y, "clocked": True}
     for v in out.values():
         v["samples"] = {k: [] for k in ("total", *PHASES)}
@@ -216,14 +218,14 @@ def _variants(comm: Any, kind: str, compression: str, nojoin: bool,
 
 
 def run_ranks(comm: Any, kind: str, compression: str, blocks: int, steps: int, nojoin: bool,
-              device_type: str = "cpu", serial: bool = False) -> dict[str, Any]:
+              device_type: str = "cpu", serial: bool = False, held: bool = False) -> dict[str, Any]:
     """One run on every rank: alternated blocks; per variant the median of each measure (slowest rank)."""
     torch.set_num_threads(1)
     device = torch.device("cpu")
     if device_type == "cuda":
         device = torch.device("cuda", comm.topology.local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
-    variants = _variants(comm, kind, compression, nojoin, device, serial)
+    variants = _variants(comm, kind, compression, nojoin, device, serial, held)
     for v in variants.values():
         _steps(v, 3)  # warm-up
         if v.get("clocked"):
@@ -250,11 +252,11 @@ def run_ranks(comm: Any, kind: str, compression: str, blocks: int, steps: int, n
 
 
 def _one_run(kind: str, ranks: int, compression: str, blocks: int, steps: int, nojoin: bool,
-             device: str = "cpu", backend: str = "gloo", serial: bool = False) -> dict[str, Any]:
+             device: str = "cpu", backend: str = "gloo", serial: bool = False, held: bool = False) -> dict[str, Any]:
     from ringpipe.launch import spawn
 
     return spawn(run_ranks, ranks, backend=backend,
-                 args=(kind, compression, blocks, steps, nojoin, device, serial))[0]
+                 args=(kind, compression, blocks, steps, nojoin, device, serial, held))[0]
 
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -273,6 +275,9 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
         for name in ("ddp", "ringpipe"):
             r = [run["variants"][name]["total"] / run["variants"]["serial"]["total"] for run in runs]
             out[f"{name}_over_serial"] = (statistics.median(r), min(r), max(r))
+    if "ringpipe-held" in runs[0]["variants"]:  # buckets held until backward ends, against overlapping them
+        r = [run["variants"]["ringpipe-held"]["total"] / run["variants"]["ringpipe"]["total"] for run in runs]
+        out["held_over_overlap"] = (statistics.median(r), min(r), max(r))
     return out
 
 
@@ -312,6 +317,11 @@ def report(results: list[tuple[str, int, str, dict[str, Any]]]) -> str:
                 d, r = s["ddp_over_serial"], s["ringpipe_over_serial"]
                 lines.append(f"| {kind} | {ranks} | {comp} | {_ms(s['variants']['serial']['total'])} | "
                              f"{d[0]:.3f} ({d[1]:.3f}-{d[2]:.3f}) | {r[0]:.3f} ({r[1]:.3f}-{r[2]:.3f}) |")
+    if any("held_over_overlap" in s for *_, s in results):
+        lines += ["", "Buckets held until backward ends against launched as they fill (`ringpipe-held` / "
+                  "`ringpipe`, median over runs of each run's ratio, lowest-highest): " + "; ".join(
+                      f"{kind} {ranks} {comp}: {h[0]:.3f} ({h[1]:.3f}-{h[2]:.3f})" for kind, ranks, comp, s in results
+                      for h in [s.get("held_over_overlap")] if h)]
     names = _names(results)
     lines += ["", "Single steps (ms, median over runs of each run's 10th / 50th / 90th percentile):", "",
               "| model | ranks | wire | " + " | ".join(names) + " |",
@@ -345,6 +355,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nojoin", action="store_true", help="also time DistributedOptimizer(join_support=False)")
     p.add_argument("--serial", action="store_true",
                    help="also time the bound plus one blocking allreduce of all gradients (the transport alone)")
+    p.add_argument("--held", action="store_true",
+                   help="also time DistributedOptimizer(overlap=False): buckets held until backward ends")
     p.add_argument("--json", default=None, help="write the numbers to this file")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where models and batches live")
     p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo",
@@ -361,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
             for comp in args.compression.split(","):
                 steps = args.steps or default_steps.get(kind, 5)
                 runs = [_one_run(kind, ranks, comp, args.blocks, steps, args.nojoin, args.device, args.backend,
-                                 args.serial)
+                                 args.serial, args.held)
                         for _ in range(args.runs)]
                 s = summarize(runs)
                 results.append((kind, ranks, comp, s))

@@ -135,8 +135,13 @@ class GradientReduction:
         compressor = self.compression
         reduce = self._reduce
         buffer = bucket.buffer
+        # The last bucket carries, per parameter, whether this rank had its gradient (summed: how
+        # many ranks had it). A rank that had every gradient sends ones and, as then no parameter
+        # can lack a gradient on every rank, has nothing to look for in the sum.
+        everywhere = bool(bucket.bitmap) and all(s.used for s in self._slots)
         used = (
-            torch.tensor([float(s.used) for s in self._slots], dtype=buffer.dtype) if bucket.bitmap else None
+            torch.tensor([float(s.used) for s in self._slots], dtype=buffer.dtype)
+            if bucket.bitmap and not everywhere else None
         )
         # MPI does not match the blocking header allreduce of a joined rank with a non-blocking one
         overlap = self._overlap_header
@@ -148,7 +153,9 @@ class GradientReduction:
                     bucket.wire = torch.empty_like(buffer, dtype=compressor.wire_dtype)
                 wire = bucket.wire
                 wire.copy_(buffer)
-            if used is not None:
+            if everywhere:
+                wire[bucket.numel :].fill_(1.0)
+            elif used is not None:
                 wire[bucket.numel : bucket.numel + bucket.bitmap] = used
             if not self.join_support:
                 return reduce(wire)
@@ -168,7 +175,7 @@ class GradientReduction:
         def then(wire: torch.Tensor) -> None:
             if wire is not buffer:
                 buffer.copy_(wire)
-            if bucket.bitmap:
+            if bucket.bitmap and not everywhere:
                 nobody = buffer[bucket.numel : bucket.numel + bucket.bitmap] == 0
                 self._unused = nobody.nonzero().flatten().tolist() if bool(nobody.any()) else []
             if average:
