@@ -358,3 +358,47 @@ def test_a_one_bucket_step_is_one_allreduce_with_or_without_join_support(join_su
     (half-precision wires ride widened to float32)."""
     for counts in spawn(_messages_per_step, 2, args=(join_support, compression)):
         assert counts == [1, 1, 1]
+
+
+def _compressed_gradients(comm, wire_name):
+    """Each rank's averaged gradients after synchronize(), over two steps, and the plain formula's."""
+    wire = {"fp16": torch.float16, "bf16": torch.bfloat16}[wire_name]
+
+    def build():
+        torch.manual_seed(0)  # the last layer's 160,400 gradients: more than ride in the announcement
+        return nn.Sequential(nn.Linear(16, 400), nn.Tanh(), nn.Linear(400, 400))
+
+    model = build()
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), model.named_parameters(),
+                               compression=wire_name, first_bucket_bytes=600_000, comm=comm)
+    g = torch.Generator().manual_seed(7)
+    xs = [torch.randn(comm.size, 4, 16, generator=g) for _ in range(2)]
+    out = []
+    for step, x in enumerate(xs):
+        # the second step zeroes the gradients in place: backward accumulates into the bucket's views
+        opt.zero_grad(set_to_none=step == 0)
+        model(x[comm.rank]).square().mean().backward()
+        opt.synchronize()
+        got = [p.grad.clone() for p in model.parameters()]
+        with opt.skip_synchronize():
+            opt.step()
+        # the plain formula: each rank's gradient divided by the size, cast to the wire, summed
+        # there (one rounding of the exact sum of two values), cast back
+        per_rank = []
+        for r in range(comm.size):
+            ref = build()
+            ref(x[r]).square().mean().backward()
+            per_rank.append([(p.grad / comm.size).to(wire).float() for p in ref.parameters()])
+        want = [sum(gs).to(wire).float() for gs in zip(*per_rank, strict=True)]
+        out.append((got, want))
+    return len(opt._buckets), out
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("wire_name", ["fp16", "bf16"])
+def test_compressed_gradients_are_each_rank_s_cast_share_summed_on_the_wire(wire_name):
+    for buckets, steps in spawn(_compressed_gradients, 2, args=(wire_name,)):
+        assert buckets == 2
+        for got, want in steps:
+            for a, b in zip(got, want, strict=True):
+                assert a.dtype == torch.float32 and torch.equal(a, b), (a - b).abs().max()
