@@ -22,14 +22,13 @@ __all__ = ["Slot", "Bucket", "make_buckets", "split_tail", "name_parameters", "t
 class Slot:
     """One parameter's place in a bucket."""
 
-    __slots__ = ("param", "name", "bucket", "view", "wire_view", "count", "used", "sparse")
+    __slots__ = ("param", "name", "bucket", "view", "count", "used", "sparse")
 
     def __init__(self, param: torch.nn.Parameter, name: str) -> None:
         self.param = param
         self.name = name
         self.bucket: Bucket | None = None
         self.view: torch.Tensor | None = None
-        self.wire_view: torch.Tensor | None = None  # its place in the bucket's wire, where compression casts
         self.count = 0
         self.used = False
         self.sparse = False  # the last gradient came sparse (it is handed back sparse)
@@ -57,20 +56,6 @@ class Bucket:
         self.handle: Handle | None = None
         self.wire: torch.Tensor | None = None
         self.ready = 0.0  # when its last gradient arrived (timed steps only)
-
-    def attach_wire(self, dtype: torch.dtype) -> None:
-        """Give the bucket a wire buffer of ``dtype`` (compression) and each slot its view of it.
-
-        The gradients are then cast into the wire as they are copied in, in the same pass (one
-        read of each gradient instead of a copy into the buffer and a cast of the buffer); the
-        reduced wire is cast back into the buffer, of which ``param.grad`` is a view.
-        """
-        self.wire = torch.zeros_like(self.buffer, dtype=dtype)
-        offset = 0
-        for s in self.slots:
-            n = s.param.numel()
-            s.wire_view = self.wire[offset : offset + n].view(s.param.shape)
-            offset += n
 
 
 def make_buckets(slots: list[Slot], explicit: list[list[Slot]] | None, first_cap: int, cap: int,

@@ -224,11 +224,6 @@ class DistributedOptimizer(GradientReduction, torch.optim.Optimizer):
         self._buckets = make_buckets(self._slots, explicit_groups(groups, self._slots), self.first_bucket_bytes,
                                      self.bucket_bytes, tail_cap=self.first_bucket_bytes)
         self._hold = settings["overlap"] == "after_backward"  # ready buckets wait for step() / synchronize()
-        if not (rop is ReduceOp.ADASUM and comm.size > 1):
-            for bucket in self._buckets:  # compression casts as gradients are copied in
-                if compressor.applies_to(bucket.buffer.dtype):
-                    assert compressor.wire_dtype is not None
-                    bucket.attach_wire(compressor.wire_dtype)
         self._next_launch = 0
         self._synchronized = False
         self._should_synchronize = True
@@ -381,7 +376,7 @@ class DistributedOptimizer(GradientReduction, torch.optim.Optimizer):
             assert slot.view is not None
             slot.param.grad = slot.view
         for bucket in self._buckets:
-            (bucket.buffer if bucket.wire is None else bucket.wire).zero_()
+            bucket.buffer.zero_()
             bucket.pending = 0
         self._active = float(note.count)
         self._next_launch = 0

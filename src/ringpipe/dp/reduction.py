@@ -99,29 +99,24 @@ class GradientReduction:
         """Make ``param.grad`` the bucket view holding the gradient, divided as an Average needs it.
 
         Average divides before the sum: by the predivide factor, and by the world size too when
-        there is no predivide factor (:attr:`_prescale`); fused with the copy into the bucket. With
-        compression the copy goes straight into the bucket's wire, cast in the same pass, and
-        ``param.grad`` gets the reduced gradient when the wire is cast back.
+        there is no predivide factor (:attr:`_prescale`); fused with the copy into the bucket.
         """
         param, view = slot.param, slot.view
         assert view is not None
-        target = view if slot.wire_view is None else slot.wire_view
         scale = self._prescale
         grad = param.grad
         if grad is not None and grad.is_sparse:
             slot.sparse = True
             grad = grad.to_dense()
         if grad is None:
-            target.zero_()
+            view.zero_()
         elif grad.data_ptr() != view.data_ptr() or grad.shape != view.shape:
             if scale == 1.0:
-                target.copy_(grad)
+                view.copy_(grad)
             else:
-                torch.mul(grad, scale, out=target)
+                torch.mul(grad, scale, out=view)
         else:  # accumulated into the bucket already
-            if target is not view:
-                torch.mul(view, scale, out=target)
-            elif scale != 1.0:
+            if scale != 1.0:
                 view.mul_(scale)
             return
         param.grad = view
@@ -137,6 +132,7 @@ class GradientReduction:
         average = self.op is ReduceOp.AVERAGE
         size = float(self.comm.size)
         factor = self.gradient_predivide_factor
+        compressor = self.compression
         reduce = self._reduce
         buffer = bucket.buffer
         # The last bucket carries, per parameter, whether this rank had its gradient (summed: how
@@ -151,8 +147,12 @@ class GradientReduction:
         overlap = self._overlap_header
 
         def task() -> Any:
-            # with compression the hooks cast the gradients into the wire (_take_grad)
-            wire = buffer if bucket.wire is None else bucket.wire
+            wire = buffer
+            if compressor.applies_to(buffer.dtype):
+                if bucket.wire is None:
+                    bucket.wire = torch.empty_like(buffer, dtype=compressor.wire_dtype)
+                wire = bucket.wire
+                wire.copy_(buffer)
             if everywhere:
                 wire[bucket.numel :].fill_(1.0)
             elif used is not None:
