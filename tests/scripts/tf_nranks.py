@@ -86,6 +86,9 @@ def collectives(r, n):
     # the last rank passes a dtype no collective takes: every rank raises (none waits for it)
     result["err_dtype"] = raised(lambda: hvd.allreduce(tf.constant(["a", "b"]) if r == n - 1 else tf.ones([2])))
     result["err_dtype_gather"] = raised(lambda: hvd.allgather(tf.constant(["a"]) if r == n - 1 else tf.ones([1])))
+    # the same inside a tf.function: the op runs in the graph, the refusal still reaches every rank
+    result["err_dtype_graph"] = raised(lambda: tf.function(lambda t: hvd.allreduce(t))(
+        tf.constant(["a", "b"]) if r == n - 1 else tf.ones([2])))
     result["err_dtype_vars"] = raised(lambda: hvd.broadcast_variables(
         [tf.Variable(["a"]) if r == n - 1 else tf.Variable([1.0])], root_rank=0))
     result["after_errors"] = hvd.allreduce(tf.constant([1.0]), op=hvd.Sum).numpy().tolist()
