@@ -46,7 +46,7 @@ from ringpipe.dp.buckets import (
 )
 from ringpipe.dp.compression import Compression, Compressor
 from ringpipe.dp.engine import Engine
-from ringpipe.dp.launch_policy import policy_setting
+from ringpipe.dp.launch_policy import comparable_policy, policy_setting
 from ringpipe.dp.reduction import GradientReduction
 
 __all__ = ["DistributedOptimizer", "DEFAULT_BUCKET_BYTES", "DEFAULT_FIRST_BUCKET_BYTES"]
@@ -56,14 +56,6 @@ log = logging.getLogger(__name__)
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
 DEFAULT_FIRST_BUCKET_BYTES = 1024 * 1024
 _CREATED = itertools.count()
-
-
-def _launch_policy(overlap: str | bool | None) -> Any:
-    """The launch policy to compare across ranks: the resolved one, or the invalid value as given."""
-    try:
-        return policy_setting(overlap)
-    except ValueError:
-        return overlap
 
 
 class DistributedOptimizer(GradientReduction, torch.optim.Optimizer):
@@ -161,7 +153,7 @@ class DistributedOptimizer(GradientReduction, torch.optim.Optimizer):
             "op": op,
             "gradient_predivide_factor": gradient_predivide_factor,
             "join_support": bool(join_support),
-            "overlap": _launch_policy(overlap),
+            "overlap": comparable_policy(overlap),
         }
         # Invalid settings are raised only after every rank compared its settings (agree()), so
         # that a setting wrong on one rank does not leave the others waiting for it.
