@@ -18,8 +18,11 @@ SGD with momentum) of the same model definition, data and transport in three way
 - ``ddp``: ``torch.nn.parallel.DistributedDataParallel`` (with ``--compression fp16``, its
   ``fp16_compress_hook``);
 - ``ringpipe``: ``DistributedOptimizer`` with its defaults (join support on, as Horovod),
-  ``ringpipe-nojoin`` with ``join_support=False`` (``--nojoin``), and ``ringpipe-held`` with
-  ``overlap=False``: every bucket held until backward ends (``--held``).
+  ``ringpipe-nojoin`` with ``join_support=False`` (``--nojoin``), ``ringpipe-held`` with
+  ``overlap=False``: every bucket held until backward ends (``--held``), and ``ringpipe-whole``
+  (``--whole-step``): ``synchronize()``, then ``step()`` inside ``skip_synchronize()`` (Horovod's
+  pattern for clipping), so every parameter is updated once after the last reduction instead of
+  each bucket's as soon as it is reduced.
 
 Each step is split into forward (+ loss), backward and optimizer step; for ringpipe, the
 optimizer's own clock adds gradient copies into the fusion buffers, the time from a bucket
@@ -179,8 +182,24 @@ class _SerialReduce:
         self.opt.step()
 
 
+class _WholeStep:
+    """A DistributedOptimizer stepped as ``synchronize()`` then ``step()`` in ``skip_synchronize()``."""
+
+    def __init__(self, opt: Any) -> None:
+        self.opt = opt
+
+    def zero_grad(self) -> None:
+        self.opt.zero_grad()
+
+    def step(self) -> None:
+        self.opt.synchronize()
+        with self.opt.skip_synchronize():
+            self.opt.step()
+
+
 def _variants(comm: Any, kind: str, compression: str, nojoin: bool,
-              device: torch.device, serial: bool = False, held: bool = False) -> dict[str, dict[str, Any]]:
+              device: torch.device, serial: bool = False, held: bool = False,
+              whole: bool = False) -> dict[str, dict[str, Any]]:
     from ringpipe.dp import DistributedOptimizer
 
     def make_model_on_device(kind: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
@@ -212,20 +231,25 @@ def _variants(comm: Any, kind: str, compression: str, nojoin: bool,
         opt = DistributedOptimizer(sgd(model), model.named_parameters(), comm=comm, compression=compression,
                                    join_support=join, overlap=overlap)
         out[name] = {"model": model, "opt": opt, "x": x, "y": y, "clocked": True}
+    if whole:
+        model, x, y = make_model_on_device(kind)
+        opt = DistributedOptimizer(sgd(model), model.named_parameters(), comm=comm, compression=compression)
+        out["ringpipe-whole"] = {"model": model, "opt": _WholeStep(opt), "x": x, "y": y}
     for v in out.values():
         v["samples"] = {k: [] for k in ("total", *PHASES)}
     return out
 
 
 def run_ranks(comm: Any, kind: str, compression: str, blocks: int, steps: int, nojoin: bool,
-              device_type: str = "cpu", serial: bool = False, held: bool = False) -> dict[str, Any]:
+              device_type: str = "cpu", serial: bool = False, held: bool = False,
+              whole: bool = False) -> dict[str, Any]:
     """One run on every rank: alternated blocks; per variant the median of each measure (slowest rank)."""
     torch.set_num_threads(1)
     device = torch.device("cpu")
     if device_type == "cuda":
         device = torch.device("cuda", comm.topology.local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
-    variants = _variants(comm, kind, compression, nojoin, device, serial, held)
+    variants = _variants(comm, kind, compression, nojoin, device, serial, held, whole)
     for v in variants.values():
         _steps(v, 3)  # warm-up
         if v.get("clocked"):
@@ -252,11 +276,12 @@ def run_ranks(comm: Any, kind: str, compression: str, blocks: int, steps: int, n
 
 
 def _one_run(kind: str, ranks: int, compression: str, blocks: int, steps: int, nojoin: bool,
-             device: str = "cpu", backend: str = "gloo", serial: bool = False, held: bool = False) -> dict[str, Any]:
+             device: str = "cpu", backend: str = "gloo", serial: bool = False, held: bool = False,
+             whole: bool = False) -> dict[str, Any]:
     from ringpipe.launch import spawn
 
     return spawn(run_ranks, ranks, backend=backend,
-                 args=(kind, compression, blocks, steps, nojoin, device, serial, held))[0]
+                 args=(kind, compression, blocks, steps, nojoin, device, serial, held, whole))[0]
 
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -278,6 +303,9 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     if "ringpipe-held" in runs[0]["variants"]:  # buckets held until backward ends, against overlapping them
         r = [run["variants"]["ringpipe-held"]["total"] / run["variants"]["ringpipe"]["total"] for run in runs]
         out["held_over_overlap"] = (statistics.median(r), min(r), max(r))
+    if "ringpipe-whole" in runs[0]["variants"]:  # one update after the last reduction, against by bucket
+        r = [run["variants"]["ringpipe-whole"]["total"] / run["variants"]["ringpipe"]["total"] for run in runs]
+        out["whole_over_by_bucket"] = (statistics.median(r), min(r), max(r))
     return out
 
 
@@ -322,6 +350,11 @@ def report(results: list[tuple[str, int, str, dict[str, Any]]]) -> str:
                   "`ringpipe`, median over runs of each run's ratio, lowest-highest): " + "; ".join(
                       f"{kind} {ranks} {comp}: {h[0]:.3f} ({h[1]:.3f}-{h[2]:.3f})" for kind, ranks, comp, s in results
                       for h in [s.get("held_over_overlap")] if h)]
+    if any("whole_over_by_bucket" in s for *_, s in results):
+        lines += ["", "One update after the last reduction against each bucket's as it is reduced (`ringpipe-whole` / "
+                  "`ringpipe`, median over runs of each run's ratio, lowest-highest): " + "; ".join(
+                      f"{kind} {ranks} {comp}: {h[0]:.3f} ({h[1]:.3f}-{h[2]:.3f})" for kind, ranks, comp, s in results
+                      for h in [s.get("whole_over_by_bucket")] if h)]
     names = _names(results)
     lines += ["", "Single steps (ms, median over runs of each run's 10th / 50th / 90th percentile):", "",
               "| model | ranks | wire | " + " | ".join(names) + " |",
@@ -357,6 +390,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="also time the bound plus one blocking allreduce of all gradients (the transport alone)")
     p.add_argument("--held", action="store_true",
                    help="also time DistributedOptimizer(overlap=False): buckets held until backward ends")
+    p.add_argument("--whole-step", action="store_true",
+                   help="also time synchronize() then step() in skip_synchronize(): one update after all reductions")
     p.add_argument("--json", default=None, help="write the numbers to this file")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where models and batches live")
     p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo",
@@ -373,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
             for comp in args.compression.split(","):
                 steps = args.steps or default_steps.get(kind, 5)
                 runs = [_one_run(kind, ranks, comp, args.blocks, steps, args.nojoin, args.device, args.backend,
-                                 args.serial, args.held)
+                                 args.serial, args.held, args.whole_step)
                         for _ in range(args.runs)]
                 s = summarize(runs)
                 results.append((kind, ranks, comp, s))
