@@ -49,11 +49,11 @@ def _mine(rank: int, batches: tuple[int, ...]) -> list[int]:
     return [k * n + rank for k in range(batches[rank])]
 
 
-def _uneven_with_schedule(comm, batches, kind, wide=False, compression=None):
+def _uneven_with_schedule(comm, batches, kind, wide=False, compression=None, overlap=True):
     model = _model(wide)
     opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9),
                                model.named_parameters(), bucket_bytes=None if wide else 100, comm=comm,
-                               compression=compression)
+                               compression=compression, overlap=overlap)
     sched = _scheduler(kind, opt)
     xs, ys = _batches()
     for i in _mine(comm.rank, batches):
@@ -86,6 +86,14 @@ def _schedule_reference(batches, kind, wide=False):
 @pytest.mark.parametrize(("batches", "kind"), [((3, 1), "step"), ((1, 2, 4), "lambda")])
 def test_join_serves_steps_with_the_learning_rate_of_the_ranks_with_data(batches, kind):
     _check_schedule(spawn(_uneven_with_schedule, len(batches), args=(batches, kind)), batches, kind)
+
+
+@pytest.mark.timeout(90)
+def test_join_serves_steps_whose_buckets_are_held_until_backward_ends():
+    """overlap=False: the ranks with data post every bucket in step(); the joined ranks serve them alike."""
+    batches = (1, 2, 4)
+    results = spawn(_uneven_with_schedule, len(batches), args=(batches, "lambda", False, None, False))
+    _check_schedule(results, batches, "lambda")
 
 
 @pytest.mark.timeout(90)
