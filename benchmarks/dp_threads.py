@@ -81,7 +81,7 @@ def run_ranks(comm: Any, kind: str, steps: int, names: list[str]) -> dict[str, A
     import torch
 
     torch.set_num_threads(1)
-    variants = {k: v for k, v in _variants(comm, kind, "none", False).items() if k in names}
+    variants = {k: v for k, v in _variants(comm, kind, "none", False, torch.device("cpu")).items() if k in names}
     rows: dict[str, list[dict[str, Any]]] = {k: [] for k in variants}
     for v in variants.values():
         _profile(v, 3)
