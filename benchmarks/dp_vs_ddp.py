@@ -197,9 +197,18 @@ class _WholeStep:
             self.opt.step()
 
 
+#: Variants timed only when asked for, each against ringpipe's defaults in the report: what the
+#: median over runs of its step time over ringpipe's says.
+AGAINST_DEFAULTS = {
+    "ringpipe-held": "Buckets held until backward ends against launched as they fill",
+    "ringpipe-whole": "One update after the last reduction against each bucket's as it is reduced",
+}
+
+
 def _variants(comm: Any, kind: str, compression: str, nojoin: bool,
-              device: torch.device, serial: bool = False, held: bool = False,
-              whole: bool = False) -> dict[str, dict[str, Any]]:
+              device: torch.device, extras: tuple[str, ...] = ()) -> dict[str, dict[str, Any]]:
+    """bound, DDP and ringpipe (and ringpipe-nojoin with ``nojoin``), plus the ``extras`` named:
+    ``serial``, ``ringpipe-held``, ``ringpipe-whole``."""
     from ringpipe.dp import DistributedOptimizer
 
     def make_model_on_device(kind: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
@@ -212,7 +221,7 @@ def _variants(comm: Any, kind: str, compression: str, nojoin: bool,
     out: dict[str, dict[str, Any]] = {}
     model, x, y = make_model_on_device(kind)
     out["bound"] = {"model": model, "opt": sgd(model), "x": x, "y": y}
-    if serial:
+    if "serial" in extras:
         model, x, y = make_model_on_device(kind)
         numel = sum(p.numel() for p in model.parameters())
         out["serial"] = {"model": model, "opt": _SerialReduce(sgd(model), numel, device), "x": x, "y": y}
@@ -225,13 +234,13 @@ def _variants(comm: Any, kind: str, compression: str, nojoin: bool,
     out["ddp"] = {"model": ddp, "opt": sgd(ddp), "x": x, "y": y}
     for name, join, overlap in (("ringpipe", True, True), ("ringpipe-nojoin", False, True),
                                 ("ringpipe-held", True, False)):
-        if (name == "ringpipe-nojoin" and not nojoin) or (name == "ringpipe-held" and not held):
+        if (name == "ringpipe-nojoin" and not nojoin) or (name == "ringpipe-held" and name not in extras):
             continue
         model, x, y = make_model_on_device(kind)
         opt = DistributedOptimizer(sgd(model), model.named_parameters(), comm=comm, compression=compression,
                                    join_support=join, overlap=overlap)
         out[name] = {"model": model, "opt": opt, "x": x, "y": y, "clocked": True}
-    if whole:
+    if "ringpipe-whole" in extras:
         model, x, y = make_model_on_device(kind)
         opt = DistributedOptimizer(sgd(model), model.named_parameters(), comm=comm, compression=compression)
         out["ringpipe-whole"] = {"model": model, "opt": _WholeStep(opt), "x": x, "y": y}
@@ -241,15 +250,14 @@ def _variants(comm: Any, kind: str, compression: str, nojoin: bool,
 
 
 def run_ranks(comm: Any, kind: str, compression: str, blocks: int, steps: int, nojoin: bool,
-              device_type: str = "cpu", serial: bool = False, held: bool = False,
-              whole: bool = False) -> dict[str, Any]:
+              device_type: str = "cpu", extras: tuple[str, ...] = ()) -> dict[str, Any]:
     """One run on every rank: alternated blocks; per variant the median of each measure (slowest rank)."""
     torch.set_num_threads(1)
     device = torch.device("cpu")
     if device_type == "cuda":
         device = torch.device("cuda", comm.topology.local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
-    variants = _variants(comm, kind, compression, nojoin, device, serial, held, whole)
+    variants = _variants(comm, kind, compression, nojoin, device, extras)
     for v in variants.values():
         _steps(v, 3)  # warm-up
         if v.get("clocked"):
@@ -276,12 +284,11 @@ def run_ranks(comm: Any, kind: str, compression: str, blocks: int, steps: int, n
 
 
 def _one_run(kind: str, ranks: int, compression: str, blocks: int, steps: int, nojoin: bool,
-             device: str = "cpu", backend: str = "gloo", serial: bool = False, held: bool = False,
-             whole: bool = False) -> dict[str, Any]:
+             device: str = "cpu", backend: str = "gloo", extras: tuple[str, ...] = ()) -> dict[str, Any]:
     from ringpipe.launch import spawn
 
     return spawn(run_ranks, ranks, backend=backend,
-                 args=(kind, compression, blocks, steps, nojoin, device, serial, held, whole))[0]
+                 args=(kind, compression, blocks, steps, nojoin, device, extras))[0]
 
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -300,12 +307,11 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
         for name in ("ddp", "ringpipe"):
             r = [run["variants"][name]["total"] / run["variants"]["serial"]["total"] for run in runs]
             out[f"{name}_over_serial"] = (statistics.median(r), min(r), max(r))
-    if "ringpipe-held" in runs[0]["variants"]:  # buckets held until backward ends, against overlapping them
-        r = [run["variants"]["ringpipe-held"]["total"] / run["variants"]["ringpipe"]["total"] for run in runs]
-        out["held_over_overlap"] = (statistics.median(r), min(r), max(r))
-    if "ringpipe-whole" in runs[0]["variants"]:  # one update after the last reduction, against by bucket
-        r = [run["variants"]["ringpipe-whole"]["total"] / run["variants"]["ringpipe"]["total"] for run in runs]
-        out["whole_over_by_bucket"] = (statistics.median(r), min(r), max(r))
+    out["against_defaults"] = {}
+    for name in AGAINST_DEFAULTS:  # run by run, the variant's step over ringpipe's with its defaults
+        if name in runs[0]["variants"]:
+            r = [run["variants"][name]["total"] / run["variants"]["ringpipe"]["total"] for run in runs]
+            out["against_defaults"][name] = (statistics.median(r), min(r), max(r))
     return out
 
 
@@ -345,16 +351,12 @@ def report(results: list[tuple[str, int, str, dict[str, Any]]]) -> str:
                 d, r = s["ddp_over_serial"], s["ringpipe_over_serial"]
                 lines.append(f"| {kind} | {ranks} | {comp} | {_ms(s['variants']['serial']['total'])} | "
                              f"{d[0]:.3f} ({d[1]:.3f}-{d[2]:.3f}) | {r[0]:.3f} ({r[1]:.3f}-{r[2]:.3f}) |")
-    if any("held_over_overlap" in s for *_, s in results):
-        lines += ["", "Buckets held until backward ends against launched as they fill (`ringpipe-held` / "
-                  "`ringpipe`, median over runs of each run's ratio, lowest-highest): " + "; ".join(
-                      f"{kind} {ranks} {comp}: {h[0]:.3f} ({h[1]:.3f}-{h[2]:.3f})" for kind, ranks, comp, s in results
-                      for h in [s.get("held_over_overlap")] if h)]
-    if any("whole_over_by_bucket" in s for *_, s in results):
-        lines += ["", "One update after the last reduction against each bucket's as it is reduced (`ringpipe-whole` / "
-                  "`ringpipe`, median over runs of each run's ratio, lowest-highest): " + "; ".join(
-                      f"{kind} {ranks} {comp}: {h[0]:.3f} ({h[1]:.3f}-{h[2]:.3f})" for kind, ranks, comp, s in results
-                      for h in [s.get("whole_over_by_bucket")] if h)]
+    for name, what in AGAINST_DEFAULTS.items():
+        cells = [f"{kind} {ranks} {comp}: {h[0]:.3f} ({h[1]:.3f}-{h[2]:.3f})" for kind, ranks, comp, s in results
+                 for h in [s["against_defaults"].get(name)] if h]
+        if cells:
+            lines += ["", f"{what} (`{name}` / `ringpipe`, median over runs of each run's ratio, lowest-highest): "
+                      + "; ".join(cells)]
     names = _names(results)
     lines += ["", "Single steps (ms, median over runs of each run's 10th / 50th / 90th percentile):", "",
               "| model | ranks | wire | " + " | ".join(names) + " |",
@@ -402,13 +404,15 @@ def main(argv: list[str] | None = None) -> int:
     default_steps = {"small": 60, "transformer": 15, "mlp": 5, "resnet": 3}
     if args.device == "cuda":  # steps of a millisecond or less: more of them per block
         default_steps = {"small": 200, "transformer": 100, "mlp": 100, "resnet": 50}
+    extras = tuple(name for name, asked in (("serial", args.serial), ("ringpipe-held", args.held),
+                                            ("ringpipe-whole", args.whole_step)) if asked)
     results = []
     for kind in args.models.split(","):
         for ranks in (int(r) for r in args.ranks.split(",")):
             for comp in args.compression.split(","):
                 steps = args.steps or default_steps.get(kind, 5)
                 runs = [_one_run(kind, ranks, comp, args.blocks, steps, args.nojoin, args.device, args.backend,
-                                 args.serial, args.held, args.whole_step)
+                                 extras)
                         for _ in range(args.runs)]
                 s = summarize(runs)
                 results.append((kind, ranks, comp, s))
