@@ -7,9 +7,9 @@ reduction threads take cores from it, and posting every bucket after backward
 (``after_backward``) spends the same CPU time in another order. On a two-core host with a rank
 per core, holding the buckets measured 4-5 % slower than overlapping for an MLP and ResNet-18 at
 2 ranks, and level within the noise at 4 (``benchmarks/RESULTS.md``), so ``overlap`` stays the
-default and ``after_backward`` is a setting for hosts where it measures faster. The choice changes when buckets are posted, never
-what is summed or the order in which buckets go out; like every setting of the optimizer, it is
-compared across ranks at construction.
+default and ``after_backward`` is a setting for hosts where it measures faster. The choice
+changes when buckets are posted, never what is summed or the order in which buckets go out;
+like every setting of the optimizer, it is compared across ranks at construction.
 """
 
 from __future__ import annotations
