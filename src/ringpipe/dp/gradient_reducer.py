@@ -37,7 +37,7 @@ class GradientReducer:
     Args:
         comm: the communicator the gradients are reduced over.
         named: the (name, parameter) pairs to reduce, in registration order.
-        reduce: the sum-allreduce of a bucket (:func:`ringpipe.dp.buckets.reducer` of ``algorithm``).
+        reduce: the sum-allreduce of a bucket (:func:`ringpipe.dp.buckets.bucket_allreduce` of ``algorithm``).
         algorithm: the name ``reduce`` was built from.
         compression: the wire's compressor.
         op: Average, Sum or Adasum (Adasum: no hooks, the optimizer combines updates in ``step()``).

@@ -38,7 +38,7 @@ from ringpipe.comm.base import Communicator, ReduceOp
 from ringpipe.dp.agreement import agree, comparable, layout_of, validate
 from ringpipe.dp.announce import Note, announce
 from ringpipe.dp.bucket_step import step_only, steps_by_bucket
-from ringpipe.dp.buckets import Bucket, groups_setting, name_parameters, reducer
+from ringpipe.dp.buckets import Bucket, bucket_allreduce, groups_setting, name_parameters
 from ringpipe.dp.compression import Compression, Compressor
 from ringpipe.dp.engine import Engine
 from ringpipe.dp.gradient_reducer import GradientReducer
@@ -182,7 +182,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             comm = resolve(process_set, "DistributedOptimizer")[0]
         reduce: Any = None
         try:
-            reduce = reducer(comm, algorithm)
+            reduce = bucket_allreduce(comm, algorithm)
         except ValueError as exc:
             problem = problem or exc
         named: list[tuple[str, torch.nn.Parameter]] = []
