@@ -43,7 +43,7 @@ VARIANTS = ("ddp", "before", "bucket-step", "tail", "default")
 
 def _build(comm: Any, kind: str, name: str) -> tuple[nn.Module, Any, torch.Tensor, torch.Tensor]:
     import ringpipe.dp.buckets as buckets
-    import ringpipe.dp.optimizer as optimizer
+    import ringpipe.dp.gradient_reducer as gradient_reducer
     from ringpipe.dp import DistributedOptimizer
 
     model, x, y = make_model(kind)
@@ -55,11 +55,11 @@ def _build(comm: Any, kind: str, name: str) -> tuple[nn.Module, Any, torch.Tenso
         inner.register_step_post_hook(lambda *args: None)
     original = buckets.make_buckets
     if name in ("before", "bucket-step"):
-        optimizer.make_buckets = lambda *a, **k: original(*a, **{**k, "tail_cap": 0})
+        gradient_reducer.make_buckets = lambda *a, **k: original(*a, **{**k, "tail_cap": 0})
     try:
         opt = DistributedOptimizer(inner, model.named_parameters(), comm=comm)
     finally:
-        optimizer.make_buckets = original
+        gradient_reducer.make_buckets = original
     return model, opt, x, y
 
 

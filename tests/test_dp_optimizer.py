@@ -306,11 +306,11 @@ def _overlap(comm, policy="overlap"):
     backward_end = time.perf_counter_ns()
     opt.step()
     # The first bucket rides in the step's announcement; later buckets are allreduces of their own size.
-    sizes = {b.buffer.numel() * b.buffer.element_size() for b in opt._buckets[1:]}
+    sizes = {b.buffer.numel() * b.buffer.element_size() for b in opt.reducer.buckets[1:]}
     events = [e for e in log.events() if e.op == "allreduce" and e.comm == comm.name]
     first = [e.start_ns for e in events if e.nbytes == announcement_bytes(comm)]
     starts = sorted(first[:1] + [e.start_ns for e in events if e.nbytes in sizes])
-    return len(opt._buckets), starts, _Pause.marks, backward_end
+    return len(opt.reducer.buckets), starts, _Pause.marks, backward_end
 
 
 @pytest.mark.timeout(60)
@@ -391,7 +391,7 @@ def _compressed_gradients(comm, wire_name):
             per_rank.append([(p.grad / comm.size).to(wire).float() for p in ref.parameters()])
         want = [sum(gs).to(wire).float() for gs in zip(*per_rank, strict=True)]
         out.append((got, want))
-    return len(opt._buckets), out
+    return len(opt.reducer.buckets), out
 
 
 @pytest.mark.timeout(60)

@@ -16,18 +16,21 @@ parameters all had a gradient on this rank (so none of them ends the step withou
 sparse. Everything else is stepped after the last reduction, as before. ``step()`` is still one
 call for learning-rate schedulers; ``synchronize()`` and ``skip_synchronize()`` are unchanged (the
 gradients are then reduced before ``step()``, which updates every parameter at once).
+
+The stepping is ``DistributedOptimizer.step()``'s: it hands the reducer's
+:meth:`~ringpipe.dp.gradient_reducer.GradientReducer.synchronize` a function that steps each
+reduced bucket's parameters with :func:`step_only`; this module says where that is the same
+(:func:`steps_by_bucket`) and how one ``step()`` updates only some parameters.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable
-from typing import Any
 
 import torch
 from torch.optim import optimizer as _optimizer_module
 
-__all__ = ["PER_PARAMETER", "steps_by_bucket", "step_only", "step_by_bucket"]
+__all__ = ["PER_PARAMETER", "steps_by_bucket", "step_only"]
 
 #: ``torch.optim`` optimizers whose update of each parameter depends on that parameter alone.
 PER_PARAMETER: frozenset[type] = frozenset(
@@ -62,38 +65,3 @@ def step_only(optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor]) 
     finally:
         for group, every in zip(groups, saved, strict=True):
             group["params"] = every
-
-
-def step_by_bucket(opt: Any) -> bool:
-    """Reduce and update together: each bucket's parameters are stepped once it is reduced.
-
-    ``opt`` is a ``DistributedOptimizer`` whose ``step()`` has to synchronize and got no closure.
-    Only where that gives the parameters of one update after the last reduction (see the module
-    docstring); returns False, having done nothing, elsewhere. A bucket with a parameter that had
-    no gradient on this rank, or a sparse one, is stepped after the last reduction with the rest.
-    """
-    if opt._local or opt._adasum or len(opt._buckets) < 2 or not steps_by_bucket(opt.optimizer):
-        return False
-    inner = opt.optimizer
-    stepped: set[int] = set()
-    clock = opt.clock
-
-    def after(bucket: Any) -> None:
-        if not all(s.used and not s.sparse for s in bucket.slots):
-            return
-        t0 = time.perf_counter()
-        step_only(inner, (s.param for s in bucket.slots))
-        stepped.add(bucket.index)
-        if clock is not None:  # optimizer arithmetic, not waiting
-            spent = time.perf_counter() - t0
-            clock["bucket_step"] = clock.get("bucket_step", 0.0) + spent
-            clock["wait"] = clock.get("wait", 0.0) - spent
-
-    opt._launch_all()
-    opt._wait_all(after)
-    opt._synchronized = False
-    if opt._peers_joined:  # ranks that joined apply the update with this rank's hyper-parameters
-        opt._announce_update()
-    if len(stepped) < len(opt._buckets):
-        step_only(inner, (s.param for b in opt._buckets if b.index not in stepped for s in b.slots))
-    return True

@@ -16,7 +16,7 @@ import torch
 from ringpipe.comm.base import Communicator, ReduceOp
 from ringpipe.dp.engine import Handle
 
-__all__ = ["Slot", "Bucket", "make_buckets", "split_tail", "name_parameters", "timed", "reducer", "groups_setting", "explicit_groups"]
+__all__ = ["Slot", "Bucket", "make_buckets", "split_tail", "name_parameters", "timed", "bucket_allreduce", "groups_setting", "explicit_groups"]
 
 
 class Slot:
@@ -162,7 +162,7 @@ def timed(clock: dict[str, float], bucket: Bucket, task: Callable[[], Any],
     return timed_task, timed_then
 
 
-def reducer(comm: Communicator, algorithm: str) -> Callable[[torch.Tensor], Any]:
+def bucket_allreduce(comm: Communicator, algorithm: str) -> Callable[[torch.Tensor], Any]:
     """The sum-allreduce used for buckets: returns a Work (native) or the reduced tensor."""
     if algorithm == "native":
         return lambda t: comm.iallreduce(t, ReduceOp.SUM)

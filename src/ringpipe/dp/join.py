@@ -47,7 +47,7 @@ def join(comm: Communicator) -> int:
     if optimizers:
         if len(optimizers) > 1:
             log.warning("join: %d DistributedOptimizers on %s; serving the newest one", len(optimizers), comm.name)
-        optimizer = max(optimizers, key=lambda o: o._created)
+        optimizer = max(optimizers, key=lambda o: o.serial)
         if not optimizer.join_support:
             raise JoinError(
                 f"join on rank {comm.rank}: the DistributedOptimizer was built with join_support=False, so the ranks "
@@ -66,12 +66,7 @@ def join(comm: Communicator) -> int:
                     f"join on rank {comm.rank}: rank {note.have_data[0]} ran an optimizer step but this rank has no "
                     "DistributedOptimizer to serve it with; build the same DistributedOptimizer on every rank"
                 )
-            if note.op == "step":
-                optimizer._serve_step(note)
-            elif note.op == "bucket":
-                optimizer._serve_bucket()
-            else:
-                optimizer._serve_update(note)
+            optimizer.serve(note)
         elif note.op == "allreduce":
             _serve_allreduce(comm, engine, note)
         elif note.op == "barrier":

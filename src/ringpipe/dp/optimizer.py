@@ -8,7 +8,8 @@ makes ``param.grad`` a view of that slot. When every parameter of a bucket is re
 earlier buckets have been launched, the bucket is handed to the communicator's background
 :class:`~ringpipe.dp.engine.Engine`. Buckets are therefore launched in the same order on every
 rank whatever order the hooks fire in, and ``step()`` waits only for what is still in flight
-(the hooks, launches and waits are in :mod:`ringpipe.dp.reduction`). With a per-parameter
+(the buckets, hooks, launches and waits belong to the optimizer's
+:class:`~ringpipe.dp.gradient_reducer.GradientReducer`, its ``reducer``). With a per-parameter
 ``torch.optim`` optimizer, ``step()`` updates each bucket's parameters as soon as that bucket is
 reduced, while later ones are still in flight (:mod:`ringpipe.dp.bucket_step`).
 
@@ -26,6 +27,7 @@ import contextlib
 import itertools
 import logging
 import os
+import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
@@ -35,19 +37,12 @@ import torch
 from ringpipe.comm.base import Communicator, ReduceOp
 from ringpipe.dp.agreement import agree, comparable, layout_of, validate
 from ringpipe.dp.announce import Note, announce
-from ringpipe.dp.bucket_step import step_by_bucket
-from ringpipe.dp.buckets import (
-    Slot,
-    explicit_groups,
-    groups_setting,
-    make_buckets,
-    name_parameters,
-    reducer,
-)
+from ringpipe.dp.bucket_step import step_only, steps_by_bucket
+from ringpipe.dp.buckets import Bucket, bucket_allreduce, groups_setting, name_parameters
 from ringpipe.dp.compression import Compression, Compressor
 from ringpipe.dp.engine import Engine
+from ringpipe.dp.gradient_reducer import GradientReducer
 from ringpipe.dp.launch_policy import comparable_policy, policy_setting
-from ringpipe.dp.reduction import GradientReduction
 
 __all__ = ["DistributedOptimizer", "DEFAULT_BUCKET_BYTES", "DEFAULT_FIRST_BUCKET_BYTES"]
 
@@ -55,10 +50,10 @@ log = logging.getLogger(__name__)
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
 DEFAULT_FIRST_BUCKET_BYTES = 1024 * 1024
-_CREATED = itertools.count()
+_SERIALS = itertools.count()
 
 
-class DistributedOptimizer(GradientReduction, torch.optim.Optimizer):
+class DistributedOptimizer(torch.optim.Optimizer):
     """Wraps a ``torch.optim.Optimizer`` so that ``step()`` applies gradients averaged over ranks.
 
     Args:
@@ -102,6 +97,10 @@ class DistributedOptimizer(GradientReduction, torch.optim.Optimizer):
 
     Construction is collective: every rank must pass the same settings and parameters (names,
     shapes, dtypes); otherwise every rank raises a ``ValueError`` naming what differs.
+
+    The gradients' buckets, hooks, launches and waits are those of :attr:`reducer`, a
+    :class:`~ringpipe.dp.gradient_reducer.GradientReducer` (None on a rank outside ``process_set``);
+    the settings above read back from the optimizer (``opt.bucket_bytes``, ``opt.op``, ...) are its.
     """
 
     def __init__(
@@ -181,9 +180,9 @@ class DistributedOptimizer(GradientReduction, torch.optim.Optimizer):
                     and ReduceOp.parse(op) is ReduceOp.ADASUM:
                 raise NotImplementedError("Adasum does not support non-global process sets yet.")
             comm = resolve(process_set, "DistributedOptimizer")[0]
-        self._local = False
+        reduce: Any = None
         try:
-            self._reduce = reducer(comm, algorithm)
+            reduce = bucket_allreduce(comm, algorithm)
         except ValueError as exc:
             problem = problem or exc
         named: list[tuple[str, torch.nn.Parameter]] = []
@@ -200,50 +199,21 @@ class DistributedOptimizer(GradientReduction, torch.optim.Optimizer):
         self.param_groups = optimizer.param_groups
         self.state = optimizer.state
 
-        self.comm = comm
-        self.engine = Engine.of(comm)
-        self.compression = compressor
-        self.backward_passes_per_step = backward_passes_per_step
-        self.op = rop
-        self.gradient_predivide_factor = float(gradient_predivide_factor)
-        self.bucket_bytes = int(bucket_bytes)
-        self.first_bucket_bytes = min(int(first_bucket_bytes), self.bucket_bytes)
-        self.algorithm = algorithm
-        self.join_support = bool(join_support)
-
         self.sparse_as_dense = bool(sparse_as_dense)
-        self._slots = [Slot(p, n) for n, p in named]
-        self._buckets = make_buckets(self._slots, explicit_groups(groups, self._slots), self.first_bucket_bytes,
-                                     self.bucket_bytes, tail_cap=self.first_bucket_bytes)
-        self._hold = settings["overlap"] == "after_backward"  # ready buckets wait for step() / synchronize()
-        self._next_launch = 0
+        gradient_reducer = GradientReducer(
+            comm, named, reduce, algorithm=algorithm, compression=compressor, op=rop,
+            gradient_predivide_factor=gradient_predivide_factor, backward_passes_per_step=backward_passes_per_step,
+            join_support=join_support, groups=groups, first_bucket_bytes=first_bucket_bytes,
+            bucket_bytes=bucket_bytes, hold=settings["overlap"] == "after_backward",
+        )
+        #: The gradients' buckets, hooks, launches and waits (None on a rank outside the process set).
+        self.reducer: GradientReducer | None = gradient_reducer
         self._synchronized = False
         self._should_synchronize = True
-        self._active = float(comm.size)  # ranks with data at the last reduction
-        self._peers_joined = False
-        self._unused: list[int] = []
-        # Adasum combines parameter updates in step(), not gradients in backward (Horovod's delta optimizer)
-        self._adasum = rop is ReduceOp.ADASUM and comm.size > 1
-        self._overlap_header = algorithm == "native" and not self.engine.complete_in_engine
-        average = rop is ReduceOp.AVERAGE
-        factor = self.gradient_predivide_factor
-        self._prescale = (1.0 / comm.size if factor == 1.0 else 1.0 / factor) if average else 1.0
-        self._ride = self._ride_of(self._buckets[0]) if self._buckets and self.join_support and not self._adasum else 0
-        if self._ride:
-            engine = self.engine  # every rank builds its optimizers in the same order: the same length
-            engine.run(lambda: setattr(engine, "ride", max(engine.ride, self._ride)), name="ride")
-        self._served = None  # a joined rank: the summed start of the first bucket of the step it serves
-        self._hooks: list[Any] = [] if self._adasum else [
-            s.param.register_post_accumulate_grad_hook(self._make_hook(s)) for s in self._slots
-        ]
-        self._created = next(_CREATED)
-        #: Seconds spent per phase since the last reset when a dict is set here (benchmarks read it):
-        #: "copy" (gradients into buckets), "ready_to_sent" (bucket complete to its task starting),
-        #: "engine" (bucket tasks: scaling, casts, posting), "copy_out" (results out of the wire)
-        #: and "wait" (step() waiting for reductions still in flight).
-        self.clock: dict[str, float] | None = None
-        self.engine.optimizers.add(self)
-        log.debug("DistributedOptimizer: %d parameters in %d buckets", len(self._slots), len(self._buckets))
+        #: This optimizer's place in the order of construction in this process (join serves the newest).
+        self.serial = next(_SERIALS)
+        gradient_reducer.engine.optimizers.add(self)
+        log.debug("DistributedOptimizer: %d parameters in %d buckets", len(gradient_reducer.slots), len(gradient_reducer.buckets))
 
     # ------------------------------------------------------------------ set-up
 
@@ -253,20 +223,84 @@ class DistributedOptimizer(GradientReduction, torch.optim.Optimizer):
         self.optimizer = optimizer
         self.param_groups = optimizer.param_groups
         self.state = optimizer.state
-        self._local = True
+        self.reducer = None
         self._synchronized = False
         self._should_synchronize = True
-        self._hooks = []
+
+    def _reducing(self, name: str) -> GradientReducer:
+        """The reducer, for reading its setting ``name``; a rank outside the process set has none."""
+        if self.reducer is None:
+            raise AttributeError(f"DistributedOptimizer.{name}: this rank is not in the optimizer's process set; "
+                                 "it reduces nothing and steps on its local gradients")
+        return self.reducer
+
+    # ------------------------------------------------------------------ settings (the reducer's)
+
+    @property
+    def comm(self) -> Communicator:
+        """The communicator the gradients are reduced over."""
+        return self._reducing("comm").comm
+
+    @property
+    def engine(self) -> Engine:
+        """The communicator's background engine, which runs the reductions."""
+        return self._reducing("engine").engine
+
+    @property
+    def compression(self) -> Compressor:
+        """The wire's compressor."""
+        return self._reducing("compression").compression
+
+    @property
+    def op(self) -> ReduceOp:
+        """Average, Sum or Adasum."""
+        return self._reducing("op").op
+
+    @property
+    def gradient_predivide_factor(self) -> float:
+        """With Average: divide by this before the sum and by ``size / factor`` after it."""
+        return self._reducing("gradient_predivide_factor").gradient_predivide_factor
+
+    @property
+    def backward_passes_per_step(self) -> int:
+        """Backward passes whose gradients are summed locally before one reduction."""
+        return self._reducing("backward_passes_per_step").backward_passes_per_step
+
+    @property
+    def bucket_bytes(self) -> int:
+        """The fusion buffer size in bytes."""
+        return self._reducing("bucket_bytes").bucket_bytes
+
+    @property
+    def first_bucket_bytes(self) -> int:
+        """The cap of the first and the tail bucket (at most :attr:`bucket_bytes`)."""
+        return self._reducing("first_bucket_bytes").first_bucket_bytes
+
+    @property
+    def algorithm(self) -> str:
+        """The allreduce of the buckets: ``"native"`` or a name from ``ringpipe.collectives.ALGORITHMS``."""
+        return self._reducing("algorithm").algorithm
+
+    @property
+    def join_support(self) -> bool:
+        """Whether every step is announced, so that ranks that ran out of data can join."""
+        return self._reducing("join_support").join_support
+
+    @property
+    def clock(self) -> dict[str, float] | None:
+        """Seconds spent per phase when a dict is set here (see ``GradientReducer.clock``)."""
+        return self._reducing("clock").clock
+
+    @clock.setter
+    def clock(self, value: dict[str, float] | None) -> None:
+        self._reducing("clock").clock = value
 
     # ------------------------------------------------------------------ public
 
     def synchronize(self) -> None:
         """Finish reducing every gradient; afterwards ``param.grad`` holds the averaged gradients."""
-        if self._local or self._adasum:
-            self._synchronized = True
-            return
-        self._launch_all()
-        self._wait_all()
+        if self.reducer is not None and not self.reducer.adasum:
+            self.reducer.synchronize()
         self._synchronized = True
 
     @contextlib.contextmanager
@@ -280,7 +314,8 @@ class DistributedOptimizer(GradientReduction, torch.optim.Optimizer):
 
     def step(self, closure: Callable[[], float] | None = None) -> Any:
         if self._should_synchronize:
-            if self._synchronized:
+            # a gradient that arrived after synchronize() (a new backward) is reduced again
+            if self._synchronized and not (self.reducer is not None and self.reducer.unreduced):
                 # Horovod's warning (the gradients are already reduced; they are not reduced again)
                 warnings.warn(
                     "optimizer.step() called without optimizer.skip_synchronize() context after "
@@ -288,18 +323,53 @@ class DistributedOptimizer(GradientReduction, torch.optim.Optimizer):
                     "using optimizer.skip_synchronize() context if you use optimizer.synchronize() in your code.",
                     stacklevel=2,
                 )
-            elif closure is None and step_by_bucket(self):
+            elif closure is None and self._step_by_bucket():
                 return None
             else:
                 self.synchronize()
         self._synchronized = False
-        if self._local:
+        if self.reducer is None:
             return self.optimizer.step(closure)
-        if self._adasum:
+        if self.reducer.adasum:
             return self._adasum_step(closure)
-        if self._peers_joined:
+        if self.reducer.peers_joined:
             self._announce_update()
         return self.optimizer.step(closure)
+
+    def _step_by_bucket(self) -> bool:
+        """Reduce and update together: each bucket's parameters are stepped once it is reduced.
+
+        For a ``step()`` that has to synchronize and got no closure. Only where that gives the
+        parameters of one update after the last reduction (:func:`~ringpipe.dp.bucket_step.steps_by_bucket`,
+        see :mod:`ringpipe.dp.bucket_step`); returns False, having done nothing, elsewhere. A bucket
+        with a parameter that had no gradient on this rank, or a sparse one, is stepped after the
+        last reduction with the rest.
+        """
+        reducer = self.reducer
+        if reducer is None or reducer.adasum or len(reducer.buckets) < 2 or not steps_by_bucket(self.optimizer):
+            return False
+        inner = self.optimizer
+        stepped: set[int] = set()
+        clock = reducer.clock
+
+        def after(bucket: Bucket) -> None:
+            if not all(s.used and not s.sparse for s in bucket.slots):
+                return
+            t0 = time.perf_counter()
+            step_only(inner, (s.param for s in bucket.slots))
+            stepped.add(bucket.index)
+            if clock is not None:  # optimizer arithmetic, not waiting
+                spent = time.perf_counter() - t0
+                clock["bucket_step"] = clock.get("bucket_step", 0.0) + spent
+                clock["wait"] = clock.get("wait", 0.0) - spent
+
+        reducer.synchronize(after)
+        self._synchronized = False
+        if reducer.peers_joined:  # ranks that joined apply the update with this rank's hyper-parameters
+            self._announce_update()
+        if len(stepped) < len(reducer.buckets):
+            step_only(inner, (s.param for b in reducer.buckets if b.index not in stepped for s in b.slots))
+        return True
 
     def _adasum_step(self, closure: Callable[[], float] | None) -> Any:
         """Horovod's Adasum delta optimizer: start = p; p = 0; step (p = the local update); p = start + Adasum(updates).
@@ -309,7 +379,8 @@ class DistributedOptimizer(GradientReduction, torch.optim.Optimizer):
         """
         from ringpipe.collectives import adasum_allreduce
 
-        params = [s.param for s in self._slots]
+        assert self.reducer is not None
+        params = [s.param for s in self.reducer.slots]
         with torch.no_grad():
             starts = [p.detach().clone() for p in params]
             for p in params:
@@ -349,38 +420,28 @@ class DistributedOptimizer(GradientReduction, torch.optim.Optimizer):
 
     def remove_hooks(self) -> None:
         """Detach the gradient hooks (the optimizer then behaves like the wrapped one, without reduction)."""
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
+        if self.reducer is not None:
+            self.reducer.remove_hooks()
 
     def __repr__(self) -> str:
-        if self._local:
+        if self.reducer is None:
             return f"DistributedOptimizer({self.optimizer!r}, not in its process set: local steps)"
-        return f"DistributedOptimizer({self.optimizer!r}, buckets={len(self._buckets)}, op={self.op.value})"
-
+        return f"DistributedOptimizer({self.optimizer!r}, buckets={len(self.reducer.buckets)}, op={self.op.value})"
 
     # ------------------------------------------------------------------ join
 
-    def _serve_step(self, note: Note) -> None:
-        """Take part in an announced reduction from a rank that has joined: contribute zeros."""
-        for slot in self._slots:
-            slot.count, slot.used = 0, False
-            assert slot.view is not None
-            slot.param.grad = slot.view
-        for bucket in self._buckets:
-            bucket.buffer.zero_()
-            bucket.pending = 0
-        self._active = float(note.count)
-        self._next_launch = 0
-        self._served = note.payload
-        self._serve_bucket()
+    def serve(self, note: Note) -> None:
+        """Take part, on a rank that has joined, in the step announced by ``note`` (:func:`ringpipe.dp.join.join`).
 
-    def _serve_bucket(self) -> None:
-        """Take part in the next announced bucket from a rank that has joined."""
-        self._launch(self._buckets[self._next_launch], contribute=False)
-        self._next_launch += 1
-        if self._next_launch == len(self._buckets):
-            self._wait_all()
+        ``"step"`` and ``"bucket"``: the gradients' reductions, with zeros; ``"apply"``: the update.
+        """
+        assert self.reducer is not None  # a rank outside the process set joins nothing of it
+        if note.op == "step":
+            self.reducer.serve_step(note)
+        elif note.op == "bucket":
+            self.reducer.serve_bucket()
+        else:
+            self._serve_update(note)
 
     def _serve_update(self, note: Note) -> None:
         """Apply the reduced gradients on a joined rank, with the hyper-parameters of a rank with data."""
@@ -407,7 +468,7 @@ class DistributedOptimizer(GradientReduction, torch.optim.Optimizer):
     @property
     def _parameter_names(self) -> dict[torch.Tensor, str]:
         """Horovod's map from each reduced parameter to its name (unique, the same on every rank)."""
-        return {slot.param: slot.name for slot in self._slots}
+        return self._reducing("_parameter_names").parameter_names
 
     def hyperparameters(self) -> list[dict[str, Any]]:
         """Every parameter group's settings (learning rate, momentum, ...) without its parameters."""

@@ -1,13 +1,17 @@
-"""Gradient reduction: from a gradient ready in backward to its bucket reduced across ranks.
+"""GradientReducer: from a gradient ready in backward to its bucket reduced across ranks.
 
-The part of :class:`~ringpipe.dp.optimizer.DistributedOptimizer` that runs every step: a
-post-accumulate-grad hook per parameter copies its gradient into its slot of a fusion bucket,
-already divided as an Average needs it (one pass over the gradient, not a copy and a scaling),
-and makes ``param.grad`` a view of that slot; a complete bucket is launched on the
-communicator's :class:`~ringpipe.dp.engine.Engine` once every earlier bucket is, so buckets go
-out in the same order on every rank; ``step()`` waits only for what is still in flight. With
+The object a :class:`~ringpipe.dp.optimizer.DistributedOptimizer` owns for everything that runs
+every step between backward and the update: at construction the parameters are laid out in
+fusion buckets (:mod:`ringpipe.dp.buckets`); a post-accumulate-grad hook per parameter copies
+its gradient into its slot of a bucket, already divided as an Average needs it (one pass over
+the gradient, not a copy and a scaling), and makes ``param.grad`` a view of that slot; a complete
+bucket is launched on the communicator's :class:`~ringpipe.dp.engine.Engine` once every earlier
+bucket is, so buckets go out in the same order on every rank; :meth:`GradientReducer.synchronize`
+waits only for what is still in flight, and hands each bucket to a caller's function as soon as
+it is reduced (the optimizer steps by bucket that way, :mod:`ringpipe.dp.bucket_step`). With
 join support the first bucket's start rides in the step's announcement
-(:mod:`ringpipe.dp.announce`).
+(:mod:`ringpipe.dp.announce`), and a rank that joined takes part in the buckets of the ranks
+with data with zeros (:meth:`GradientReducer.serve_step`, :meth:`GradientReducer.serve_bucket`).
 """
 
 from __future__ import annotations
@@ -20,38 +24,134 @@ import torch
 
 from ringpipe.comm.base import Communicator, ReduceOp, Work
 from ringpipe.dp.announce import RIDE_CAP, RIDING, Note, announce, settle, start_exchange
-from ringpipe.dp.buckets import Bucket, Slot, timed
+from ringpipe.dp.buckets import Bucket, Slot, explicit_groups, make_buckets, timed
 from ringpipe.dp.compression import Compressor
 from ringpipe.dp.engine import Engine
 
-__all__ = ["GradientReduction"]
+__all__ = ["GradientReducer"]
 
 
-class GradientReduction:
-    """Hooks, bucket launches and waits of a ``DistributedOptimizer`` (a mixin; state set by its constructor)."""
+class GradientReducer:
+    """The buckets of a ``DistributedOptimizer``'s gradients, their hooks, launches and waits.
 
-    comm: Communicator
-    engine: Engine
-    compression: Compressor
-    op: ReduceOp
-    gradient_predivide_factor: float
-    backward_passes_per_step: int
-    join_support: bool
-    sparse_as_dense: bool
-    clock: dict[str, float] | None
-    _reduce: Callable[[torch.Tensor], Any]
-    _slots: list[Slot]
-    _buckets: list[Bucket]
-    _next_launch: int
-    _synchronized: bool
-    _active: float
-    _peers_joined: bool
-    _unused: list[int]
-    _overlap_header: bool
-    _prescale: float
-    _ride: int
-    _served: torch.Tensor | None
-    _hold: bool
+    Args:
+        comm: the communicator the gradients are reduced over.
+        named: the (name, parameter) pairs to reduce, in registration order.
+        reduce: the sum-allreduce of a bucket (:func:`ringpipe.dp.buckets.bucket_allreduce` of ``algorithm``).
+        algorithm: the name ``reduce`` was built from.
+        compression: the wire's compressor.
+        op: Average, Sum or Adasum (Adasum: no hooks, the optimizer combines updates in ``step()``).
+        gradient_predivide_factor, backward_passes_per_step, join_support: as the optimizer's.
+        groups: Horovod's ``groups`` (validated here against the parameters).
+        first_bucket_bytes, bucket_bytes: the caps of the first (and tail) bucket and of the others.
+        hold: ready buckets wait for :meth:`synchronize` instead of going out during backward.
+    """
+
+    def __init__(
+        self,
+        comm: Communicator,
+        named: list[tuple[str, torch.nn.Parameter]],
+        reduce: Callable[[torch.Tensor], Any],
+        *,
+        algorithm: str,
+        compression: Compressor,
+        op: ReduceOp,
+        gradient_predivide_factor: float,
+        backward_passes_per_step: int,
+        join_support: bool,
+        groups: Any,
+        first_bucket_bytes: int,
+        bucket_bytes: int,
+        hold: bool,
+    ) -> None:
+        self.comm = comm
+        self.engine = Engine.of(comm)
+        self.algorithm = algorithm
+        self.compression = compression
+        self.op = op
+        self.gradient_predivide_factor = float(gradient_predivide_factor)
+        self.backward_passes_per_step = backward_passes_per_step
+        self.join_support = bool(join_support)
+        self.bucket_bytes = int(bucket_bytes)
+        self.first_bucket_bytes = min(int(first_bucket_bytes), self.bucket_bytes)
+        self.slots = [Slot(p, n) for n, p in named]
+        self.buckets = make_buckets(self.slots, explicit_groups(groups, self.slots), self.first_bucket_bytes,
+                                    self.bucket_bytes, tail_cap=self.first_bucket_bytes)
+        #: Adasum combines parameter updates in the optimizer's step(), not gradients in backward
+        #: (Horovod's delta optimizer): no hooks then.
+        self.adasum = op is ReduceOp.ADASUM and comm.size > 1
+        #: Whether some rank had joined at the last reduction (the optimizer then announces its update).
+        self.peers_joined = False
+        #: Whether a gradient has arrived since the last reduction finished (``synchronize()`` must run again).
+        self.unreduced = False
+        #: Seconds spent per phase since the last reset when a dict is set here (benchmarks read it,
+        #: through ``DistributedOptimizer.clock``): "copy" (gradients into buckets), "ready_to_sent"
+        #: (bucket complete to its task starting), "engine" (bucket tasks: scaling, casts, posting),
+        #: "copy_out" (results out of the wire), "wait" (waiting for reductions still in flight) and
+        #: "bucket_step" (the optimizer's updates by bucket while later buckets travel).
+        self.clock: dict[str, float] | None = None
+        self._reduce = reduce
+        self._hold = hold
+        self._next_launch = 0
+        self._active = float(comm.size)  # ranks with data at the last reduction
+        self._unused: list[int] = []
+        self._overlap_header = algorithm == "native" and not self.engine.complete_in_engine
+        average = op is ReduceOp.AVERAGE
+        factor = self.gradient_predivide_factor
+        self._prescale = (1.0 / comm.size if factor == 1.0 else 1.0 / factor) if average else 1.0
+        self._ride = self._ride_of(self.buckets[0]) if self.buckets and self.join_support and not self.adasum else 0
+        if self._ride:
+            engine = self.engine  # every rank builds its optimizers in the same order: the same length
+            engine.run(lambda: setattr(engine, "ride", max(engine.ride, self._ride)), name="ride")
+        self._served: torch.Tensor | None = None  # a joined rank: the summed start of the first bucket it serves
+        self._hooks: list[Any] = [] if self.adasum else [
+            s.param.register_post_accumulate_grad_hook(self._make_hook(s)) for s in self.slots
+        ]
+
+    # ------------------------------------------------------------------ public
+
+    @property
+    def parameter_names(self) -> dict[torch.Tensor, str]:
+        """Each reduced parameter's name (unique, the same on every rank)."""
+        return {slot.param: slot.name for slot in self.slots}
+
+    def synchronize(self, after: Callable[[Bucket], None] | None = None) -> None:
+        """Launch every bucket not launched yet and wait for all of them, in launch order.
+
+        ``after(bucket)`` runs as soon as each one is reduced (while later ones may still travel).
+        Afterwards ``param.grad`` holds the reduced gradients.
+        """
+        self._launch_all()
+        self._wait_all(after)
+
+    def serve_step(self, note: Note) -> None:
+        """Take part in an announced reduction from a rank that has joined: contribute zeros."""
+        for slot in self.slots:
+            slot.count, slot.used = 0, False
+            assert slot.view is not None
+            slot.param.grad = slot.view
+        for bucket in self.buckets:
+            bucket.buffer.zero_()
+            bucket.pending = 0
+        self._active = float(note.count)
+        self._next_launch = 0
+        self._served = note.payload
+        self.serve_bucket()
+
+    def serve_bucket(self) -> None:
+        """Take part in the next announced bucket from a rank that has joined."""
+        self._launch(self.buckets[self._next_launch], contribute=False)
+        self._next_launch += 1
+        if self._next_launch == len(self.buckets):
+            self._wait_all()
+
+    def remove_hooks(self) -> None:
+        """Detach the gradient hooks (gradients then stay local)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    # ------------------------------------------------------------------ every step
 
     def _ride_of(self, bucket: Bucket) -> int:
         """How many elements of the first bucket ride in the step's header (a float32 message).
@@ -76,7 +176,7 @@ class GradientReduction:
                     f"backward_passes_per_step={passes}: call optimizer.step() (or synchronize()) after every "
                     f"{passes} backward passes, or raise backward_passes_per_step to accumulate more"
                 )
-            self._synchronized = False
+            self.unreduced = True
             slot.used = True
             clock = self.clock
             if clock is None:
@@ -122,7 +222,7 @@ class GradientReduction:
         param.grad = view
 
     def _launch_ready(self) -> None:
-        buckets = self._buckets
+        buckets = self.buckets
         while self._next_launch < len(buckets) and buckets[self._next_launch].pending == 0:
             self._launch(buckets[self._next_launch])
             self._next_launch += 1
@@ -138,9 +238,9 @@ class GradientReduction:
         # The last bucket carries, per parameter, whether this rank had its gradient (summed: how
         # many ranks had it). A rank that had every gradient sends ones and, as then no parameter
         # can lack a gradient on every rank, has nothing to look for in the sum.
-        everywhere = bool(bucket.bitmap) and all(s.used for s in self._slots)
+        everywhere = bool(bucket.bitmap) and all(s.used for s in self.slots)
         used = (
-            torch.tensor([float(s.used) for s in self._slots], dtype=buffer.dtype)
+            torch.tensor([float(s.used) for s in self.slots], dtype=buffer.dtype)
             if bucket.bitmap and not everywhere else None
         )
         # MPI does not match the blocking header allreduce of a joined rank with a non-blocking one
@@ -189,7 +289,7 @@ class GradientReduction:
         if self.clock is not None:
             run, finish = timed(self.clock, bucket, task, then)
         # The last bucket is launched when backward is over: nothing is left to overlap with.
-        last = bucket.index == len(self._buckets) - 1
+        last = bucket.index == len(self.buckets) - 1
         bucket.handle = self.engine.submit(run, finish, name=f"bucket{bucket.index}", inline=last)
 
     def _first_bucket(self, wire: torch.Tensor, overlap: bool) -> Any:
@@ -229,7 +329,7 @@ class GradientReduction:
     def _launch_all(self, contribute: bool = True) -> None:
         """Launch every bucket not launched yet, with zeros for parameters that got no gradient."""
         passes = self.backward_passes_per_step
-        for bucket in self._buckets[self._next_launch :]:
+        for bucket in self.buckets[self._next_launch :]:
             if bucket.pending:
                 for slot in bucket.slots:
                     if slot.count < passes:
@@ -237,36 +337,37 @@ class GradientReduction:
                         self._take_grad(slot)
                 bucket.pending = 0
             self._launch(bucket, contribute)
-        self._next_launch = len(self._buckets)
+        self._next_launch = len(self.buckets)
 
     def _wait_all(self, after: Callable[[Bucket], None] | None = None) -> None:
         """Wait for every bucket in launch order; ``after(bucket)`` runs as soon as one is reduced."""
         t0 = time.perf_counter()
         try:
-            for bucket in self._buckets:
+            for bucket in self.buckets:
                 if bucket.handle is not None:
                     bucket.handle.wait()
                 if after is not None:
                     after(bucket)
         finally:
-            for bucket in self._buckets:
+            for bucket in self.buckets:
                 bucket.handle = None
                 bucket.pending = len(bucket.slots)
-            for slot in self._slots:
+            for slot in self.slots:
                 slot.count = 0
                 slot.used = False
             self._next_launch = 0
-            self._peers_joined = self._active < self.comm.size
+            self.unreduced = False
+            self.peers_joined = self._active < self.comm.size
             if self.clock is not None:
                 self.clock["wait"] = self.clock.get("wait", 0.0) + time.perf_counter() - t0
         # Sparse gradients go back sparse, with sparse_as_dense too (Horovod converts them back before the update).
-        for slot in self._slots:
+        for slot in self.slots:
             if slot.sparse and slot.param.grad is not None:
                 slot.param.grad = slot.param.grad.to_sparse()
                 slot.sparse = False
         # Parameters that no rank produced a gradient for keep no gradient, as in one process.
         for i in self._unused:
-            self._slots[i].param.grad = None
+            self.slots[i].param.grad = None
         self._unused = []
 
 
