@@ -4,10 +4,10 @@ The part of :class:`~ringpipe.dp.optimizer.DistributedOptimizer` that runs every
 post-accumulate-grad hook per parameter copies its gradient into its slot of a fusion bucket,
 already divided as an Average needs it (one pass over the gradient, not a copy and a scaling),
 and makes ``param.grad`` a view of that slot; a complete bucket is launched on the
-communicator's :class:`~ringpipe.dp.engine.Engine` once every earlier bucket is, so buckets go
+communicator's :class:`~ringpipe.core.engine.Engine` once every earlier bucket is, so buckets go
 out in the same order on every rank; ``step()`` waits only for what is still in flight. With
 join support the first bucket's start rides in the step's announcement
-(:mod:`ringpipe.dp.announce`).
+(:mod:`ringpipe.check.announcement`).
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from typing import Any
 
 import torch
 
+from ringpipe.check.announcement import RIDE_CAP, RIDING, Note, announce, settle, start_exchange
 from ringpipe.comm.base import Communicator, ReduceOp, Work
-from ringpipe.dp.announce import RIDE_CAP, RIDING, Note, announce, settle, start_exchange
+from ringpipe.core.compression import Compressor
+from ringpipe.core.engine import Engine
 from ringpipe.dp.buckets import Bucket, Slot, timed
-from ringpipe.dp.compression import Compressor
-from ringpipe.dp.engine import Engine
 
 __all__ = ["GradientReduction"]
 
@@ -197,7 +197,7 @@ class GradientReduction:
 
         With ``overlap`` (a thread-safe backend, the native allreduce) the rest of the bucket goes
         out right behind the header and the header is read only when it is needed: by the next
-        collective posted on the communicator (:func:`~ringpipe.dp.announce.settle`) or by
+        collective posted on the communicator (:func:`~ringpipe.check.announcement.settle`) or by
         ``step()``; so a one-bucket step is one allreduce, as without join support.
         """
         ride = self._ride

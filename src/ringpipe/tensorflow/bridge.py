@@ -38,8 +38,8 @@ try:  # the calls behind tf.experimental.dlpack.from_dlpack (see _import_dlpack)
 except ImportError:  # pragma: no cover - depends on the TensorFlow version
     _pywrap_tfe = _context = None
 
-from ringpipe.dp.engine import EngineInvalidCallError, EngineMismatchError
-from ringpipe.dp.process_sets import NotAMemberError, registered
+from ringpipe.core.errors import EngineInvalidCallError, EngineMismatchError
+from ringpipe.core.process_sets import NotAMemberError, registered
 
 from . import status_op
 
