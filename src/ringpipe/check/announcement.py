@@ -30,8 +30,8 @@ bucket (up to :data:`RIDE_CAP` elements); and after an allreduce too long to rid
 (up to :data:`GROW_CAP`), read from the summed header that every rank reads
 (:func:`~ringpipe.check.announcement_header.grow_area`).
 
-Collectives called directly on a communicator, outside ``ringpipe.dp`` and ``ringpipe.api``,
-are not announced and must not be used while a rank is joined.
+Collectives called directly on a communicator, outside ``ringpipe.core``, ``ringpipe.dp`` and the
+faces, are not announced and must not be used while a rank is joined.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 Tensors cross by DLPack: a TF tensor becomes a torch view of the same buffer and a torch result
 becomes a TF tensor without a copy (numpy is the fallback for what DLPack refuses). TensorFlow
-treats its buffers as immutable, so a view of a TF tensor is only ever *read*: the collectives of
-the torch face that the TF face calls copy their input before reducing into it.
+treats its buffers as immutable, so a view of a TF tensor is only ever *read*: the shared collectives
+(:mod:`ringpipe.core`) that the TF face calls copy their input before reducing into it.
 
 Inside a graph (``tf.function``, Keras ``fit``) a collective becomes one ``tf.py_function`` node
 that calls the engine when the graph runs. What that costs: the node takes the Python interpreter

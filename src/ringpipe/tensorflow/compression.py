@@ -73,7 +73,7 @@ class BF16Compressor(_CastCompressor, _core.BF16Compressor):
 
 
 class Compression(_core.Compression):
-    """``Compression.none``, ``Compression.fp16``, ``Compression.bf16`` (also accepted by the torch face)."""
+    """``Compression.none``, ``Compression.fp16``, ``Compression.bf16`` (also accepted by the shared collectives)."""
 
     none: _core.Compressor = NoneCompressor()
     fp16: _core.Compressor = FP16Compressor()

@@ -304,7 +304,7 @@ def alltoall(tensor: Any, splits: Any = None, name: str | None = None, ignore_na
     @tf.custom_gradient
     def exchange(t: tf.Tensor, s: tf.Tensor) -> Any:
         def fn(v: tf.Tensor, w: tf.Tensor) -> list[tf.Tensor]:
-            # the torch face's alltoall, keeping the received splits also of an even split (each
+            # the shared alltoall, keeping the received splits also of an even split (each
             # rank's own dim 0 / size rows, which differ between ranks): the gradient sends them back
             call = Call("alltoall", process_set, name)
             src = _torch_of(v, "alltoall", name, process_set)
