@@ -69,7 +69,7 @@ for _ in range(3):
 """
 
 STAMPS = COMMON + r"""
-from ringpipe.dp import engine
+from ringpipe.core import engine
 stamp = {}
 def stamped(name, fn, before=True):
     def call(*a, **k):

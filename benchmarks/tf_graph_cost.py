@@ -64,11 +64,11 @@ tf.config.threading.set_inter_op_parallelism_threads(2)
 import torch
 import ringpipe.api as hvd_torch
 import ringpipe.tensorflow as hvd
-from ringpipe.api.calls import Call
+from ringpipe.core.calls import Call
 from ringpipe.comm.base import ReduceOp
-from ringpipe.dp import ops as dp_ops
-from ringpipe.dp.announce import announce, checks
-from ringpipe.dp.engine import Engine
+from ringpipe.core import ops as core_ops
+from ringpipe.check.announcement import announce, checks
+from ringpipe.core.engine import Engine
 from ringpipe.tensorflow import bridge
 
 torch.set_num_threads(1)
@@ -94,13 +94,13 @@ def torch_api(v):
     return v
 
 def inline(x):
-    # the task of the torch face's allreduce (ringpipe.dp.ops.allreduce_inplace), run on the calling
+    # the task of the torch face's allreduce (ringpipe.core.ops.allreduce_inplace), run on the calling
     # thread when the engine is idle (Engine.submit(inline=True)) instead of on the engine thread
     y = x.clone()
     def task():
-        return dp_ops.reduce_announced(comm, y, ReduceOp.SUM, ReduceOp.SUM, 1.0, {"process_set": 0},
+        return core_ops.reduce_announced(comm, y, ReduceOp.SUM, ReduceOp.SUM, 1.0, {"process_set": 0},
                                        checks(comm, "allreduce", y))
-    dp_ops.finish_reduction(engine.submit(task, inline=True).wait())
+    core_ops.finish_reduction(engine.submit(task, inline=True).wait())
     return y
 
 def inline_tf(v):
@@ -116,10 +116,10 @@ def inline_group(*vs):
     ts = [bridge.to_torch(v) for v in vs]
     flat = torch.cat([t.reshape(-1) for t in ts])
     def task():
-        return dp_ops.reduce_announced(comm, flat, ReduceOp.SUM, ReduceOp.SUM, 1.0,
+        return core_ops.reduce_announced(comm, flat, ReduceOp.SUM, ReduceOp.SUM, 1.0,
                                        {"process_set": 0, "shapes": [list(t.shape) for t in ts]},
                                        checks(comm, "grouped_allreduce"))
-    dp_ops.finish_reduction(engine.submit(task, inline=True).wait())
+    core_ops.finish_reduction(engine.submit(task, inline=True).wait())
     return [bridge.to_tf(p.view(t.shape)) for p, t in zip(flat.split([t.numel() for t in ts]), ts)]
 
 def two_raw():
@@ -175,7 +175,7 @@ calls["torch"] = lambda: hvd_torch.allreduce(xt, op=hvd_torch.Sum)
 
 marks = []
 if stamps:
-    real_announce, real_finish = dp_ops.announce, dp_ops.finish_reduction
+    real_announce, real_finish = core_ops.announce, core_ops.finish_reduction
     def stamped_announce(*a, **k):
         marks.append(("task", time.perf_counter_ns()))
         r = real_announce(*a, **k)
@@ -185,7 +185,7 @@ if stamps:
         r = real_finish(p)
         marks.append(("data", time.perf_counter_ns()))
         return r
-    dp_ops.announce, dp_ops.finish_reduction = stamped_announce, stamped_finish
+    core_ops.announce, core_ops.finish_reduction = stamped_announce, stamped_finish
     real_run = bridge.run
     def stamped_run(fn, inputs, tout, shapes, name="ringpipe"):
         def wrapped(*xs):

@@ -26,7 +26,7 @@ import torch
 
 import ringpipe.collectives as C
 from ringpipe.comm.base import CommError
-from ringpipe.comm.header import InvalidCallError, MismatchError
+from ringpipe.check.call import InvalidCallError, MismatchError
 from ringpipe.launch import mpirun_command, spawn
 
 HERE = Path(__file__).resolve()

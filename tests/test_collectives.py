@@ -25,17 +25,9 @@ import ringpipe.collectives as C
 from ringpipe.collectives.common import DATA_TAG, MAX_CHUNKS, Ctx, doubling_steps, segments
 from ringpipe.collectives.tree import tree_links
 from ringpipe.comm import ReduceOp, default_log
-from ringpipe.comm.header import (
-    ALGORITHM_CODES,
-    COLLECTIVES,
-    HEADER_BYTES,
-    TEXT_BYTES,
-    CallInfo,
-    HeaderState,
-    MismatchError,
-    mismatch_message,
-)
-from ringpipe.comm.header import DTYPES as HEADER_DTYPES
+from ringpipe.check.call import ALGORITHM_CODES, COLLECTIVES, CallInfo, MismatchError, mismatch_message
+from ringpipe.check.doubling_exchange import HEADER_BYTES, TEXT_BYTES, HeaderState
+from ringpipe.check.call import DTYPES as HEADER_DTYPES
 from ringpipe.launch import mpirun_command, spawn
 
 HERE = Path(__file__).resolve()
@@ -924,7 +916,7 @@ def test_bench_over_nccl():
 
 
 def _port() -> int:
-    from ringpipe.comm.world import free_port
+    from ringpipe.comm.rendezvous import free_port
 
     return free_port("127.0.0.1")
 

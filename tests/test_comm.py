@@ -80,7 +80,7 @@ def test_bad_backends_are_named():
 
 @pytest.mark.skipif(torch.cuda.device_count() > 0, reason="a host without GPUs")
 def test_default_backend_without_gpus_is_gloo(monkeypatch):
-    from ringpipe.comm.world import default_backend, resolve_backend
+    from ringpipe.comm.rendezvous import default_backend, resolve_backend
 
     monkeypatch.delenv("RINGPIPE_BACKEND", raising=False)
     assert default_backend() == default_backend(8) == "gloo"

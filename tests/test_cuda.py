@@ -99,7 +99,7 @@ def test_distributed_optimizer_on_nccl_equals_plain_training():
 
 
 def test_default_backend_is_nccl_only_where_every_local_rank_has_a_gpu():
-    from ringpipe.comm.world import default_backend
+    from ringpipe.comm.rendezvous import default_backend
 
     gpus = torch.cuda.device_count()
     assert default_backend(gpus) == "nccl"

@@ -22,7 +22,7 @@ from ringpipe.launch import spawn
 def _allreduces(comm):  # noqa: ANN001
     """Each case twice: the first call may grow the area, the second rides; messages counted per call."""
     from ringpipe.comm.events import default_log
-    from ringpipe.dp.ops import allreduce_inplace
+    from ringpipe.core.ops import allreduce_inplace
 
     r, out = comm.rank, []
     cases = [
@@ -79,7 +79,7 @@ def test_a_small_sum_or_average_is_one_message_once_the_area_fits_it(ranks):
 def _joined_serves_riding_allreduces(comm):  # noqa: ANN001
     """The last rank joins at once; the others allreduce small tensors, which ride."""
     from ringpipe.dp.join import join
-    from ringpipe.dp.ops import allreduce_inplace
+    from ringpipe.core.ops import allreduce_inplace
 
     if comm.rank == comm.size - 1:
         return ("joined", join(comm))
@@ -105,9 +105,9 @@ def test_a_joined_rank_contributes_zeros_to_allreduces_riding_in_announcements(r
 
 def _differing_calls(comm):  # noqa: ANN001
     """Both calls fit the area, but the ranks' shapes differ: every rank raises, tensors untouched."""
-    from ringpipe.dp.announce import checks
-    from ringpipe.dp.engine import Engine
-    from ringpipe.dp.ops import allreduce_inplace, reduce_announced
+    from ringpipe.check.announcement import checks
+    from ringpipe.core.engine import Engine
+    from ringpipe.core.ops import allreduce_inplace, reduce_announced
 
     allreduce_inplace(comm, torch.ones(8), ReduceOp.SUM)  # grows the area to 8
     allreduce_inplace(comm, torch.ones(8), ReduceOp.SUM)

@@ -111,7 +111,7 @@ def _step_against_allreduce(comm, features=4):
     """The last rank allreduces; the others step (their first gradients ride in the step's announcement,
     the rest of a bucket longer than that goes out right behind it)."""
     from ringpipe.comm.base import ReduceOp
-    from ringpipe.dp.ops import allreduce_inplace
+    from ringpipe.core.ops import allreduce_inplace
 
     model = nn.Linear(features, 100 if features > 4 else 2)
     opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), comm=comm)

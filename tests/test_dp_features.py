@@ -25,7 +25,7 @@ from ringpipe.dp import (
     save_checkpoint,
     scale_lr,
 )
-from ringpipe.dp.announce import JoinError
+from ringpipe.core.errors import JoinError
 from ringpipe.launch import mpirun_command, spawn
 
 HERE = Path(__file__).parent

@@ -99,7 +99,7 @@ def test_join_serves_steps_whose_buckets_are_held_until_backward_ends():
 @pytest.mark.timeout(90)
 def test_join_serves_steps_whose_first_bucket_is_longer_than_the_announcement_carries():
     """One bucket of 143,251 gradients: its start rides in the step's announcement, the rest follows it."""
-    from ringpipe.dp.announce import RIDE_CAP
+    from ringpipe.check.announcement import RIDE_CAP
 
     assert sum(p.numel() for p in _model(wide=True).parameters()) > RIDE_CAP
     batches = (3, 1)
@@ -352,7 +352,7 @@ def _settle_while_another_thread_reads(comm):
     import time
 
     from ringpipe.comm.base import Work
-    from ringpipe.dp.announce import settle, start_exchange
+    from ringpipe.check.announcement import settle, start_exchange
 
     seen = []
     wire = torch.ones(8)

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ringpipe.dp import Compression, DistributedOptimizer
-from ringpipe.dp.announce import announcement_bytes
+from ringpipe.check.announcement import announcement_bytes
 from ringpipe.launch import mpirun_command, spawn
 
 HERE = Path(__file__).parent

@@ -53,7 +53,7 @@ def test_horovodrun_refuses_before_starting_anything():
 PROGRAM = textwrap.dedent("""
     import json, os, torch, logging
     import ringpipe as hvd
-    from ringpipe.comm.world import stall_inspector
+    from ringpipe.comm.rendezvous import stall_inspector
     hvd.init()
     model = torch.nn.Linear(4, 2)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),

@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from ringpipe.comm.base import CommError
-from ringpipe.comm.world import resolve_backend
+from ringpipe.comm.rendezvous import resolve_backend
 from ringpipe.launch.bootstrap import rank_environment
 from ringpipe.launch.options import LaunchUsageError, parse_launch_args, validate
 

@@ -16,7 +16,7 @@ import torch
 
 from ringpipe.comm.events import EventLog
 from ringpipe.comm.stall import StallInspector, describe
-from ringpipe.comm.world import stall_inspector
+from ringpipe.comm.rendezvous import stall_inspector
 from ringpipe.launch import mpirun_command, spawn
 
 LATE_RANK = Path(__file__).parent / "scripts" / "stall_late_rank.py"

@@ -15,7 +15,7 @@ import pytest
 
 tf = pytest.importorskip("tensorflow")
 
-from ringpipe.api.basics import is_homogeneous_placement  # noqa: E402
+from ringpipe.core.basics import is_homogeneous_placement  # noqa: E402
 from scripts.tf_problem import bn_rows  # noqa: E402
 from tf_ranks import run_ranks  # noqa: E402
 

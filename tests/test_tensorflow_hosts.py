@@ -53,4 +53,4 @@ def test_the_tensorflow_face_answers_with_the_torch_faces_function():
     import ringpipe.tensorflow as hvd
 
     assert hvd.is_homogeneous is ringpipe.is_homogeneous
-    assert sys.modules["ringpipe.api.basics"].is_homogeneous is ringpipe.is_homogeneous
+    assert sys.modules["ringpipe.core.basics"].is_homogeneous is ringpipe.is_homogeneous

@@ -12,7 +12,7 @@ import time
 import torch
 
 from ringpipe.comm import init_world, shutdown_world
-from ringpipe.comm.world import stall_inspector
+from ringpipe.comm.rendezvous import stall_inspector
 
 comm = init_world(os.environ.get("RINGPIPE_BACKEND", "gloo"))
 if comm.rank == comm.size - 1:

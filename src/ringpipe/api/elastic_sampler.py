@@ -22,7 +22,7 @@ from typing import Any
 
 import torch.utils.data
 
-from ringpipe.api.basics import rank, size
+from ringpipe.core.basics import rank, size
 
 __all__ = ["ElasticSampler"]
 

@@ -4,7 +4,7 @@
 ``comm.isend`` / ``comm.irecv`` on any communicator (gloo, NCCL, MPI), or the backend's own
 collective with ``algorithm="native"``. Unless ``check=False``, every rank learns which call
 every other rank is making from a small header carried by the first messages, and all ranks
-raise :class:`MismatchError` if the calls differ (see :mod:`ringpipe.comm.consistency`). The
+raise :class:`MismatchError` if the calls differ (see :mod:`ringpipe.check.doubling_exchange`). The
 native path runs the communicator's own check, which exchanges the same headers: ranks that
 pick different algorithms for one call get the same error too.
 
@@ -30,6 +30,15 @@ from typing import Any, NoReturn
 
 import torch
 
+from ringpipe.check.call import (
+    DTYPES,
+    CallInfo,
+    InvalidCallError,
+    MismatchError,
+    dtype_name,
+    invalid_message,
+)
+from ringpipe.check.doubling_exchange import next_seq
 from ringpipe.collectives import (
     auto,
     halving_doubling,
@@ -42,15 +51,6 @@ from ringpipe.collectives import (
 from ringpipe.collectives.adasum import adasum_allreduce
 from ringpipe.collectives.common import Ctx, exchange_headers, finish_average, home_device
 from ringpipe.comm.base import CommError, Communicator, ReduceOp
-from ringpipe.comm.header import (
-    DTYPES,
-    CallInfo,
-    InvalidCallError,
-    MismatchError,
-    dtype_name,
-    invalid_message,
-    next_seq,
-)
 
 __all__ = [
     "ALGORITHMS",

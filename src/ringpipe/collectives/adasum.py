@@ -34,9 +34,10 @@ from typing import overload
 
 import torch
 
+from ringpipe.check.call import CallInfo, MismatchError, dtype_name, invalid_message
+from ringpipe.check.doubling_exchange import next_seq
 from ringpipe.collectives.common import Ctx, exchange, exchange_headers, home_device
 from ringpipe.comm.base import CommError, Communicator, ReduceOp
-from ringpipe.comm.header import CallInfo, MismatchError, dtype_name, invalid_message, next_seq
 
 __all__ = ["adasum_allreduce", "ADASUM_DTYPES", "SQRT_DBL_MIN"]
 
@@ -127,7 +128,7 @@ def _refuse(comm: Communicator, seq: int, check: bool, error: Exception) -> None
         raise error
     text = invalid_message(comm.rank, "allreduce", seq, str(error))
     if comm.size == 1:
-        from ringpipe.comm.header import InvalidCallError
+        from ringpipe.check.call import InvalidCallError
 
         raise InvalidCallError(text) from error
     ctx = Ctx(comm, "allreduce", seq, None, "adasum", check, CallInfo.invalid(seq, "allreduce"),

@@ -15,11 +15,17 @@ from typing import Any
 
 import torch
 
-from ringpipe.comm import consistency
+from ringpipe.check import doubling_exchange
+from ringpipe.check.call import CallInfo
+from ringpipe.check.doubling_exchange import (
+    HEADER_BYTES,
+    TEXT_BYTES,
+    HeaderState,
+    home_device,
+    scratch,
+)
 from ringpipe.comm.base import Communicator, ReduceOp, Work
-from ringpipe.comm.consistency import home_device
 from ringpipe.comm.doubling import doubling_steps, new_rank, real_rank
-from ringpipe.comm.header import HEADER_BYTES, TEXT_BYTES, CallInfo, HeaderState, scratch
 
 __all__ = [
     "CHUNK_BYTES",
@@ -157,12 +163,12 @@ def exchange_headers(ctx: Ctx, invalid: str | None = None) -> None:
     ``invalid`` (its error text: that rank cannot run its call but still takes part here, so
     that no peer waits for it forever).
     """
-    consistency.exchange_headers(ctx.comm, ctx.call, ctx.desc, invalid, ctx.algo)
+    doubling_exchange.exchange_headers(ctx.comm, ctx.call, ctx.desc, invalid, ctx.algo)
 
 
 def settle(ctx: Ctx, hs: HeaderState) -> None:
     """Raise the same error on every rank if the exchange of ``hs`` found a difference."""
-    consistency.settle(ctx.comm, hs, ctx.desc)
+    doubling_exchange.settle(ctx.comm, hs, ctx.desc)
 
 
 def exchange(

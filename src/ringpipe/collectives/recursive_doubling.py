@@ -12,6 +12,7 @@ import time
 
 import torch
 
+from ringpipe.check.doubling_exchange import EAGER_BYTES, HEADER_BYTES, HEADER_TAG, HeaderState
 from ringpipe.collectives.common import (
     Ctx,
     doubling_steps,
@@ -22,7 +23,6 @@ from ringpipe.collectives.common import (
     reduce_into,
     settle,
 )
-from ringpipe.comm.header import EAGER_BYTES, HEADER_BYTES, HEADER_TAG, HeaderState
 
 __all__ = ["allreduce"]
 

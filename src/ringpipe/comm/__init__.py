@@ -2,7 +2,7 @@
 
 from ringpipe.comm.base import CommError, Communicator, ReduceOp, Work, nbytes_of
 from ringpipe.comm.events import Event, EventLog, comm_stats, default_log
-from ringpipe.comm.world import BACKENDS, init_world, pin_device, shutdown_world
+from ringpipe.comm.rendezvous import BACKENDS, init_world, pin_device, shutdown_world
 
 __all__ = [
     "BACKENDS",

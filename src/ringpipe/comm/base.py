@@ -4,7 +4,7 @@ Every public operation of a communicator goes through :meth:`Communicator._trace
 records an event (op, bytes, peer, start, end, tag) in the process event log, checks the
 arguments (device, dtype, ranks) and then calls the backend's ``_op`` method. Before a
 collective, every rank's call is compared with every other rank's
-(:mod:`ringpipe.comm.consistency`), so that a mismatch or an invalid argument on one rank
+(:mod:`ringpipe.check.doubling_exchange`), so that a mismatch or an invalid argument on one rank
 raises the same error on all of them instead of aborting, hanging or returning wrong numbers.
 Backends (c10d for gloo/NCCL, mpi4py for MPI) implement only the underscored methods.
 """
@@ -54,7 +54,7 @@ class Communicator(ABC):
         self.log = log or default_log()
         self._node: Communicator | None = None
         self._leaders: Communicator | None | bool = False
-        from ringpipe.comm.consistency import checks_enabled
+        from ringpipe.check.doubling_exchange import checks_enabled
 
         #: Compare every collective call across ranks before data moves (see ``unchecked``).
         self.check_calls = checks_enabled()
@@ -107,7 +107,7 @@ class Communicator(ABC):
         """
         if not self._checking():
             return validate()
-        from ringpipe.comm.consistency import check_call
+        from ringpipe.check.doubling_exchange import check_call
 
         try:
             fields = validate()

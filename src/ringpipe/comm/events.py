@@ -61,7 +61,7 @@ def negotiating() -> contextlib.AbstractContextManager[None]:
     """Events this thread begins inside the block also carry the ranks' agreement on the call.
 
     An announcement whose message holds the call's data as well (a small allreduce riding in it,
-    :mod:`ringpipe.dp.announce`) is the program's reduction, so it is not :func:`internal`; it
+    :mod:`ringpipe.check.announcement`) is the program's reduction, so it is not :func:`internal`; it
     carries ``detail["negotiated"]`` so that the timeline still shows it as Horovod's negotiation.
     """
     return _flagged("negotiating")

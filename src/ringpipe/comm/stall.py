@@ -16,7 +16,7 @@ once that passes half the threshold, so the warning gives each idle rank's real 
 Ranks that wait in different operations are named as such: the program calls collectives in a
 different order on different ranks. ``RINGPIPE_STALL_CHECK_SECONDS`` sets the threshold (60 by
 default, 0 turns the inspector off). Under MPI, which has no c10d store, rank 0 serves one for
-the inspector (:func:`ringpipe.comm.world.init_world`); where no store can be reached, the
+the inspector (:func:`ringpipe.comm.rendezvous.init_world`); where no store can be reached, the
 warning says what this rank waits for only.
 """
 

@@ -8,9 +8,9 @@ from typing import Any
 
 import torch
 
+from ringpipe.check.announcement import announce, checks
 from ringpipe.comm.base import Communicator
-from ringpipe.dp.announce import announce, checks
-from ringpipe.dp.engine import Engine
+from ringpipe.core.engine import Engine
 
 __all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_tensors"]
 
@@ -21,7 +21,7 @@ def _target(comm: Communicator | None, process_set: Any, root_rank: int,
     that of ``process_set`` (the global set by default) with the world rank ``root_rank`` translated."""
     if comm is not None:
         return comm, root_rank, None
-    from ringpipe.dp.process_sets import resolve, set_root
+    from ringpipe.core.process_sets import resolve, set_root
 
     comm, ranks = resolve(process_set, what)
     root, problem = set_root(ranks, root_rank, what)
@@ -33,7 +33,7 @@ def broadcast_tensors(
 ) -> None:
     """Overwrite ``tensors`` in place with the root's values: one fused broadcast per dtype and device.
 
-    ``announced``: the caller already announced this broadcast (:mod:`ringpipe.dp.announce`).
+    ``announced``: the caller already announced this broadcast (:mod:`ringpipe.check.announcement`).
     """
     groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for t in tensors:

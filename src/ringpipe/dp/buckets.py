@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from ringpipe.comm.base import Communicator, ReduceOp
-from ringpipe.dp.engine import Handle
+from ringpipe.core.engine import Handle
 
 __all__ = ["Slot", "Bucket", "make_buckets", "split_tail", "name_parameters", "timed", "bucket_allreduce", "groups_setting", "explicit_groups"]
 

@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
+from ringpipe.check.announcement import run_announced
 from ringpipe.comm.base import Communicator
-from ringpipe.dp.announce import run_announced
 
 __all__ = ["save_checkpoint", "load_checkpoint", "UnsafeCheckpointError", "SAFE_GLOBALS"]
 
@@ -41,7 +41,7 @@ def save_checkpoint(path: str | os.PathLike[str], state: dict[str, Any], comm: C
     The state holds no rank or world-size information, so it loads on any number of ranks.
     """
     if comm is None:
-        from ringpipe.dp.world import current
+        from ringpipe.core.world import current
 
         comm = current().comm
     if comm.rank == root_rank:

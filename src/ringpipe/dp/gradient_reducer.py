@@ -5,12 +5,12 @@ every step between backward and the update: at construction the parameters are l
 fusion buckets (:mod:`ringpipe.dp.buckets`); a post-accumulate-grad hook per parameter copies
 its gradient into its slot of a bucket, already divided as an Average needs it (one pass over
 the gradient, not a copy and a scaling), and makes ``param.grad`` a view of that slot; a complete
-bucket is launched on the communicator's :class:`~ringpipe.dp.engine.Engine` once every earlier
+bucket is launched on the communicator's :class:`~ringpipe.core.engine.Engine` once every earlier
 bucket is, so buckets go out in the same order on every rank; :meth:`GradientReducer.synchronize`
 waits only for what is still in flight, and hands each bucket to a caller's function as soon as
 it is reduced (the optimizer steps by bucket that way, :mod:`ringpipe.dp.bucket_step`). With
 join support the first bucket's start rides in the step's announcement
-(:mod:`ringpipe.dp.announce`), and a rank that joined takes part in the buckets of the ranks
+(:mod:`ringpipe.check.announcement`), and a rank that joined takes part in the buckets of the ranks
 with data with zeros (:meth:`GradientReducer.serve_step`, :meth:`GradientReducer.serve_bucket`).
 """
 
@@ -22,11 +22,11 @@ from typing import Any
 
 import torch
 
+from ringpipe.check.announcement import RIDE_CAP, RIDING, Note, announce, settle, start_exchange
 from ringpipe.comm.base import Communicator, ReduceOp, Work
-from ringpipe.dp.announce import RIDE_CAP, RIDING, Note, announce, settle, start_exchange
+from ringpipe.core.compression import Compressor
+from ringpipe.core.engine import Engine
 from ringpipe.dp.buckets import Bucket, Slot, explicit_groups, make_buckets, timed
-from ringpipe.dp.compression import Compressor
-from ringpipe.dp.engine import Engine
 
 __all__ = ["GradientReducer"]
 
@@ -297,7 +297,7 @@ class GradientReducer:
 
         With ``overlap`` (a thread-safe backend, the native allreduce) the rest of the bucket goes
         out right behind the header and the header is read only when it is needed: by the next
-        collective posted on the communicator (:func:`~ringpipe.dp.announce.settle`) or by
+        collective posted on the communicator (:func:`~ringpipe.check.announcement.settle`) or by
         ``step()``; so a one-bucket step is one allreduce, as without join support.
         """
         ride = self._ride

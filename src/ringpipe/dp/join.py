@@ -1,6 +1,6 @@
 """Join: a rank that has run out of data keeps serving the others' collectives until all are done.
 
-Every data-parallel collective is announced by a small header (:mod:`ringpipe.dp.announce`).
+Every data-parallel collective is announced by a small header (:mod:`ringpipe.check.announcement`).
 A joined rank repeats header exchanges with a zero contribution and acts on what the ranks with
 data announce: for an optimizer step it reduces zero gradients and then applies the reduced
 gradients (an Average divides by the full size, as in Horovod), with their hyper-parameters (its own learning-rate scheduler
@@ -9,7 +9,7 @@ statistics, a metric) it contributes the identity of the reduce op; it takes par
 Gradients that the ranks with data change after ``synchronize()`` (clipping) are not what a
 joined rank applies: when every rank has joined, ranks whose parameters then differ take those
 of the rank that joined last, with its optimizer state.
-Any other collective raises :class:`~ringpipe.dp.announce.JoinError` on the ranks that called it
+Any other collective raises :class:`~ringpipe.core.errors.JoinError` on the ranks that called it
 (Horovod's "... is not supported with Join at this time."), while joined ranks go on. When a
 header shows no rank with data, every rank has joined and all of them return together.
 """
@@ -21,14 +21,26 @@ from typing import Any
 
 import torch
 
+from ringpipe.check.announcement import Note, device_of, exchange, identity, rides
 from ringpipe.comm.base import Communicator
-from ringpipe.dp.announce import JoinError, Note, device_of, exchange, identity, rides
-from ringpipe.dp.engine import Engine
-from ringpipe.dp.ops import finish_reduction, start_reduction
+from ringpipe.core.calls import Call
+from ringpipe.core.engine import Engine
+from ringpipe.core.errors import JoinError
+from ringpipe.core.ops import finish_reduction, start_reduction
+from ringpipe.core.process_sets import ProcessSet, global_process_set
 
-__all__ = ["join", "JoinError"]
+__all__ = ["join", "join_process_set", "JoinError"]
 
 log = logging.getLogger(__name__)
+
+
+def join_process_set(process_set: ProcessSet = global_process_set) -> int:
+    """Horovod's ``hvd.join`` on ``process_set`` (every face's): :func:`join` on its communicator.
+
+    Returns the world rank of the rank that joined last.
+    """
+    call = Call("join", process_set, None)
+    return call.ranks[join(call.comm)]
 
 
 def join(comm: Communicator) -> int:

@@ -6,14 +6,14 @@ bucket buffers of at most ``bucket_bytes`` each. A post-accumulate-grad hook on 
 parameter copies its gradient into its slot of the bucket (or finds it already there) and
 makes ``param.grad`` a view of that slot. When every parameter of a bucket is ready, and all
 earlier buckets have been launched, the bucket is handed to the communicator's background
-:class:`~ringpipe.dp.engine.Engine`. Buckets are therefore launched in the same order on every
+:class:`~ringpipe.core.engine.Engine`. Buckets are therefore launched in the same order on every
 rank whatever order the hooks fire in, and ``step()`` waits only for what is still in flight
 (the buckets, hooks, launches and waits belong to the optimizer's
 :class:`~ringpipe.dp.gradient_reducer.GradientReducer`, its ``reducer``). With a per-parameter
 ``torch.optim`` optimizer, ``step()`` updates each bucket's parameters as soon as that bucket is
 reduced, while later ones are still in flight (:mod:`ringpipe.dp.bucket_step`).
 
-The first bucket's reduction is announced (:mod:`ringpipe.dp.announce`: its start rides in the
+The first bucket's reduction is announced (:mod:`ringpipe.check.announcement`: its start rides in the
 step's announcement, so this costs no message of its own), which tells every rank
 how many ranks still have data; ranks that called :func:`ringpipe.dp.join.join` take part with
 zeros, and averages still divide by the full size, as in Horovod. While a rank is joined, every bucket is
@@ -34,15 +34,15 @@ from typing import Any
 
 import torch
 
+from ringpipe.check.announcement import Note, announce
+from ringpipe.check.settings import agree, comparable, layout_of, validate
 from ringpipe.comm.base import Communicator, ReduceOp
-from ringpipe.dp.agreement import agree, comparable, layout_of, validate
-from ringpipe.dp.announce import Note, announce
+from ringpipe.core.compression import Compression, Compressor
+from ringpipe.core.engine import Engine
 from ringpipe.dp.bucket_step import step_only, steps_by_bucket
 from ringpipe.dp.buckets import Bucket, bucket_allreduce, groups_setting, name_parameters
-from ringpipe.dp.compression import Compression, Compressor
-from ringpipe.dp.engine import Engine
 from ringpipe.dp.gradient_reducer import GradientReducer
-from ringpipe.dp.launch_policy import comparable_policy, policy_setting
+from ringpipe.dp.overlap import comparable_policy, policy_setting
 
 __all__ = ["DistributedOptimizer", "DEFAULT_BUCKET_BYTES", "DEFAULT_FIRST_BUCKET_BYTES"]
 
@@ -93,7 +93,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         overlap: when buckets are launched (ringpipe's own setting; ``RINGPIPE_OVERLAP`` when
             None): ``"overlap"`` or ``True`` (the default) as soon as each is full during
             backward, ``"after_backward"`` or ``False`` all once backward ends
-            (:mod:`ringpipe.dp.launch_policy`). The numbers are the same either way.
+            (:mod:`ringpipe.dp.overlap`). The numbers are the same either way.
 
     Construction is collective: every rank must pass the same settings and parameters (names,
     shapes, dtypes); otherwise every rank raises a ``ValueError`` naming what differs.
@@ -164,8 +164,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         except ValueError as exc:
             problem = exc
         if comm is None:
-            from ringpipe.dp.process_sets import resolve
-            from ringpipe.dp.world import NotInitializedError, current
+            from ringpipe.core.errors import NotInitializedError
+            from ringpipe.core.process_sets import resolve
+            from ringpipe.core.world import current
 
             try:
                 current()

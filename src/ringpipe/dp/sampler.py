@@ -31,7 +31,7 @@ class DistributedSampler(torch.utils.data.DistributedSampler):
     ) -> None:
         if num_replicas is None or rank is None:
             if comm is None:
-                from ringpipe.dp.world import current
+                from ringpipe.core.world import current
 
                 comm = current().comm
             num_replicas = comm.size if num_replicas is None else num_replicas

@@ -1,8 +1,10 @@
 """Horovod's standalone ``horovod.keras`` for Keras 3: ``import ringpipe.keras as hvd``.
 
-Keras 3 is itself the standalone Keras (``import keras``), so this face is
-:mod:`ringpipe.tensorflow.keras` under Horovod's other import path: a program written for
-``horovod.keras`` runs with only its import line changed. Keras must run on its TensorFlow
+Keras 3 is itself the standalone Keras (``import keras``), so this is not a face of its own: it is
+the TensorFlow face's Keras API, :mod:`ringpipe.tensorflow.keras`, under Horovod's other import
+path (as Horovod's own ``horovod.keras`` is built on ``horovod.tensorflow``), and a program written
+for ``horovod.keras`` runs with only its import line changed. It imports the TensorFlow face and
+:mod:`ringpipe.core`, never the torch face. Keras must run on its TensorFlow
 backend (the default); the collectives move TensorFlow tensors. Like
 :mod:`ringpipe.tensorflow.keras`, its callbacks are those of the Keras ``tf.keras`` is: with
 ``TF_USE_LEGACY_KERAS=1`` they are tf-keras (Keras 2) callbacks, for models built with
@@ -24,8 +26,8 @@ if _keras.backend.backend() != "tensorflow":  # pragma: no cover - depends on th
     )
 
 from ringpipe.comm.base import ReduceOp  # noqa: E402
-from ringpipe.dp.compression import Compression  # noqa: E402
-from ringpipe.dp.process_sets import ProcessSet, global_process_set  # noqa: E402
+from ringpipe.core.compression import Compression  # noqa: E402
+from ringpipe.core.process_sets import ProcessSet, global_process_set  # noqa: E402
 from ringpipe.tensorflow.keras import *  # noqa: E402, F403 - the same face
 from ringpipe.tensorflow.keras import DistributedOptimizer  # noqa: E402
 from ringpipe.tensorflow.keras import __all__ as _tf_keras_all  # noqa: E402

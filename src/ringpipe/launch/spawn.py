@@ -21,7 +21,7 @@ import torch.multiprocessing as tmp
 
 from ringpipe.comm.base import Communicator
 from ringpipe.comm.events import default_log
-from ringpipe.comm.world import BACKENDS, free_port, init_world, shutdown_world
+from ringpipe.comm.rendezvous import BACKENDS, free_port, init_world, shutdown_world
 from ringpipe.launch.bootstrap import die_with_parent, rank_environment
 from ringpipe.launch.relay import PEER_LOST
 

@@ -177,7 +177,7 @@ def _argv_of(args: Any) -> list[str]:
 def bench_main(args: Any) -> int:
     from ringpipe.comm import init_world, shutdown_world
     from ringpipe.comm.base import CommError
-    from ringpipe.comm.world import BACKENDS
+    from ringpipe.comm.rendezvous import BACKENDS
     from ringpipe.env import EnvironmentError_
 
     # Usage errors stop every rank alike before any of them communicates.

@@ -230,7 +230,7 @@ def _doctor_mpirun(args: Any) -> int:
 
 def doctor_main(args: Any) -> int:
     from ringpipe.comm.base import CommError
-    from ringpipe.comm.world import BACKENDS
+    from ringpipe.comm.rendezvous import BACKENDS
     from ringpipe.env import EnvironmentError_
     from ringpipe.observe.bench import parse_size
 

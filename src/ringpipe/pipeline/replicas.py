@@ -4,7 +4,7 @@ With ``world = stages x replicas`` ranks, replica ``r`` is the contiguous pipeli
 ``r*stages .. r*stages + stages - 1`` (neighbour stages are neighbour ranks, usually on the same
 node), and stage ``s``'s replicas ``s, s + stages, ...`` form one data-parallel group whose
 gradients are averaged before every optimizer step, on that group's data-parallel engine
-thread (:class:`ringpipe.dp.engine.Engine`).
+thread (:class:`ringpipe.core.engine.Engine`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ringpipe.comm.base import Communicator
-from ringpipe.dp.engine import Engine
+from ringpipe.core.engine import Engine
 
 __all__ = ["PipelineGrid", "make_grid", "replica_group", "average_gradients"]
 

@@ -1,9 +1,9 @@
 """Horovod's ``horovod.tensorflow`` API for TensorFlow 2 on ringpipe's engine: ``import ringpipe.tensorflow as hvd``.
 
-The process state (``init``, ranks, process sets) is the one of the torch face and of
-``ringpipe.dp``: a program may use both faces on one world. Tensors cross to torch at the boundary
-(:mod:`ringpipe.tensorflow.bridge`); every call is announced across ranks as in the torch face,
-so ranks that disagree (dtype, shape, op, root rank, set) all raise the same
+The process state (``init``, ranks, process sets), the collectives and the errors are
+:mod:`ringpipe.core`'s, which the torch face calls too: a program may use both faces on one world.
+Tensors cross to torch at the boundary (:mod:`ringpipe.tensorflow.bridge`); every call is
+announced across ranks (:mod:`ringpipe.check`), so ranks that disagree (dtype, shape, op, root rank, set) all raise the same
 :class:`HorovodInternalError` instead of hanging. Every op runs eagerly and inside ``tf.function``.
 """
 
@@ -15,7 +15,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "tensorflow-cpu==2.21.0, which pulls no CUDA packages)"
     ) from exc
 
-from ringpipe.api.basics import (
+from ringpipe.core.basics import (
     Adasum,
     Average,
     HorovodInternalError,
@@ -49,9 +49,8 @@ from ringpipe.api.basics import (
     rocm_built,
     shutdown,
     size,
-    start_timeline,
-    stop_timeline,
 )
+from ringpipe.core.timeline import start_timeline, stop_timeline
 
 from . import elastic
 from .compression import Compression

@@ -2,8 +2,8 @@
 
 Tensors cross by DLPack: a TF tensor becomes a torch view of the same buffer and a torch result
 becomes a TF tensor without a copy (numpy is the fallback for what DLPack refuses). TensorFlow
-treats its buffers as immutable, so a view of a TF tensor is only ever *read*: the collectives of
-the torch face that the TF face calls copy their input before reducing into it.
+treats its buffers as immutable, so a view of a TF tensor is only ever *read*: the shared collectives
+(:mod:`ringpipe.core`) that the TF face calls copy their input before reducing into it.
 
 Inside a graph (``tf.function``, Keras ``fit``) a collective becomes one ``tf.py_function`` node
 that calls the engine when the graph runs. What that costs: the node takes the Python interpreter
@@ -38,8 +38,8 @@ try:  # the calls behind tf.experimental.dlpack.from_dlpack (see _import_dlpack)
 except ImportError:  # pragma: no cover - depends on the TensorFlow version
     _pywrap_tfe = _context = None
 
-from ringpipe.dp.engine import EngineInvalidCallError, EngineMismatchError
-from ringpipe.dp.process_sets import NotAMemberError, registered
+from ringpipe.core.errors import EngineInvalidCallError, EngineMismatchError
+from ringpipe.core.process_sets import NotAMemberError, registered
 
 from . import status_op
 

@@ -7,7 +7,7 @@ floating-point tensor to ``float16`` with its own dtype as ``ctx`` and leaves an
 it is, and ``decompress`` casts back to a floating-point ``ctx``. ``Compression.bf16`` (ringpipe's)
 does the same with ``bfloat16``.
 
-The compressors are the torch face's (:mod:`ringpipe.dp.compression`) with those methods added
+The compressors are the engine's (:mod:`ringpipe.core.compression`) with those methods added
 for TF tensors: a collective hands the compressor to the one engine, which decides the wire
 dtype as for torch (only floating-point types wider than the wire dtype are cast), so a
 ``bfloat16`` tensor under ``fp16`` travels as it is rather than as ``float16``.
@@ -20,14 +20,14 @@ from typing import Any
 import tensorflow as tf
 import torch
 
-from ringpipe.dp import compression as _dp
+from ringpipe.core import compression as _core
 
 __all__ = ["BF16Compressor", "Compression", "Compressor", "FP16Compressor", "NoneCompressor"]
 
-Compressor = _dp.Compressor
+Compressor = _core.Compressor
 
 
-class NoneCompressor(_dp.NoneCompressor):
+class NoneCompressor(_core.NoneCompressor):
     """Sends tensors as they are; on a TF tensor ``compress`` gives ``(tensor, None)``."""
 
     def compress(self, tensor: Any) -> tuple[Any, Any]:
@@ -60,21 +60,21 @@ class _CastCompressor:
         return tensor
 
 
-class FP16Compressor(_CastCompressor, _dp.FP16Compressor):
+class FP16Compressor(_CastCompressor, _core.FP16Compressor):
     """Sends floating-point tensors as ``float16`` (Horovod's ``Compression.fp16``)."""
 
     tf_wire = tf.float16
 
 
-class BF16Compressor(_CastCompressor, _dp.BF16Compressor):
+class BF16Compressor(_CastCompressor, _core.BF16Compressor):
     """Sends floating-point tensors as ``bfloat16``."""
 
     tf_wire = tf.bfloat16
 
 
-class Compression(_dp.Compression):
-    """``Compression.none``, ``Compression.fp16``, ``Compression.bf16`` (also accepted by the torch face)."""
+class Compression(_core.Compression):
+    """``Compression.none``, ``Compression.fp16``, ``Compression.bf16`` (also accepted by the shared collectives)."""
 
-    none: _dp.Compressor = NoneCompressor()
-    fp16: _dp.Compressor = FP16Compressor()
-    bf16: _dp.Compressor = BF16Compressor()
+    none: _core.Compressor = NoneCompressor()
+    fp16: _core.Compressor = FP16Compressor()
+    bf16: _core.Compressor = BF16Compressor()

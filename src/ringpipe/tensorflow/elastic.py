@@ -1,6 +1,6 @@
 """Horovod's elastic API for TensorFlow 2: ``hvd.elastic.run``, ``TensorFlowState``, ``TensorFlowKerasState``.
 
-The machinery is the torch face's (:mod:`ringpipe.api.elastic`): ``run`` syncs the state, calls
+The machinery is every face's (:mod:`ringpipe.core.elastic`): ``run`` syncs the state, calls
 the training function, and when a collective fails (a peer departed, ranks disagreed) restores
 the last commit, re-initialises the world and tries again; commits persist across worker
 restarts under ``ringpipe launch --max-restarts`` when ``$RINGPIPE_ELASTIC_DIR`` is set. Only the
@@ -21,9 +21,9 @@ from typing import Any
 import tensorflow as tf
 import torch
 
-from ringpipe.api import elastic as _elastic
-from ringpipe.api.elastic import ObjectState, State
-from ringpipe.dp.engine import HorovodInternalError
+from ringpipe.core import elastic as _elastic
+from ringpipe.core.elastic import ObjectState, State
+from ringpipe.core.errors import HorovodInternalError
 
 from .bridge import to_tf, to_torch
 from .functions import broadcast_variables
@@ -32,7 +32,7 @@ __all__ = ["ObjectState", "State", "TensorFlowKerasState", "TensorFlowState", "r
 
 
 def run(func: Callable[..., Any]) -> Callable[..., Any]:
-    """Run ``func(state, ...)`` elastically (see :func:`ringpipe.api.elastic.run`).
+    """Run ``func(state, ...)`` elastically (see :func:`ringpipe.core.elastic.run`).
 
     A collective that failed inside a ``tf.function`` reaches Python as a TensorFlow error; it
     is turned back into the :class:`HorovodInternalError` it was, so that ``run`` recovers.

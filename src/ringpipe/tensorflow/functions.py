@@ -7,11 +7,11 @@ from typing import Any
 
 import tensorflow as tf
 
-from ringpipe import api as _api
-from ringpipe.api.calls import Call
-from ringpipe.dp.announce import announce, checks
+from ringpipe.check.announcement import announce, checks
+from ringpipe.core import movement as _movement
+from ringpipe.core.calls import Call
+from ringpipe.core.process_sets import ProcessSet, global_process_set, set_root
 from ringpipe.dp.broadcast import broadcast_tensors
-from ringpipe.dp.process_sets import ProcessSet, global_process_set, set_root
 
 from .bridge import graph_op, run, to_tf, to_torch
 
@@ -68,13 +68,13 @@ def broadcast_variables(variables: Sequence[Any], root_rank: int, process_set: P
 def broadcast_object(obj: Any, root_rank: int = 0, session: Any = None, name: str | None = None,
                      process_set: ProcessSet = global_process_set) -> Any:
     """``root_rank``'s object (pickled) on every rank of the set."""
-    return _api.broadcast_object(obj, root_rank, name=name, process_set=process_set)
+    return _movement.broadcast_object(obj, root_rank, name=name, process_set=process_set)
 
 
 def allgather_object(obj: Any, session: Any = None, name: str | None = None,
                      process_set: ProcessSet = global_process_set) -> list[Any]:
     """Every rank's object (pickled), in rank order of the set."""
-    return _api.allgather_object(obj, name=name, process_set=process_set)
+    return _movement.allgather_object(obj, name=name, process_set=process_set)
 
 
 def broadcast_object_fn(root_rank: int = 0, session: Any = None, name: str | None = None,

@@ -7,9 +7,9 @@ from typing import Any
 
 import tensorflow as tf
 
-from ringpipe.api.calls import parse_op
 from ringpipe.comm.base import ReduceOp
-from ringpipe.dp.process_sets import ProcessSet, global_process_set
+from ringpipe.core.calls import parse_op
+from ringpipe.core.process_sets import ProcessSet, global_process_set
 
 from .bridge import graph_op
 from .compression import Compression

@@ -12,7 +12,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from ringpipe.dp.process_sets import ProcessSet, global_process_set
+from ringpipe.core.process_sets import ProcessSet, global_process_set
 
 from .functions import broadcast_
 

@@ -1,7 +1,7 @@
 """Horovod's TensorFlow collectives on ringpipe's engine, eager and in graphs, with Horovod's gradients.
 
-Each op converts its TF tensor at the boundary (:mod:`.bridge`) and calls the torch face's
-collective, which announces the call across ranks (ranks that disagree all raise) and runs it on
+Each op converts its TF tensor at the boundary (:mod:`.bridge`) and calls the collective every
+face shares (:mod:`ringpipe.core.reductions`, :mod:`ringpipe.core.movement`), which announces the call across ranks (ranks that disagree all raise) and runs it on
 the process set's engine. The gradients are Horovod's (``horovod/tensorflow/mpi_ops.py``): of an
 allreduce, the same allreduce (op and scale factors) of the output gradient; of an allgather, the
 averaging allreduce of the gradient, this rank's rows; of a broadcast, the averaging allreduce on
@@ -18,13 +18,16 @@ from typing import Any
 import tensorflow as tf
 import torch
 
-from ringpipe import api as _api
-from ringpipe.api.calls import Call, parse_op
+from ringpipe.check.announcement import checks, run_announced
 from ringpipe.comm.base import ReduceOp
-from ringpipe.dp import ops as _ops
-from ringpipe.dp.announce import checks, run_announced
-from ringpipe.dp.process_sets import ProcessSet, global_process_set
-from ringpipe.dp.process_sets import basics as _basics  # noqa: F401 - Horovod's internal, read by its tests
+from ringpipe.core import basics as _basics_api
+from ringpipe.core import movement as _movement
+from ringpipe.core import ops as _ops
+from ringpipe.core import reductions as _reductions
+from ringpipe.core.calls import Call, parse_op
+from ringpipe.core.process_sets import ProcessSet, global_process_set
+from ringpipe.core.process_sets import basics as _basics  # noqa: F401 - Horovod's internal, read by its tests
+from ringpipe.dp.join import join_process_set
 
 try:  # TensorFlow's check for a recording tape (private; see _recording)
     from tensorflow.python.eager import record as _record
@@ -64,7 +67,7 @@ def _torch_of(x: tf.Tensor, what: str, name: str | None, process_set: ProcessSet
     """``x`` as a torch tensor for collective ``what``; a dtype no collective takes is refused on every rank.
 
     The refusal is announced as an invalid call, so the other ranks of the set, waiting in the
-    same collective, raise the same :class:`~ringpipe.comm.header.InvalidCallError` naming this
+    same collective, raise the same :class:`~ringpipe.check.call.InvalidCallError` naming this
     rank and the dtype instead of waiting for a rank that will never come.
     """
     try:
@@ -96,7 +99,7 @@ def _dense_allreduce(x: tf.Tensor, op: ReduceOp, pre: float, post: float, compre
                      process_set: ProcessSet) -> tf.Tensor:
     def fn(v: tf.Tensor) -> list[tf.Tensor]:
         src = _torch_of(v, "allreduce", name, process_set)
-        out = _api.allreduce(src, name=name, compression=compression, op=op, prescale_factor=pre,
+        out = _reductions.allreduce(src, name=name, compression=compression, op=op, prescale_factor=pre,
                              postscale_factor=post, process_set=process_set)
         return [to_tf(out)]
 
@@ -171,12 +174,12 @@ def fused_allreduce(tensors: Sequence[tf.Tensor], op: ReduceOp, pre: float, post
         groups: dict[torch.dtype, list[int]] = {}
         for i, (w, _) in enumerate(wire):
             groups.setdefault(w.dtype, []).append(i)
-        handles = [(idx, _api.grouped_allreduce_async([wire[i][0] for i in idx], op=op, prescale_factor=pre,
+        handles = [(idx, _reductions.grouped_allreduce_async([wire[i][0] for i in idx], op=op, prescale_factor=pre,
                                                       postscale_factor=post, process_set=process_set))
                    for idx in groups.values()]
         out: list[Any] = [None] * len(vs)
         for idx, handle in handles:
-            for i, r in zip(idx, _api.synchronize(handle), strict=True):
+            for i, r in zip(idx, _basics_api.synchronize(handle), strict=True):
                 out[i] = to_tf(comp.decompress(r, wire[i][1]))
         return out
 
@@ -239,7 +242,7 @@ def allgather(tensor: Any, name: str | None = None, ignore_name_scope: bool = Fa
     def gather(t: tf.Tensor) -> Any:
         def fn(v: tf.Tensor) -> list[tf.Tensor]:
             src = _torch_of(v, "allgather", name, process_set)
-            return [to_tf(_api.allgather(src, name=name, process_set=process_set))]
+            return [to_tf(_movement.allgather(src, name=name, process_set=process_set))]
 
         shape = None if t.shape.rank is None else ([None, *t.shape[1:]] if t.shape.rank else [None])
         (y,) = run(fn, [t], [t.dtype], [shape], name="RingpipeAllgather")
@@ -274,13 +277,13 @@ def broadcast(tensor: Any, root_rank: int, name: str | None = None, ignore_name_
     def bcast(t: tf.Tensor) -> Any:
         def fn(v: tf.Tensor) -> list[tf.Tensor]:
             src = _torch_of(v, "broadcast", name, process_set)
-            return [to_tf(_api.broadcast(src, root_rank, name=name, process_set=process_set))]
+            return [to_tf(_movement.broadcast(src, root_rank, name=name, process_set=process_set))]
 
         (y,) = run(fn, [t], [t.dtype], [t.shape], name="RingpipeBroadcast")
 
         def grad(dy: tf.Tensor) -> tf.Tensor:
             total = _dense_allreduce(dy, ReduceOp.AVERAGE, 1.0, 1.0, Compression.none, None, process_set)
-            return total if _api.rank() == root_rank else total * 0
+            return total if _basics_api.rank() == root_rank else total * 0
 
         return y, grad
 
@@ -301,7 +304,7 @@ def alltoall(tensor: Any, splits: Any = None, name: str | None = None, ignore_na
     @tf.custom_gradient
     def exchange(t: tf.Tensor, s: tf.Tensor) -> Any:
         def fn(v: tf.Tensor, w: tf.Tensor) -> list[tf.Tensor]:
-            # the torch face's alltoall, keeping the received splits also of an even split (each
+            # the shared alltoall, keeping the received splits also of an even split (each
             # rank's own dim 0 / size rows, which differ between ranks): the gradient sends them back
             call = Call("alltoall", process_set, name)
             src = _torch_of(v, "alltoall", name, process_set)
@@ -336,7 +339,7 @@ def reducescatter(tensor: Any, device_dense: str = "", compression: Any = Compre
     def scatter(t: tf.Tensor) -> Any:
         def fn(v: tf.Tensor) -> list[tf.Tensor]:
             src = _torch_of(v, "reducescatter", name, process_set)
-            out = _api.reducescatter(src, name=name, compression=comp, op=rop, process_set=process_set,
+            out = _reductions.reducescatter(src, name=name, compression=comp, op=rop, process_set=process_set,
                                      prescale_factor=prescale_factor, postscale_factor=postscale_factor)
             return [to_tf(out)]
 
@@ -366,7 +369,7 @@ def grouped_reducescatter(tensors: Sequence[Any], device_dense: str = "", compre
 def barrier(process_set: ProcessSet = global_process_set) -> None:
     """Wait until every rank of the set reaches this call."""
     def wait() -> list[tf.Tensor]:
-        _api.barrier(process_set=process_set)
+        _movement.barrier(process_set=process_set)
         return [tf.constant(0)]
 
     run(wait, [], [tf.int32], [[]], name="RingpipeBarrier")
@@ -375,5 +378,5 @@ def barrier(process_set: ProcessSet = global_process_set) -> None:
 @graph_op
 def join() -> tf.Tensor:
     """Wait for every rank to run out of data (serving their allreduces meanwhile); the last rank to join."""
-    (last,) = run(lambda: [tf.constant(_api.join(), tf.int32)], [], [tf.int32], [[]], name="RingpipeJoin")
+    (last,) = run(lambda: [tf.constant(join_process_set(), tf.int32)], [], [tf.int32], [[]], name="RingpipeJoin")
     return last

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import tensorflow as tf
 
-from ringpipe.dp import world as _w
+from ringpipe.core import world as _w
 
 __all__ = [
     "PROCESS_SET_ERROR_INIT",
@@ -66,21 +66,21 @@ def size_op(process_set_id: int = 0, name: str | None = None) -> tf.Tensor:
 
 def local_size_op(name: str | None = None) -> tf.Tensor:
     """The number of processes on this node, read when the op runs."""
-    from ringpipe.api.basics import local_size
+    from ringpipe.core.basics import local_size
 
     return _query(local_size, name, "RingpipeLocalSize")
 
 
 def rank_op(name: str | None = None) -> tf.Tensor:
     """This process's rank, read when the op runs."""
-    from ringpipe.api.basics import rank
+    from ringpipe.core.basics import rank
 
     return _query(rank, name, "RingpipeRank")
 
 
 def local_rank_op(name: str | None = None) -> tf.Tensor:
     """This process's rank on its node, read when the op runs."""
-    from ringpipe.api.basics import local_rank
+    from ringpipe.core.basics import local_rank
 
     return _query(local_rank, name, "RingpipeLocalRank")
 

@@ -18,8 +18,8 @@ from typing import Any
 
 import tensorflow as tf
 
-from ringpipe.api.basics import size
 from ringpipe.comm.base import ReduceOp
+from ringpipe.core.basics import size
 
 from .mpi_ops import allreduce
 

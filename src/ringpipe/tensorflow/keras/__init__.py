@@ -13,7 +13,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from ringpipe.dp.compression import Compression
+from ringpipe.core.compression import Compression
 
 from .. import *  # noqa: F403 - the TensorFlow face's API
 from .. import __all__ as _tf_all

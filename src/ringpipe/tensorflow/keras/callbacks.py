@@ -22,8 +22,8 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from ringpipe.api.basics import size
-from ringpipe.dp.process_sets import global_process_set
+from ringpipe.core.basics import size
+from ringpipe.core.process_sets import global_process_set
 
 from ..functions import broadcast_variables
 from ..mpi_ops import allreduce
@@ -233,7 +233,7 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
     def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
         super().on_epoch_end(epoch, logs)
         if self.end_epoch is not None and epoch == self.end_epoch - 1 and self.verbose > 0:
-            from ringpipe.api.basics import rank
+            from ringpipe.core.basics import rank
 
             if rank() == 0:
                 print(f"\nEpoch {epoch + 1}: finished gradual learning rate warmup to {_lr(self.model.optimizer):g}.")

@@ -1,7 +1,7 @@
 """Horovod's elastic Keras API (Keras 3, or tf-keras with ``TF_USE_LEGACY_KERAS=1``): ``KerasState`` and the commit / batch / epoch callbacks.
 
 ``hvd.elastic.run`` and the states are :mod:`ringpipe.tensorflow.elastic`'s (which reuses the
-torch face's machinery); the callbacks follow ``horovod/_keras/elastic.py``: commit every
+machinery every face shares); the callbacks follow ``horovod/_keras/elastic.py``: commit every
 ``batches_per_commit`` batches and at each epoch's end, and keep ``state.batch`` /
 ``state.epoch`` current so that a restored state knows where training was.
 """

@@ -15,10 +15,10 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from ringpipe.api.calls import parse_op
 from ringpipe.comm.base import ReduceOp
-from ringpipe.dp.compression import Compression
-from ringpipe.dp.process_sets import ProcessSet, global_process_set
+from ringpipe.core.calls import parse_op
+from ringpipe.core.compression import Compression
+from ringpipe.core.process_sets import ProcessSet, global_process_set
 
 from ..gradient_tape import _key, reduce_gradients
 

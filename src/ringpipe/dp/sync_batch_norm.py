@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ringpipe.comm.base import Communicator, ReduceOp
-from ringpipe.dp.ops import allreduce
+from ringpipe.core.ops import allreduce
 
 __all__ = ["SyncBatchNorm"]
 
@@ -44,7 +44,7 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
 
     def _comm(self) -> Communicator:
         if self.comm is None:
-            from ringpipe.dp.world import current
+            from ringpipe.core.world import current
 
             return current().comm
         return self.comm

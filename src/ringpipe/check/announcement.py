@@ -18,7 +18,7 @@ the joined ranks go on waiting.
 An optimizer step costs no message of its own: its header rides in front of the first
 gradients. Every announcement on a communicator is one float32 message of the same length,
 the header (each int64 word as six 12-bit digits, exact in float32 sums over up to 4096 ranks)
-followed by a payload area (:mod:`ringpipe.dp.headers`) of :attr:`Engine.ride <ringpipe.dp.engine.Engine>` elements. An
+followed by a payload area (:mod:`ringpipe.check.announcement_header`) of :attr:`Engine.ride <ringpipe.core.engine.Engine>` elements. An
 optimizer step's first message fills that area with the start of its first bucket
 (:func:`start_exchange`), and a Sum or Average allreduce that fits fills it with its data
 (:func:`announce` with ``payload``), so that it too is one message (its negotiation and its
@@ -28,10 +28,10 @@ contributes zeros (the sum's identity). The area's length changes only in step o
 when a ``DistributedOptimizer`` with join support is built (collectively), to its whole first
 bucket (up to :data:`RIDE_CAP` elements); and after an allreduce too long to ride, to its length
 (up to :data:`GROW_CAP`), read from the summed header that every rank reads
-(:func:`~ringpipe.dp.headers.grow_area`).
+(:func:`~ringpipe.check.announcement_header.grow_area`).
 
-Collectives called directly on a communicator, outside ``ringpipe.dp`` and ``ringpipe.api``,
-are not announced and must not be used while a rank is joined.
+Collectives called directly on a communicator, outside ``ringpipe.core``, ``ringpipe.dp`` and the
+faces, are not announced and must not be used while a rank is joined.
 """
 
 from __future__ import annotations
@@ -44,11 +44,7 @@ from typing import Any
 
 import torch
 
-from ringpipe.comm.base import CommError, Communicator, ReduceOp, Work
-from ringpipe.comm.events import internal, negotiating
-from ringpipe.comm.header import InvalidCallError, MismatchError
-from ringpipe.dp.engine import Engine, EngineError, EngineInvalidCallError, EngineMismatchError
-from ringpipe.dp.headers import (
+from ringpipe.check.announcement_header import (
     DTYPES,
     GROW_CAP,
     OPS,
@@ -65,11 +61,15 @@ from ringpipe.dp.headers import (
     rides,
     with_payload,
 )
+from ringpipe.check.call import InvalidCallError, MismatchError
+from ringpipe.comm.base import CommError, Communicator, ReduceOp, Work
+from ringpipe.comm.events import internal, negotiating
+from ringpipe.core.engine import Engine
+from ringpipe.core.errors import EngineInvalidCallError, EngineMismatchError, JoinError
 
 __all__ = [
     "OPS",
     "SERVED",
-    "JoinError",
     "Note",
     "Pending",
     "RIDE_CAP",
@@ -86,10 +86,6 @@ __all__ = [
     "settle",
     "start_exchange",
 ]
-
-
-class JoinError(EngineError):
-    """A collective was called while a rank had joined, and joined ranks cannot take part in it."""
 
 
 def exchange(
@@ -300,7 +296,7 @@ def run_announced(
 
     ``tensor``, ``detail`` and ``validate`` as for :func:`announce`: the call is compared
     across ranks before ``fn`` runs. ``key``: the name it matches by across ranks
-    (:class:`~ringpipe.dp.engine.Engine`).
+    (:class:`~ringpipe.core.engine.Engine`).
     """
 
     def task() -> Any:

@@ -15,8 +15,9 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from ringpipe.comm.base import Communicator
-from ringpipe.dp.engine import Engine
-from ringpipe.dp.world import HorovodInternalError, World, current
+from ringpipe.core.engine import Engine
+from ringpipe.core.errors import HorovodInternalError
+from ringpipe.core.world import World, current
 
 __all__ = [
     "NotAMemberError",

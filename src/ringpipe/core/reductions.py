@@ -1,7 +1,7 @@
 """Horovod's reductions: allreduce, grouped allreduce, reduce-scatter and their in-place and async forms.
 
 The naming grid follows Horovod: ``op`` returns a new tensor (differentiable), ``op_`` works in
-place, ``op_async`` / ``op_async_`` return a :class:`~ringpipe.dp.engine.Handle` for
+place, ``op_async`` / ``op_async_`` return a :class:`~ringpipe.core.engine.Handle` for
 ``synchronize``. Every call takes ``process_set`` and is announced with its arguments (dtype,
 shape, op, scale factors, set), so ranks that disagree all raise before data moves.
 """
@@ -13,12 +13,12 @@ from typing import Any
 
 import torch
 
+from ringpipe.check.announcement import announce, checks
 from ringpipe.comm.base import ReduceOp
-from ringpipe.dp import ops
-from ringpipe.dp.announce import announce, checks
-from ringpipe.dp.compression import Compression
-from ringpipe.dp.engine import Handle
-from ringpipe.dp.process_sets import ProcessSet, global_process_set
+from ringpipe.core import ops
+from ringpipe.core.compression import Compression
+from ringpipe.core.engine import Handle
+from ringpipe.core.process_sets import ProcessSet, global_process_set
 
 from .basics import synchronize
 from .calls import Call, parse_op

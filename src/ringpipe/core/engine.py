@@ -34,29 +34,14 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+from ringpipe.check.call import InvalidCallError, MismatchError
 from ringpipe.comm.base import Communicator, Work
 from ringpipe.comm.events import add_blocked, named, take_next_name
-from ringpipe.comm.header import InvalidCallError, MismatchError
+from ringpipe.core.errors import EngineError, EngineInvalidCallError, EngineMismatchError
 
-__all__ = ["Engine", "Handle", "EngineError", "EngineInvalidCallError", "EngineMismatchError", "HorovodInternalError"]
+__all__ = ["Engine", "Handle"]
 
 log = logging.getLogger(__name__)
-
-
-class HorovodInternalError(RuntimeError):
-    """A collective failed (Horovod's name): ranks disagreed, a peer was lost, a set was foreign."""
-
-
-class EngineError(HorovodInternalError):
-    """A queued collective failed on the engine thread; the message carries the original error."""
-
-
-class EngineMismatchError(MismatchError, EngineError):
-    """Ranks made different calls; raised by the handle of every rank's call."""
-
-
-class EngineInvalidCallError(InvalidCallError, EngineError):
-    """Some rank's call was invalid; raised by the handle of every rank's call."""
 
 
 _UNSET = object()
@@ -151,7 +136,7 @@ class Engine:
         self._closed = False
         self.optimizers: weakref.WeakSet[Any] = weakref.WeakSet()
         #: Elements after the header in every announcement on this communicator
-        #: (:mod:`ringpipe.dp.announce`); set on this thread, in order, by optimizers with join support.
+        #: (:mod:`ringpipe.check.announcement`); set on this thread, in order, by optimizers with join support.
         self.ride = 0
         # Tasks submitted and not yet executed, and the lock held while one executes: a task
         # may run inline on the caller's thread only while the engine has nothing before it.
@@ -254,7 +239,7 @@ class Engine:
         self._current.append(handle.key if handle.key is not None else outer)
         try:
             # Engine tasks agreed on their calls already: each data-parallel collective is
-            # announced with a fingerprint of its arguments (ringpipe.dp.announce), and the
+            # announced with a fingerprint of its arguments (ringpipe.check.announcement), and the
             # optimizer's buckets were compared at construction.
             with self.comm.unchecked():
                 value = task()

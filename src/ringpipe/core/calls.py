@@ -7,9 +7,9 @@ from typing import Any
 
 from ringpipe.comm.base import Communicator, ReduceOp
 from ringpipe.comm.events import name_next
-from ringpipe.dp.engine import Engine, Handle
-from ringpipe.dp.process_sets import ProcessSet, resolve
-from ringpipe.dp.world import current
+from ringpipe.core.engine import Engine, Handle
+from ringpipe.core.process_sets import ProcessSet, resolve
+from ringpipe.core.world import current
 
 __all__ = ["Call", "parse_op", "set_detail"]
 
@@ -33,7 +33,7 @@ class Call:
 
     As in Horovod, an operation is known across ranks by its tensor name (``allreduce.grad_w``):
     ranks match named operations by that name, whatever order they were posted in (see
-    :class:`~ringpipe.dp.engine.Engine`), and posting a name still in flight (submitted, not yet
+    :class:`~ringpipe.core.engine.Engine`), and posting a name still in flight (submitted, not yet
     synchronized) raises :class:`ValueError` at once on the rank that posted it, posting nothing.
     """
 

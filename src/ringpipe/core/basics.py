@@ -1,4 +1,8 @@
-"""The Horovod-style API's process state: init and shutdown, who am I, what is built, handles, process sets."""
+"""Horovod's basics, shared by every face: init and shutdown, who am I, what is built, handles, process sets.
+
+The torch face (``import ringpipe as hvd``), the TensorFlow face and the Keras face re-export
+these names: one process state (:mod:`ringpipe.core.world`) whichever face a program uses.
+"""
 
 from __future__ import annotations
 
@@ -10,9 +14,10 @@ from typing import Any
 import torch
 
 from ringpipe.comm.base import Communicator, ReduceOp
-from ringpipe.dp import world as _w
-from ringpipe.dp.engine import Handle
-from ringpipe.dp.process_sets import (
+from ringpipe.core import world as _w
+from ringpipe.core.engine import Handle
+from ringpipe.core.errors import HorovodInternalError, NotInitializedError
+from ringpipe.core.process_sets import (
     DuplicateProcessSetError,
     ProcessSet,
     add_process_set,
@@ -21,7 +26,8 @@ from ringpipe.dp.process_sets import (
     register_initial,
     remove_process_set,
 )
-from ringpipe.dp.world import HorovodInternalError, NotInitializedError, World
+from ringpipe.core.timeline import save_events
+from ringpipe.core.world import World
 
 __all__ = [
     "Adasum",
@@ -60,8 +66,6 @@ __all__ = [
     "rocm_built",
     "shutdown",
     "size",
-    "start_timeline",
-    "stop_timeline",
     "synchronize",
 ]
 
@@ -116,12 +120,12 @@ def init(
     owns = not isinstance(comm, Communicator)
     created = False
     if mpi_comm is not None:
-        from ringpipe.comm.world import init_world_on
+        from ringpipe.comm.rendezvous import init_world_on
 
         comm = init_world_on(mpi_comm)  # Horovod duplicates the communicator it is given, as this does
         global_process_set.mpi_comm = mpi_comm
     if comm is None:
-        from ringpipe.comm.world import init_world
+        from ringpipe.comm.rendezvous import init_world
         from ringpipe.env import detect
 
         if settings.timeline and detect().rank == 0:
@@ -160,7 +164,7 @@ def _apply_settings(comm: Communicator, settings: Any, created: bool) -> None:
     if settings.timeline:
         live.start(settings.timeline, comm.rank, settings.mark_cycles, create=(comm.rank == 0 and not created))
     if settings.stall_shutdown_s > 0:
-        from ringpipe.comm.world import stall_inspector
+        from ringpipe.comm.rendezvous import stall_inspector
 
         inspector = stall_inspector()
         if inspector is None:
@@ -168,30 +172,6 @@ def _apply_settings(comm: Communicator, settings: Any, created: bool) -> None:
         else:
             inspector.shutdown_seconds = settings.stall_shutdown_s
             inspector.on_shutdown.append(live.stop)
-
-
-def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
-    """Start writing the timeline to ``file_path`` now (Horovod's ``hvd.start_timeline``); every rank calls it.
-
-    Rank 0 creates the file (replacing one there) and every rank appends its events as the job
-    runs; a ``start_timeline`` instant marks where recording began and :func:`stop_timeline` a
-    ``stop_timeline`` instant where it ended. ``mark_cycles``: a ``CYCLE_START`` instant where
-    each queued operation starts. A timeline being written to another file is closed first.
-    """
-    from ringpipe.observe import live
-
-    if not _w.is_initialized():
-        raise ValueError("Horovod has not been initialized; use hvd.init().")
-    live.start(file_path, rank(), bool(mark_cycles))
-
-
-def stop_timeline() -> None:
-    """Stop writing the timeline and close its file (Horovod's ``hvd.stop_timeline``)."""
-    from ringpipe.observe import live
-
-    if not _w.is_initialized():
-        raise ValueError("Horovod has not been initialized; use hvd.init().")
-    live.stop()
 
 
 def shutdown() -> None:
@@ -207,30 +187,18 @@ def shutdown() -> None:
     live.stop()
     state = _w.release()
     if state is None:  # a world from init_world() (the lower-level entry point) is released too
-        from ringpipe.comm.world import shutdown_world
+        from ringpipe.comm.rendezvous import shutdown_world
 
         shutdown_world()
         return
     path = timeline_path(os.environ)
     try:
         if path and path != "DYNAMIC":
-            state.engine.run(lambda: _save_events(state.comm, path), name="timeline")
+            state.engine.run(lambda: save_events(state.comm, path), name="timeline")
     finally:
         state.close()
         global_process_set.ranks = []
         global_process_set.comm = None
-
-
-def _save_events(comm: Communicator, path: str) -> None:
-    from pathlib import Path
-
-    from ringpipe.observe import collect_events, save_events
-
-    job = collect_events(comm)
-    if job is not None:
-        out = Path(path)
-        save_events(out.with_name(out.stem + ".events.json"), job)
-        log.info("timeline written to %s (open in chrome://tracing or ui.perfetto.dev)", out)
 
 
 def is_initialized() -> bool:

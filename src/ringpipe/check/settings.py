@@ -15,10 +15,10 @@ from typing import Any
 
 import torch
 
+from ringpipe.check.announcement import announce
 from ringpipe.comm.base import Communicator, ReduceOp
-from ringpipe.dp.announce import announce
-from ringpipe.dp.compression import Compressor
-from ringpipe.dp.engine import Engine
+from ringpipe.core.compression import Compressor
+from ringpipe.core.engine import Engine
 
 __all__ = ["agree", "comparable", "layout_of", "validate"]
 

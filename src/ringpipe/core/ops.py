@@ -6,7 +6,7 @@ of an allgather, the *averaging* allreduce of the output gradient, sliced to thi
 of a broadcast, the averaging allreduce on the root (zero elsewhere); of a reduce-scatter, the
 allgather of the gradient scaled as the op scaled (times the size for Sum, times the pre- and
 postscale factors); of an alltoall, the reverse alltoall. Every collective is announced
-(:mod:`ringpipe.dp.announce`) with the arguments the ranks must agree on, so ranks inside
+(:mod:`ringpipe.check.announcement`) with the arguments the ranks must agree on, so ranks inside
 ``join()`` take part in allreduces and ranks that disagree all raise before data moves.
 """
 
@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
+from ringpipe.check.announcement import announce, checks, rides, run_announced
 from ringpipe.comm.base import Communicator, ReduceOp, Work
-from ringpipe.dp.announce import announce, checks, rides, run_announced
-from ringpipe.dp.engine import Engine
+from ringpipe.core.engine import Engine
 
 __all__ = [
     "allreduce",
@@ -90,7 +90,7 @@ def reduce_announced(comm: Communicator, tensor: torch.Tensor, op: ReduceOp, wop
     """Announce an allreduce of ``tensor`` (engine thread) and start its reduction by ``wop``, prescaled.
 
     A Sum or Average of a float tensor that fits the announcement's payload area travels in it
-    (:func:`~ringpipe.dp.announce.rides`): one message, and ``tensor`` holds the result when this
+    (:func:`~ringpipe.check.announcement.rides`): one message, and ``tensor`` holds the result when this
     returns; otherwise the data follows the announcement (:func:`start_reduction`'s result). Either
     way the post-scaling is the caller's, and ``tensor`` is untouched if the ranks' calls differ.
     """

@@ -1,6 +1,6 @@
-"""The data-parallel process state: one world per process (communicator, engine, process sets).
+"""The process state: one world per process (communicator, engine, process sets).
 
-The Horovod-style API and ``ringpipe.dp``'s own modules (optimizer, sampler, broadcasts,
+Every face (torch, TensorFlow, Keras) and ``ringpipe.dp``'s own modules (optimizer, sampler, broadcasts,
 checkpoints, SyncBatchNorm) read the world here, below all of them, so that the global process
 set and the added ones are one concept whichever face a program uses.
 """
@@ -12,14 +12,13 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from ringpipe.comm.base import Communicator
-from ringpipe.dp.engine import Engine, HorovodInternalError
+from ringpipe.core.engine import Engine
+from ringpipe.core.errors import NotInitializedError
 
 if TYPE_CHECKING:
-    from ringpipe.dp.process_sets import ProcessSet
+    from ringpipe.core.process_sets import ProcessSet
 
 __all__ = [
-    "HorovodInternalError",
-    "NotInitializedError",
     "World",
     "current",
     "install",
@@ -29,10 +28,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-
-class NotInitializedError(ValueError):
-    """An API call was made before :func:`ringpipe.init` (or after :func:`ringpipe.shutdown`)."""
 
 
 class World:
@@ -57,7 +52,7 @@ class World:
         self.sets.clear()
         self.engine.shutdown()
         if self.owns_comm and self.comm.backend != "mpi":
-            from ringpipe.comm.world import shutdown_world
+            from ringpipe.comm.rendezvous import shutdown_world
 
             shutdown_world()
 

@@ -1,4 +1,4 @@
-"""Horovod's data movement: allgather, broadcast, alltoall, objects, barrier and join, on any process set.
+"""Horovod's data movement every face calls: allgather, broadcast, alltoall, objects and barrier, on any process set.
 
 Root ranks are world ranks, as in Horovod, also on a process set. Every call is announced with
 the arguments the ranks must agree on (dtype, trailing shape, root rank, set), so ranks that
@@ -12,12 +12,10 @@ from typing import Any
 
 import torch
 
-from ringpipe.dp import broadcast as _broadcast
-from ringpipe.dp import ops
-from ringpipe.dp.announce import announce, checks, run_announced
-from ringpipe.dp.engine import Handle
-from ringpipe.dp.join import join as _join
-from ringpipe.dp.process_sets import ProcessSet, global_process_set, set_root
+from ringpipe.check.announcement import announce, checks, run_announced
+from ringpipe.core import ops
+from ringpipe.core.engine import Handle
+from ringpipe.core.process_sets import ProcessSet, global_process_set, set_root
 
 from .basics import synchronize
 from .calls import Call
@@ -34,10 +32,8 @@ __all__ = [
     "broadcast_async",
     "broadcast_async_",
     "broadcast_object",
-    "broadcast_optimizer_state",
     "grouped_allgather",
     "grouped_allgather_async",
-    "join",
 ]
 
 
@@ -141,19 +137,6 @@ def barrier(process_set: ProcessSet = global_process_set) -> None:
     run_announced(call.comm, "barrier", call.comm.barrier, detail=call.detail, key=call.key)
 
 
-def join(device: int = -1, process_set: ProcessSet = global_process_set) -> int:
-    """Wait for every rank to run out of data; returns the last rank to join.
-
-    Meanwhile this rank serves the others' optimizer steps (with their learning rate), their
-    allreduces (SyncBatchNorm, metrics: it contributes zeros, and an Average still divides by
-    the full size, as in Horovod) and barriers; any other collective raises on the rank that
-    called it while the joined rank goes on. ``device`` is accepted for Horovod compatibility.
-    """
-    call = Call("join", process_set, None)
-    last = _join(call.comm)
-    return call.ranks[last]
-
-
 def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
                      process_set: ProcessSet = global_process_set) -> Any:
     """``root_rank``'s object (pickled) on every rank of the set."""
@@ -171,15 +154,3 @@ def allgather_object(obj: Any, name: str | None = None, process_set: ProcessSet 
     comm = call.comm
     return run_announced(comm, "allgather_object", lambda: comm.allgather_object(obj), name, detail=call.detail,
                          validate=checks(comm, "allgather_object"), key=call.key)
-
-
-def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, model: Any = None,
-                              process_set: ProcessSet = global_process_set) -> None:
-    """``root_rank``'s optimizer state on every rank of the set, Horovod's way.
-
-    As in Horovod, an optimizer without state yet first takes one local step on zero gradients
-    so that its state is complete (Adam's step count then starts at 1; weight decay moves the
-    weights).
-    """
-    _broadcast.broadcast_optimizer_state(optimizer, root_rank, process_set=process_set, model=model,
-                                         initialize_state=True)

@@ -1,4 +1,4 @@
-"""When a DistributedOptimizer launches its buckets: as they fill during backward, or once it ends.
+"""The ``overlap`` setting: a DistributedOptimizer launches its buckets as they fill, or once backward ends.
 
 Launching each bucket as soon as its gradients are ready (``overlap``, the default, as DDP and
 Horovod do) overlaps the reduction with the rest of backward. The overlap is free only where the

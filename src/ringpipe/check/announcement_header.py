@@ -1,10 +1,10 @@
-"""The header of an announcement (:mod:`ringpipe.dp.announce`): what it says, how it travels, how it is read.
+"""The header of an announcement (:mod:`ringpipe.check.announcement`): what it says, how it travels, how it is read.
 
 A header is a list of int64 words: per rank a have-data flag and a fingerprint of its call,
 then the summed description of the collective (operation, reduce op, dtype, element count,
 device), whether some call was invalid, and what a rank posted right behind it. It travels as
 float32 (each word as six 12-bit digits, so that sums stay exact up to 4096 ranks) followed by
-a payload area of :attr:`Engine.ride <ringpipe.dp.engine.Engine>` elements, in which an
+a payload area of :attr:`Engine.ride <ringpipe.core.engine.Engine>` elements, in which an
 optimizer step's first gradients ride. Reading a summed header tells every rank which ranks
 have data and what comes next; if the ranks' calls differ, or one is invalid, every rank
 raises the same error (after completing, with zeros, any data another rank posted behind its
@@ -20,10 +20,15 @@ from typing import Any, NoReturn
 
 import torch
 
+from ringpipe.check.call import (
+    InvalidCallError,
+    MismatchError,
+    announced_fields,
+    disagreement,
+    fingerprint,
+)
 from ringpipe.comm.base import Communicator, ReduceOp
-from ringpipe.comm.consistency import disagreement
-from ringpipe.comm.header import InvalidCallError, MismatchError, fingerprint
-from ringpipe.dp.engine import Engine
+from ringpipe.core.engine import Engine
 
 __all__ = ["OPS", "RIDE_CAP", "GROW_CAP", "RIDING", "SERVED", "DTYPES", "Note", "Reorder", "announcement_bytes",
            "decode", "grow_area", "header", "message", "read", "read_message", "rides", "with_payload"]
@@ -72,21 +77,6 @@ class Note:
     def count(self) -> int:
         """The number of ranks that still have data."""
         return len(self.have_data)
-
-
-def _fields(op: str, tensor: torch.Tensor | None, reduce_op: ReduceOp | None,
-            detail: dict[str, Any] | None) -> dict[str, Any]:
-    """What the ranks with data must agree on, as shown in an error (Horovod's argument names)."""
-    fields: dict[str, Any] = {"collective": op}
-    if tensor is not None:
-        fields["dtype"] = str(tensor.dtype).removeprefix("torch.")
-        # an allgather's first dimension may differ between ranks (Horovod gathers them all)
-        fields["shape"] = ["*", *tensor.shape[1:]] if op == "allgather" and tensor.dim() else list(tensor.shape)
-        fields["device"] = tensor.device.type
-    if reduce_op is not None:
-        fields["op"] = reduce_op.value
-    fields.update(detail or {})
-    return fields
 
 
 def announcement_bytes(comm: Communicator) -> int:
@@ -159,7 +149,7 @@ def header(comm: Communicator, op: str | None, tensor: torch.Tensor | None, redu
             behind: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, Any] | None]:
     """This rank's header as digits (:func:`_encode`) and the fields it fingerprints."""
     size = comm.size
-    fields = None if op is None else _fields(op, tensor, reduce_op, detail)
+    fields = None if op is None else announced_fields(op, tensor, reduce_op, detail)
     constant = tensor is None and reduce_op is None and not detail and problem is None
     key = (op or "", comm.rank, size, None if behind is None else (behind.numel(), behind.dtype))
     if constant and key in _CONSTANT:  # a joined rank's and an optimizer step's header never change

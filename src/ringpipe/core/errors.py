@@ -1,0 +1,55 @@
+"""The errors every face raises: a failed collective, a call before ``init``, a joined rank, updated hosts.
+
+They live below the faces so that a program catches the same class whichever face it uses
+(``hvd.HorovodInternalError`` from ``ringpipe``, ``ringpipe.tensorflow`` or ``ringpipe.keras``).
+The cross-rank check's own errors, :class:`~ringpipe.check.call.MismatchError` and
+:class:`~ringpipe.check.call.InvalidCallError`, are raised by the communicators too; a call made
+through the engine raises them as the engine's (:class:`EngineMismatchError`,
+:class:`EngineInvalidCallError`), which are also :class:`HorovodInternalError` s.
+"""
+
+from __future__ import annotations
+
+from ringpipe.check.call import InvalidCallError, MismatchError
+
+__all__ = [
+    "EngineError",
+    "EngineInvalidCallError",
+    "EngineMismatchError",
+    "HorovodInternalError",
+    "HostsUpdatedInterrupt",
+    "JoinError",
+    "NotInitializedError",
+]
+
+
+class HorovodInternalError(RuntimeError):
+    """A collective failed (Horovod's name): ranks disagreed, a peer was lost, a set was foreign."""
+
+
+class EngineError(HorovodInternalError):
+    """A queued collective failed on the engine thread; the message carries the original error."""
+
+
+class EngineMismatchError(MismatchError, EngineError):
+    """Ranks made different calls; raised by the handle of every rank's call."""
+
+
+class EngineInvalidCallError(InvalidCallError, EngineError):
+    """Some rank's call was invalid; raised by the handle of every rank's call."""
+
+
+class JoinError(EngineError):
+    """A collective was called while a rank had joined, and joined ranks cannot take part in it."""
+
+
+class NotInitializedError(ValueError):
+    """An API call was made before :func:`ringpipe.init` (or after :func:`ringpipe.shutdown`)."""
+
+
+class HostsUpdatedInterrupt(RuntimeError):  # noqa: N818 - Horovod's name
+    """Horovod raises it when hosts were added or removed; ringpipe's workers are replaced instead."""
+
+    def __init__(self, skip_sync: bool = False) -> None:
+        super().__init__("hosts updated")
+        self.skip_sync = skip_sync
