@@ -27,7 +27,7 @@ def resolve_checkpoint(run_dir: Path, name: str | None) -> Path | None:
     if name is None:
         return None
     if name == "best":
-        from ringpipe.train.checkpoint import CheckpointError, latest_checkpoint
+        from ringpipe.train.checkpoints.files import CheckpointError, latest_checkpoint
 
         best = latest_checkpoint(run_dir / "checkpoints" / "best")
         if best is None:
@@ -50,7 +50,7 @@ def evaluate_checkpoint(comm: Communicator, cfg: TrainConfig, run_dir: Path, che
     """
     state = make_run()
     try:
-        state.resume(checkpoint, evaluating=True)
+        state.checkpointer.resume(checkpoint, evaluating=True)
         start = time.perf_counter()
         test_loss, test_acc = state.evaluate()
         train_loss, train_acc = state.evaluate(state.data.train)
@@ -60,9 +60,9 @@ def evaluate_checkpoint(comm: Communicator, cfg: TrainConfig, run_dir: Path, che
         state.metrics.close()
     record = {
         "eval_only": True,
-        "checkpoint": str(state.resumed_from),
-        "step": state.step,
-        "epoch": round(state.epoch_at(state.step), 6),
+        "checkpoint": str(state.checkpointer.resumed_from),
+        "step": state.progress.step,
+        "epoch": round(state.progress.epoch_at(state.progress.step), 6),
         "mode": cfg.mode,
         "world_size": comm.size,
         "replicas": state.engine.replicas,
@@ -75,5 +75,5 @@ def evaluate_checkpoint(comm: Communicator, cfg: TrainConfig, run_dir: Path, che
         "eval_time_s": seconds,
     }
     if comm.rank == 0:
-        write_json_atomic(eval_path(run_dir, state.step), record)
+        write_json_atomic(eval_path(run_dir, state.progress.step), record)
     return record
