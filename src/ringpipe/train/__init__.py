@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["ConfigError", "Engine", "MODES", "ModeUnavailable", "TrainConfig", "fit", "load_config", "train"]
+__all__ = ["ConfigError", "Engine", "MODES", "ModeRunner", "ModeUnavailable", "TrainConfig", "fit", "load_config", "train"]
 
 _HOME = {
     "ConfigError": "ringpipe.train.config",
@@ -17,13 +17,17 @@ _HOME = {
     "load_config": "ringpipe.train.config",
     "train": "ringpipe.train.loop",
     "fit": "ringpipe.train.fit",
-    "Engine": "ringpipe.train.modes",
+    "ModeRunner": "ringpipe.train.modes",
     "MODES": "ringpipe.train.modes",
     "ModeUnavailable": "ringpipe.train.modes",
 }
 
+#: Public names kept for what was renamed: ``Engine`` is the per-mode step runner, :class:`ModeRunner`.
+_FORMERLY = {"Engine": "ModeRunner"}
+
 
 def __getattr__(name: str) -> Any:
+    name = _FORMERLY.get(name, name)
     if name not in _HOME:
         raise AttributeError(f"module 'ringpipe.train' has no attribute {name!r}")
     return getattr(importlib.import_module(_HOME[name]), name)

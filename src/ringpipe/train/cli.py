@@ -130,8 +130,8 @@ def _worker(comm: Any, raw: dict[str, Any], run_dir: str, resume: bool, progress
     """Entry point on every rank (spawned, or under a launcher): rank 0's summary, the others' stop reason."""
     import torch
 
-    from ringpipe.train.logs import configure_rank_logging
     from ringpipe.train.loop import NothingToResume, train
+    from ringpipe.train.rank_logging import configure_rank_logging
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1") or 1))
     configure_rank_logging(comm.rank, comm.size, verbose)

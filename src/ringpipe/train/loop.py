@@ -7,7 +7,7 @@ best checkpoint), both over the run's :class:`~ringpipe.train.progress.RunProgre
 Every rank runs :func:`train`. Epochs are counted from the global step as
 ``step * global_batch / records`` (fractional); the test set is evaluated whenever an epoch
 boundary is crossed, and a checkpoint follows every ``checkpoint.every_epochs`` epochs. The
-state that makes a resumed run equal to an uninterrupted one is saved: engine (model and
+state that makes a resumed run equal to an uninterrupted one is saved: runner (model and
 optimizer), LR schedule, each rank's RNG state, batch-stream position and partial metric sums.
 
 Ctrl-C (SIGINT) stops a run as ``max_steps`` does: the ranks agree to stop at the next step
@@ -36,14 +36,14 @@ from ringpipe.observe.regions import expected_work
 from ringpipe.train.checkpoints.checkpointer import Checkpointer, NothingToResume, nothing_to_resume
 from ringpipe.train.config import TrainConfig, dump_config
 from ringpipe.train.datasets import Dataset, load_dataset
+from ringpipe.train.lr_schedules import build_schedule
 from ringpipe.train.metrics import MetricsWriter, plot_curves, write_json_atomic
 from ringpipe.train.models import build_model
-from ringpipe.train.modes import Engine, ModeContext, build_engine
+from ringpipe.train.modes import ModeContext, ModeRunner, build_runner
 from ringpipe.train.progress import RunProgress
 from ringpipe.train.reporting import Reporter
 from ringpipe.train.rundir import clear_run_dir
 from ringpipe.train.sampling import ShardStream, eval_indices
-from ringpipe.train.schedules import build_schedule
 from ringpipe.train.stop import REPEAT_S, StopRequest
 from ringpipe.train.tally import Tally
 
@@ -79,7 +79,7 @@ class Given:
 
 
 class _Run:
-    """One run on one rank: its data, engine, schedule and batch stream, where it stands, and the
+    """One run on one rank: its data, runner, schedule and batch stream, where it stands, and the
     reporter and checkpointer that word and save it."""
 
     def __init__(self, comm: Communicator, cfg: TrainConfig, run_dir: Path, progress: bool,
@@ -99,10 +99,10 @@ class _Run:
             return given.model() if given.model is not None else build_model(cfg.model, self.data)
 
         ctx = ModeContext(cfg, comm, self.data, make_model, given.loss, given.optimizer, given.device)
-        self.engine: Engine = build_engine(ctx)
+        self.runner: ModeRunner = build_runner(ctx)
         # Per-rank seed for everything random after initialisation (dropout, ...).
         seed_everything(cfg.seed + 1 + comm.rank)
-        e = self.engine
+        e = self.runner
         records = len(self.data.train)
         global_batch = cfg.batch_size * e.replicas
         total_steps = cfg.total_steps(records, e.replicas)
@@ -120,13 +120,13 @@ class _Run:
         t = Tally()
         test = self.data.test if split is None else split
         with expected_work("evaluation"):  # ranks may hold unequal shares of the test set, by design
-            for idx in eval_indices(len(test), self.engine.replicas, self.engine.replica_rank, self.cfg.batch_size):
-                t.add(self.engine.eval_step(*test.batch(idx)))
+            for idx in eval_indices(len(test), self.runner.replicas, self.runner.replica_rank, self.cfg.batch_size):
+                t.add(self.runner.eval_step(*test.batch(idx)))
         loss, acc, _ = t.reduce(self.comm)
         return loss, acc
 
     def run(self) -> dict[str, Any]:
-        cfg, e, p = self.cfg, self.engine, self.progress
+        cfg, e, p = self.cfg, self.runner, self.progress
         reporter, checkpointer = self.reporter, self.checkpointer
         start_step = p.step
         p.wall_start = time.perf_counter()
@@ -162,7 +162,7 @@ class _Run:
                 if at_eval:
                     reporter.log_eval(epoch_window_start)
                     epoch_window_start = len(p.step_windows)
-                    # the engine drains at epoch ends
+                    # the runner drains at epoch ends
                     gathered = (checkpointer.note_drained(),) if e.streams else None
                     every = cfg.checkpoint.every_epochs
                     if p.step == p.total_steps or (every and epoch is not None and epoch % every == 0):
@@ -258,7 +258,7 @@ def _train(comm: Communicator, cfg: TrainConfig, run: Path, resume: bool, progre
         if comm.size > 1 and (cfg.observe.profile or cfg.observe.timeline):
             write_observations(comm, run, cfg.observe.timeline, state.progress.step_windows)
     finally:
-        state.engine.close()
+        state.runner.close()
         state.metrics.close()
     if comm.rank == 0:
         write_json_atomic(run / "summary.json", summary)

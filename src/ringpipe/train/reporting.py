@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from ringpipe.train.checkpoints.best import BestCheckpoint
     from ringpipe.train.config import TrainConfig
     from ringpipe.train.metrics import MetricsWriter
-    from ringpipe.train.modes import Engine
+    from ringpipe.train.modes import ModeRunner
     from ringpipe.train.progress import RunProgress
     from ringpipe.train.stop import StopRequest
 
@@ -33,10 +33,10 @@ class Reporter:
     ``log``: the logger of the loop's lines (the loop passes its own, so they carry its name).
     """
 
-    def __init__(self, comm: Communicator, cfg: TrainConfig, progress: RunProgress, engine: Engine, schedule: Any,
+    def __init__(self, comm: Communicator, cfg: TrainConfig, progress: RunProgress, runner: ModeRunner, schedule: Any,
                  metrics: MetricsWriter, stop: StopRequest, evaluate: Callable[[], tuple[float, float]],
                  log: logging.Logger, show_bar: bool) -> None:
-        self.comm, self.cfg, self.progress, self.engine, self.schedule = comm, cfg, progress, engine, schedule
+        self.comm, self.cfg, self.progress, self.runner, self.schedule = comm, cfg, progress, runner, schedule
         self.metrics, self.stop, self.evaluate, self.log = metrics, stop, evaluate, log
         self.is_root = comm.rank == 0
         self.show_bar = show_bar
@@ -106,7 +106,7 @@ class Reporter:
     def summary(self, final_eval: dict[str, Any], interrupted: bool, wall: float,
                 best: BestCheckpoint | None) -> dict[str, Any]:
         """The run's ``summary.json``; ``best``: the best checkpoint kept, if the run keeps one."""
-        e, cfg, p = self.engine, self.cfg, self.progress
+        e, cfg, p = self.runner, self.cfg, self.progress
         samples = p.samples_at(p.step)
         micro, steps_per_batch = _micro_batches(cfg)
         return {

@@ -1,14 +1,16 @@
 """What a checkpoint holds of a run, and how a run is saved and restored: the :class:`Checkpointer` the training loop owns.
 
-The state that makes a resumed run equal to an uninterrupted one: the engine (model and
+The state that makes a resumed run equal to an uninterrupted one: the runner (model and
 optimizer, each rank's own for pipeline stages), the LR schedule, each rank's RNG state,
 batch-stream position and partial metric sums, the run's clocks and last records
 (:class:`~ringpipe.train.progress.RunProgress`). Rank 0 gathers it and writes it
 (:mod:`ringpipe.train.checkpoints.files` adds the checksum and the atomic write); ``--resume``
-reads the newest good checkpoint on rank 0 and broadcasts it. The checkpointer also keeps the
-best checkpoint (:mod:`ringpipe.train.checkpoints.best`) when the config asks for one.
+reads the newest good checkpoint on rank 0 and broadcasts it. The runner's state is kept under
+the key ``engine`` (the runner's earlier name), so that checkpoints of earlier runs still
+resume. The checkpointer also keeps the best checkpoint (:mod:`ringpipe.train.checkpoints.best`)
+when the config asks for one.
 
-A streaming engine (mode ``async``) has micro-batches in flight between its drains, which a
+A streaming runner (mode ``async``) has micro-batches in flight between its drains, which a
 checkpoint cannot hold; saving there would drain them, which an uninterrupted run does not
 do. So its state is kept (a copy) at every drain, and a run stopped between drains is
 checkpointed as it was at the last one: ``--resume`` repeats the steps since then exactly.
@@ -48,7 +50,7 @@ if TYPE_CHECKING:
     from ringpipe.comm import Communicator
     from ringpipe.train.config import TrainConfig
     from ringpipe.train.metrics import MetricsWriter
-    from ringpipe.train.modes import Engine
+    from ringpipe.train.modes import ModeRunner
     from ringpipe.train.progress import RunProgress
     from ringpipe.train.sampling import ShardStream
 
@@ -107,11 +109,11 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 
 def _model_mismatch(saved: dict[str, Any], current: dict[str, Any]) -> str:
-    """The first difference between the model weights of two engine states ("" if none is found)."""
+    """The first difference between the model weights of two runner states ("" if none is found)."""
     where = f"stage {saved['stage']}: " if "stage" in saved else ""
     if "balance" in saved and list(saved["balance"]) != list(current.get("balance", [])):
         return f"its pipeline stages hold {list(saved['balance'])} layers, this config's {list(current['balance'])}"
-    for key in ("model", "module"):  # data-parallel engines, pipeline stages
+    for key in ("model", "module"):  # data-parallel runners, pipeline stages
         old, new = saved.get(key), current.get(key)
         if not (isinstance(old, dict) and isinstance(new, dict)):
             continue
@@ -129,19 +131,19 @@ def _model_mismatch(saved: dict[str, Any], current: dict[str, Any]) -> str:
 class Checkpointer:
     """Saves one run's state on one rank and restores it (``--resume``, ``--eval-only``).
 
-    ``progress``: where the run stands (saved, and set back on resume); ``engine``, ``schedule``,
+    ``progress``: where the run stands (saved, and set back on resume); ``runner``, ``schedule``,
     ``stream``: the model and optimizer, the LR schedule and the batch stream (their states saved
     and loaded); ``metrics``: the records (truncated after the resumed step); ``log``: the logger
     of the loop's lines (the loop passes its own, so they carry its name).
     """
 
-    def __init__(self, comm: Communicator, cfg: TrainConfig, run_dir: Path, progress: RunProgress, engine: Engine,
+    def __init__(self, comm: Communicator, cfg: TrainConfig, run_dir: Path, progress: RunProgress, runner: ModeRunner,
                  schedule: Any, stream: ShardStream, metrics: MetricsWriter, log: logging.Logger) -> None:
         self.comm, self.cfg, self.run_dir, self.progress = comm, cfg, run_dir, progress
-        self.engine, self.schedule, self.stream, self.metrics, self.log = engine, schedule, stream, metrics, log
+        self.runner, self.schedule, self.stream, self.metrics, self.log = runner, schedule, stream, metrics, log
         self.is_root = comm.rank == 0
         self.best = BestCheckpoint(cfg.checkpoint.best, run_dir, comm) if cfg.checkpoint.best else None
-        self.drained: tuple[int, dict[str, Any] | None] | None = None  # streaming engines: (step, payload)
+        self.drained: tuple[int, dict[str, Any] | None] | None = None  # streaming runners: (step, payload)
         self.evaluating = False
         self.resumed_from = ""
 
@@ -155,8 +157,8 @@ class Checkpointer:
             "epoch_tally": p.epoch_tally.value.clone(),
             "schedule": self.schedule.state_dict(),
         }
-        if not self.engine.shared_state:
-            mine["engine"] = self.engine.state_dict()
+        if not self.runner.shared_state:
+            mine["engine"] = self.runner.state_dict()
         ranks = self.comm.allgather_object(mine) if self.comm.size > 1 else [mine]
         if not self.is_root:
             return None
@@ -168,13 +170,13 @@ class Checkpointer:
             "mode": self.cfg.mode,
             "world_size": self.comm.size,
             "config": dump_config(self.cfg),
-            "engine": self.engine.state_dict() if self.engine.shared_state else None,
+            "engine": self.runner.state_dict() if self.runner.shared_state else None,
             "ranks": ranks,
             "train_time": p.train_time,
             "wall_time": p.wall_time(),
             "records": p.records,
-            "replicas": self.engine.replicas,
-            "lr_scale": self.engine.lr_scale,
+            "replicas": self.runner.replicas,
+            "lr_scale": self.runner.lr_scale,
             "resizes": p.resizes,
             "last_eval": p.last_eval,
             "last_train": p.last_train,
@@ -200,13 +202,13 @@ class Checkpointer:
                                self.payload)
 
     def note_drained(self) -> dict[str, Any] | None:
-        """A streaming engine just drained: keep this step's state (a copy), for a stop before the next drain."""
+        """A streaming runner just drained: keep this step's state (a copy), for a stop before the next drain."""
         payload = self.payload()
         self.drained = (self.progress.step, copy.deepcopy(payload))
         return payload
 
     def save_drained(self) -> None:
-        """Stopped between drains (streaming engine): checkpoint the state of the last drain.
+        """Stopped between drains (streaming runner): checkpoint the state of the last drain.
 
         Saving here would first drain the micro-batches in flight, which an uninterrupted run
         does not do: resumed from such a checkpoint, the run would see other weight versions.
@@ -256,10 +258,10 @@ class Checkpointer:
             raise CheckpointError(error)
         assert ckpt is not None
         self.resumed_from = path
-        old_replicas = replicas_of(ckpt, self.engine.replicas)
+        old_replicas = replicas_of(ckpt, self.runner.replicas)
         step, samples = int(ckpt["step"]), samples_seen(ckpt, old_replicas)
         p.base_step, p.base_samples = step, samples
-        resized = old_replicas != self.engine.replicas
+        resized = old_replicas != self.runner.replicas
         if samples != step * p.global_batch:  # another global batch before (resized now or earlier)
             p.total_steps = total_steps_from(self.cfg.epochs, p.records, p.global_batch, step, samples)
             p.stop_step = min(p.total_steps, self.cfg.max_steps or p.total_steps)
@@ -271,7 +273,7 @@ class Checkpointer:
             self._resume_resized(ckpt, path, old_replicas)
         else:
             mine = ckpt["ranks"][self.comm.rank]
-            self._load_engine(ckpt["engine"] if self.engine.shared_state else mine["engine"], path)
+            self._load_runner(ckpt["engine"] if self.runner.shared_state else mine["engine"], path)
             self.schedule.load_state_dict(mine["schedule"])
             self.stream.load_state_dict(mine["stream"])
             p.window.value = mine["window"].clone()
@@ -279,7 +281,7 @@ class Checkpointer:
             _set_rng_state(mine["rng"])
             if ckpt["mode"] != self.cfg.mode:
                 self._note_resize(ckpt, old_replicas, f"resuming mode {ckpt['mode']} as mode {self.cfg.mode} on the same "
-                                        f"{self.engine.replicas} replicas at step {step}: nothing else changes")
+                                        f"{self.runner.replicas} replicas at step {step}: nothing else changes")
         p.step = step
         p.saved_step = p.step
         p.train_time = float(ckpt["train_time"])
@@ -294,7 +296,7 @@ class Checkpointer:
         ranks, rank = ckpt["ranks"], self.comm.rank
         old_lr = float(ranks[0]["schedule"]["_last_lr"][0])
         old_scale = float(ckpt.get("lr_scale", old_replicas if ckpt["config"]["optimizer"].get("scale_lr") else 1))
-        self._load_engine(ckpt["engine"], path)
+        self._load_runner(ckpt["engine"], path)
         stream = resharded_stream([r["stream"] for r in ranks], old_replicas, p.records)
         self.stream.load_state_dict(stream)
         p.window.value = summed_tally([r["window"] for r in ranks], rank)
@@ -310,16 +312,16 @@ class Checkpointer:
             group["lr"] = lr
         schedule._last_lr = list(lrs)
         left = p.records - stream["start"] if stream["start"] else 0
-        repeated = (-left) % self.engine.replicas if left else 0
+        repeated = (-left) % self.runner.replicas if left else 0
         data = (f"the {left} samples not yet seen in the interrupted pass are dealt to the new replicas"
                 f"{f' ({repeated} of them read twice to even out the shards)' if repeated else ''}"
                 if left else "the next pass starts on the new replicas")
         self._note_resize(ckpt, old_replicas, (
             f"resuming mode {ckpt['mode']} on {old_replicas} replicas as mode {self.cfg.mode} on "
-            f"{self.engine.replicas} at step {p.base_step} ({p.base_samples} samples, epoch "
+            f"{self.runner.replicas} at step {p.base_step} ({p.base_samples} samples, epoch "
             f"{p.base_samples / p.records:.4f}): global batch {self.cfg.batch_size * old_replicas} -> "
             f"{p.global_batch} ({self.cfg.batch_size} per replica), lr scale {old_scale:g} -> "
-            f"{self.engine.lr_scale:g}, lr {old_lr:.4g} -> {lrs[0]:.4g}; {data}"))
+            f"{self.runner.lr_scale:g}, lr {old_lr:.4g} -> {lrs[0]:.4g}; {data}"))
 
     def _note_resize(self, ckpt: dict[str, Any], old_replicas: int, line: str) -> None:
         p = self.progress
@@ -327,7 +329,7 @@ class Checkpointer:
             return
         p.resizes.append({"step": p.base_step, "samples": p.base_samples, "from_mode": ckpt["mode"],
                           "from_replicas": old_replicas, "mode": self.cfg.mode,
-                          "replicas": self.engine.replicas})
+                          "replicas": self.runner.replicas})
         if self.is_root:
             self.log.warning("%s", line)
 
@@ -345,15 +347,15 @@ class Checkpointer:
                         found.path, found.checkpoint["step"])
         return found
 
-    def _load_engine(self, state: dict[str, Any], path: str) -> None:
-        """Load the engine's state; a checkpoint of another model is refused on every rank, saying how."""
+    def _load_runner(self, state: dict[str, Any], path: str) -> None:
+        """Load the runner's state; a checkpoint of another model is refused on every rank, saying how."""
         error = ""
         try:
-            self.engine.load_state_dict(state)
+            self.runner.load_state_dict(state)
         except (RuntimeError, ValueError, KeyError) as exc:
             try:
-                first = _model_mismatch(state, self.engine.state_dict())
-            except Exception:  # the engine's own state is only read to name the difference
+                first = _model_mismatch(state, self.runner.state_dict())
+            except Exception:  # the runner's own state is only read to name the difference
                 first = ""
             first = first or str(exc).strip().splitlines()[-1].strip()
             error = (
