@@ -12,7 +12,7 @@ import pytest
 import yaml
 from pydantic import BaseModel
 
-from ringpipe.train.cli import add_train_parser
+from ringpipe.train.command import add_train_parser
 from ringpipe.train.config import (
     MITIGATION_DOCS,
     MODE_NAMES,

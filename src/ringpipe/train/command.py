@@ -11,10 +11,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ringpipe.train.cli_help import epilog_when_shown
-from ringpipe.train.cli_stop import forward_stop as _forward_stop
-from ringpipe.train.cli_stop import interrupted as _interrupted
-from ringpipe.train.cli_stop import stop_children as _stop_children
+from ringpipe.train.command_help import epilog_when_shown
+from ringpipe.train.command_stop import forward_stop as _forward_stop
+from ringpipe.train.command_stop import interrupted as _interrupted
+from ringpipe.train.command_stop import stop_children as _stop_children
 from ringpipe.train.config import (
     MODE_NAMES,
     PIPELINE_MODES,
