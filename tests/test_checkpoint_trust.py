@@ -22,7 +22,7 @@ import torch
 from ringpipe.dp.checkpoint import UnsafeCheckpointError
 from ringpipe.dp.checkpoint import load_checkpoint as hvd_load_checkpoint
 from ringpipe.launch import spawn
-from ringpipe.train.checkpoint import (
+from ringpipe.train.checkpoints.files import (
     CheckpointError,
     content_digest,
     load_checkpoint,

@@ -409,7 +409,7 @@ def test_the_json_report_under_an_mpi_launcher_is_the_same_object_in_short_lines
     """Under mpirun every line is short (each reaches --tag-output whole); elsewhere one line; same JSON."""
     import json
 
-    from ringpipe.observe.cli import json_text
+    from ringpipe.observe.commands import json_text
 
     report = {"ranks": 8, "hosts": ["rp-host-a"] * 8,
               "links": [{"src": s, "dst": d, "latency_us": 15.0, "gbps": 1.5} for s in range(8) for d in range(s + 1, 8)],

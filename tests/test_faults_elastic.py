@@ -196,7 +196,7 @@ def test_train_restarted_by_the_agent_resumes_and_ends_bit_exact(tmp_path):
     final = {}
     for name, (run_dir, _) in runs.items():
         newest = sorted((run_dir / "checkpoints").glob("step-*.pt"))[-1]
-        from ringpipe.train.checkpoint import load_checkpoint
+        from ringpipe.train.checkpoints.files import load_checkpoint
 
         final[name] = load_checkpoint(newest)
     a, b = final["undisturbed"], final["killed"]

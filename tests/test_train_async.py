@@ -23,10 +23,10 @@ from ringpipe.train.config import (
     mitigations_help,
 )
 from ringpipe.train.datasets import load_dataset
+from ringpipe.train.lr_schedules import build_schedule
 from ringpipe.train.models import build_model
-from ringpipe.train.modes import ModeContext, build_engine
+from ringpipe.train.modes import ModeContext, build_runner
 from ringpipe.train.optimizers import build_optimizer
-from ringpipe.train.schedules import build_schedule
 from trainrun import sets, train
 
 TINY = ["epochs=1", "batch_size=32", "log_every=2", "optimizer.scale_lr=false", "optimizer.lr=0.01",
@@ -114,16 +114,16 @@ def _stream_worker(comm, batches):
             torch.manual_seed(cfg.seed)
             return build_model(cfg.model, data)
 
-        engine = build_engine(ModeContext(cfg, comm, data, make_model))
+        runner = build_runner(ModeContext(cfg, comm, data, make_model))
         for b in range(batches):
-            engine.train_step(data.train.x[16 * b: 16 * (b + 1)], data.train.y[16 * b: 16 * (b + 1)])
-        in_flight[mode] = engine.trainer.in_flight
-        engine.state_dict()  # a checkpoint drains the pipeline
-        assert engine.trainer.in_flight == 0
-        states[mode] = engine.trainer.model_state_dict()
-        balance = list(engine.trainer.balance)
-        steps = engine.trainer.executor.steps_taken
-    out = {"stage": engine.trainer.stage, "in_flight": in_flight, "steps": steps}
+            runner.train_step(data.train.x[16 * b: 16 * (b + 1)], data.train.y[16 * b: 16 * (b + 1)])
+        in_flight[mode] = runner.trainer.in_flight
+        runner.state_dict()  # a checkpoint drains the pipeline
+        assert runner.trainer.in_flight == 0
+        states[mode] = runner.trainer.model_state_dict()
+        balance = list(runner.trainer.balance)
+        steps = runner.trainer.executor.steps_taken
+    out = {"stage": runner.trainer.stage, "in_flight": in_flight, "steps": steps}
     if comm.rank == 0:
         cfg = load_config(overrides=["mode=async", *STREAM, "step_every=2"])
         data = load_dataset(cfg.data)
@@ -166,17 +166,17 @@ def _lr_worker(comm, overrides):
         torch.manual_seed(cfg.seed)
         return build_model(cfg.model, data)
 
-    engine = build_engine(ModeContext(cfg, comm, data, make_model))
-    trainer = engine.trainer
+    runner = build_runner(ModeContext(cfg, comm, data, make_model))
+    trainer = runner.trainer
     used: list[float] = []
     trainer.optimizer.register_step_pre_hook(lambda opt, a, k: used.append(opt.param_groups[0]["lr"]))
-    # What the loop does: its per-batch schedule on the engine's optimizer, stepped after each batch.
-    loop_schedule = build_schedule(engine.optimizer, cfg.schedule, cfg.epochs,
-                                   len(data.train) / cfg.batch_size, engine.lr_scale)
+    # What the loop does: its per-batch schedule on the runner's optimizer, stepped after each batch.
+    loop_schedule = build_schedule(runner.optimizer, cfg.schedule, cfg.epochs,
+                                   len(data.train) / cfg.batch_size, runner.lr_scale)
     at_batch_end = []
     for b in range(3):
         x, y = data.train.x[32 * b: 32 * (b + 1)], data.train.y[32 * b: 32 * (b + 1)]
-        engine.train_step(x, y)
+        runner.train_step(x, y)
         loop_schedule.step()
         at_batch_end.append((trainer.optimizer.param_groups[0]["lr"], loop_schedule.get_last_lr()[0],
                              trainer.executor.steps_taken))

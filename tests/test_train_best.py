@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ringpipe.train.best import best_checkpoint
-from ringpipe.train.checkpoint import load_checkpoint
+from ringpipe.train.checkpoints.best import best_checkpoint
+from ringpipe.train.checkpoints.files import load_checkpoint
 from ringpipe.train.config import ConfigError, load_config
 from trainrun import sets, train
 

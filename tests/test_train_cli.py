@@ -14,7 +14,7 @@ import torch
 import yaml
 
 from ringpipe.train import loop
-from ringpipe.train.checkpoint import latest_checkpoint, load_checkpoint
+from ringpipe.train.checkpoints.files import latest_checkpoint, load_checkpoint
 from ringpipe.train.loop import StopRequest
 from trainrun import sets, train
 

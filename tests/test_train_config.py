@@ -12,7 +12,7 @@ import pytest
 import yaml
 from pydantic import BaseModel
 
-from ringpipe.train.cli import add_train_parser
+from ringpipe.train.command import add_train_parser
 from ringpipe.train.config import (
     MITIGATION_DOCS,
     MODE_NAMES,
@@ -27,11 +27,11 @@ from ringpipe.train.config import (
     parse_override,
 )
 from ringpipe.train.datasets import DATASETS
+from ringpipe.train.lr_schedules import LR_SCHEDULES
 from ringpipe.train.models import MODELS
-from ringpipe.train.modes import MODES, build_engine  # noqa: F401  (registers the modes)
+from ringpipe.train.modes import MODES, build_runner  # noqa: F401  (registers the modes)
 from ringpipe.train.optimizers import OPTIMIZERS
 from ringpipe.train.registry import RegistryError
-from ringpipe.train.schedules import SCHEDULES
 
 
 def _error(*overrides: str) -> str:
@@ -137,7 +137,7 @@ def test_resolved_config_round_trips():
 def test_every_key_is_read():
     """Every field of every section names something a registry or the loop consumes."""
     for section, registry in (("model", MODELS), ("data", DATASETS), ("optimizer", OPTIMIZERS),
-                              ("schedule", SCHEDULES)):
+                              ("schedule", LR_SCHEDULES)):
         variants = typing.get_args(TrainConfig.model_fields[section].annotation)
         names = {n for c in variants for n in typing.get_args(c.model_fields["name"].annotation)}
         assert names == set(registry.names()), section

@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch import nn
 
-from ringpipe.train.checkpoint import latest_checkpoint, load_checkpoint
+from ringpipe.train.checkpoints.files import latest_checkpoint, load_checkpoint
 from trainrun import sets, train
 
 TINY = ["epochs=1", "batch_size=32", "log_every=2", "optimizer.lr=0.01", "schedule.name=constant", "model.hidden=[32]",

@@ -13,7 +13,7 @@ import math
 import pytest
 
 from ringpipe.train.config import ConfigError, load_config
-from ringpipe.train.loggers import CSV_COLUMNS
+from ringpipe.train.metric_loggers import CSV_COLUMNS
 from trainrun import sets, train
 
 QUICK = ["mode=single", "epochs=2", "batch_size=64", "log_every=5", "model.hidden=[16]"]

@@ -32,8 +32,8 @@ import pytest
 import torch
 from torch import nn
 
-from ringpipe.train.checkpoint import latest_checkpoint, load_checkpoint
-from ringpipe.train.resize import resharded_stream
+from ringpipe.train.checkpoints.files import latest_checkpoint, load_checkpoint
+from ringpipe.train.checkpoints.resize import resharded_stream
 from ringpipe.train.sampling import ShardStream
 
 N, BATCH, EPOCHS, LR, MU, WARMUP, SEED = 30, 4, 2.0, 0.05, 0.9, 0.5, 0

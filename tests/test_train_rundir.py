@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from ringpipe.train.cli import resolve_run_dir
+from ringpipe.train.command import resolve_run_dir
 from trainrun import sets, train
 
 SMALL = ["mode=single", "model.hidden=[16]", "log_every=5", "schedule.name=constant", "epochs=20"]

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from ringpipe.train.config import load_config
+from ringpipe.train.lr_schedules import build_schedule
 from ringpipe.train.optimizers import build_optimizer, scaled_lr
-from ringpipe.train.schedules import build_schedule
 
 
 def _lrs(overrides, steps, replicas=1, steps_per_epoch=10.0, epochs=10.0):

@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from ringpipe.train.cli import add_train_parser, run_train
+from ringpipe.train.command import add_train_parser, run_train
 from ringpipe.train.metrics import read_metrics
 
 

@@ -14,13 +14,13 @@ __all__ = ["main", "build_parser"]
 # module of the command given is imported (several import torch, which takes seconds): the others
 # are listed from this table, whose names and lines match their parsers (checked by the tests).
 _SUBCOMMANDS = {
-    "ringpipe.train.cli": {"train": "train a model from a typed config (every mode: single, ddp, dp, pipelines)"},
+    "ringpipe.train.command": {"train": "train a model from a typed config (every mode: single, ddp, dp, pipelines)"},
     "ringpipe.train.fetch": {"data": "get the datasets of the bundled configs (mnist, fashion-mnist, cifar10)"},
     "ringpipe.launch": {"launch": "start N processes of a script on this machine, or on several hosts "
                                   "(-H / --hostfile)"},
     "ringpipe.observe.bench": {"bench": "time collectives (ringpipe's algorithms and the native ones) over a "
                                         "size sweep"},
-    "ringpipe.observe.cli": {
+    "ringpipe.observe.commands": {
         "doctor": "explain where collectives lose time: late ranks, placement, slow links, slow CPUs",
         "trace": "turn an events file into a Chrome timeline and print the communication profile",
     },

@@ -7,6 +7,6 @@ from __future__ import annotations
 
 import sys
 
-from ringpipe.observe.cli import write_whole_lines
+from ringpipe.observe.commands import write_whole_lines
 
 write_whole_lines("".join(f"line {i:04d} {'x' * 60}\n" for i in range(int(sys.argv[1]))))

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 __all__ = ["SETTINGS", "HorovodSettings", "apply", "settings_help", "timeline_path", "truthy"]
 
-log = logging.getLogger("ringpipe.launch.horovod_env")
+log = logging.getLogger(__name__)
 
 #: (variable, what ringpipe does with it) — the list ``ringpipe launch --help`` prints.
 SETTINGS: list[tuple[str, str]] = [

@@ -12,9 +12,10 @@ never travel through the pipeline), every other rank passes ``None``. Example::
 
 With ``async_1f1b``, :meth:`stream_step` feeds batch after batch into a pipeline that never
 flushes between them (micro-batches of one batch are still in flight when the next arrives,
-the PipeDream steady state); :meth:`drain` finishes them, e.g. at the end of an epoch. Those
-stream methods live in :mod:`ringpipe.pipeline.trainer_stream`, the checkpoint methods in
-:mod:`ringpipe.pipeline.trainer_state`; this module builds the stage and runs one batch.
+the PipeDream steady state); :meth:`drain` finishes them, e.g. at the end of an epoch or before a
+checkpoint; :meth:`train_stream` runs a stream of known length in one pass (synchronous schedules
+run it as one ``train_step`` per batch). :meth:`state_dict` is a stage's checkpoint and
+:meth:`model_state_dict` the whole model's weights.
 
 Batches are split along dimension 0 into ``microbatches`` chunks with ``torch.tensor_split``;
 when the count does not divide the batch, the first chunks are one sample larger and each
@@ -24,8 +25,9 @@ of the batch-mean loss (``loss_fn`` must average over the samples, as torch's lo
 
 from __future__ import annotations
 
+import itertools
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -42,13 +44,13 @@ from ringpipe.pipeline.schedules import (
     ASYNC_SCHEDULES,
     Action,
     async_1f1b,
+    async_1f1b_window,
+    async_staleness,
     get_schedule,
 )
 from ringpipe.pipeline.schedules_interleaved import interleaved_1f1b
 from ringpipe.pipeline.split_backward import SplitStageRuntime
 from ringpipe.pipeline.stage import LossFn, MetricsFn, StageRuntime
-from ringpipe.pipeline.trainer_state import TrainerState
-from ringpipe.pipeline.trainer_stream import TrainerStream
 
 __all__ = ["PipelineTrainer", "split_microbatches", "SCHEDULE_ALIASES", "CHUNKED_SCHEDULES"]
 
@@ -64,7 +66,7 @@ CHUNKED_SCHEDULES = frozenset({"interleaved_1f1b", "zb_h1", "zb_h2"})
 SPLIT_BACKWARD_SCHEDULES = frozenset({"zb_h1", "zb_h2"})
 
 
-class PipelineTrainer(TrainerStream, TrainerState):
+class PipelineTrainer:
     """One rank's view of a pipeline (optionally replicated) training run.
 
     ``schedule``: ``seq``, ``gpipe``, ``1f1b``, ``interleaved_1f1b`` (alias ``interleaved``),
@@ -312,3 +314,168 @@ class PipelineTrainer(TrainerStream, TrainerState):
             run_length=(lambda i: runs[i]) if runs is not None else None,
         )
         return result.mean_loss(), result.mean_metrics()
+
+    # ------------------------------------------------------------------ the asynchronous stream
+
+    def train_stream(self, batches: Iterable[tuple[Any, Any]], num_batches: int) -> float | None:
+        """Train on ``num_batches`` batches in one run; returns the mean loss as in :meth:`train_step`.
+
+        ``batches`` yields ``(inputs_or_None, targets_or_None)`` on every rank. With
+        ``async_1f1b`` the pipeline stays full from the first batch to the last (the PipeDream
+        steady state: this is where the asynchronous schedule gains its throughput); the
+        synchronous schedules simply run :meth:`train_step` per batch.
+        """
+        if not self.is_async:
+            losses = [self.train_step(x, y) for x, y in itertools.islice(batches, num_batches)]
+            vals = [v for v in losses if v is not None]
+            return sum(vals) / len(vals) if vals else None
+        self.drain()
+        m = self.microbatches
+        it = iter(batches)
+        cache: dict[str, Any] = {"index": -1, "x": None, "y": None, "runs": None}
+
+        def load(mb: int) -> None:
+            b = mb // m
+            while cache["index"] < b:
+                x, y = next(it)
+                cache["index"] += 1
+                cache["x"] = split_microbatches(x, m) if self.is_first else None
+                cache["y"] = split_microbatches(y, m) if self.is_last else None
+                cache["runs"] = _run_lengths(cache["x"]) if cache["x"] is not None else None
+
+        def inputs(mb: int) -> Any:
+            load(mb)
+            return cache["x"][mb % m]
+
+        def targets(mb: int) -> Any:
+            load(mb)
+            return cache["y"][mb % m]
+
+        def run_length(mb: int) -> int:
+            load(mb)
+            return cache["runs"][mb % m]
+
+        total = num_batches * m
+        result = self.executor.run(
+            self.actions(total),
+            inputs=inputs if self.is_first else None,
+            targets=targets if self.is_last else None,
+            weights=self._weights_async(total),
+            run_length=run_length if self.is_first else None,
+        )
+        return self._finish(result)
+
+    @property
+    def streaming(self) -> bool:
+        """Whether a stream fed by :meth:`stream_step` is open (micro-batches may be in flight)."""
+        return self._streamed > 0
+
+    @property
+    def in_flight(self) -> int:
+        """Micro-batches this stage forwarded and has not yet backwarded."""
+        return sum(rt.in_flight for rt in self.runtimes)
+
+    def stream_step(self, inputs: Any = None, targets: Any = None) -> float | None:
+        """Feed one batch into the asynchronous pipeline without draining it (``async_1f1b`` only).
+
+        Arguments and return value as in :meth:`train_step`. The stage runs its window of the
+        1F1B stream (:func:`~ringpipe.pipeline.schedules.async_1f1b_window`): the forwards of
+        this batch's micro-batches and the backwards and steps between them; its last
+        ``stages - stage - 1`` micro-batches stay in flight into the next call, so no batch
+        boundary flushes the pipeline and every stage but the last trains on stale weights,
+        as in one :meth:`train_stream` over all the batches fed. Call :meth:`drain` (on every
+        rank) to finish them before a checkpoint or whenever the weights must be final.
+        ``step_every`` must divide ``microbatches``: the stream's length is not known in
+        advance, so no optimizer step may straddle a batch boundary.
+        """
+        if not self.is_async:
+            raise ValueError(
+                f"stream_step needs schedule 'async_1f1b'; schedule {self.schedule!r} flushes every batch: "
+                "use train_step"
+            )
+        m, k = self.microbatches, self.step_every
+        if m % k:
+            raise ValueError(
+                f"stream_step needs step_every={k} to divide microbatches={m}, so that every optimizer step "
+                "ends with a batch; change one of them, or use train_stream for a stream of known length"
+            )
+        x_chunks, y_chunks = self._split(inputs, targets)
+        start, stop = self._streamed, self._streamed + m
+        runs = _run_lengths(x_chunks) if x_chunks is not None else None
+        assert isinstance(self.executor, PipelineExecutor)  # the asynchronous schedule runs one chunk
+        result = self.executor.run(
+            async_1f1b_window(self.num_stages, self.stage, start, stop, k),
+            inputs=(lambda i: x_chunks[i - start]) if x_chunks is not None else None,
+            targets=(lambda i: y_chunks[i - start]) if y_chunks is not None else None,
+            weights=lambda i: 1.0 / k,
+            run_length=(lambda i: runs[i - start]) if runs is not None else None,
+            staleness={mb: async_staleness(self.num_stages, self.stage, mb, k) for mb in range(start, stop)},
+            keep_open=True,
+        )
+        self._streamed = stop
+        return self._finish(result)
+
+    def drain(self) -> None:
+        """Finish the stream fed by :meth:`stream_step`: the backwards in flight and their steps.
+
+        Every rank calls it at the same point (it exchanges gradients with the neighbour
+        stages); without an open stream it does nothing.
+        """
+        total, self._streamed = self._streamed, 0
+        if total:
+            assert isinstance(self.executor, PipelineExecutor)
+            self.executor.run(
+                async_1f1b_window(self.num_stages, self.stage, total, total, self.step_every, total=total),
+                staleness={},
+            )
+
+    # ------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict[str, Any]:
+        """This stage's state: its layers (local names), optimizer, scheduler and place.
+
+        Refused while a stream is open: the micro-batches in flight (their activations and
+        stashed weights) are not part of the state; :meth:`drain` first.
+        """
+        if self.streaming:
+            raise ValueError(
+                f"stage {self.stage}: state_dict while {self.in_flight} micro-batches of an open stream are in "
+                "flight would lose them; call drain() on every rank first"
+            )
+        return {
+            "stage": self.stage,
+            "balance": list(self.balance),
+            "schedule": self.schedule,
+            "steps": self.executor.steps_taken,
+            "microbatches": self.executor.microbatches_seen,
+            "module": self.module.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["stage"] != self.stage or list(state["balance"]) != list(self.balance):
+            raise ValueError(
+                f"state of stage {state['stage']} with balance {state['balance']} cannot be loaded into "
+                f"stage {self.stage} with balance {self.balance}"
+            )
+        self.module.load_state_dict(state["module"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler is not None and state.get("scheduler") is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        self.executor.steps_taken = int(state.get("steps", 0))
+        self.executor.microbatches_seen = int(state.get("microbatches", 0))
+
+    def model_state_dict(self) -> dict[str, torch.Tensor]:
+        """The full model's state dict (keys of ``nn.Sequential(*layers)``) on every rank. Collective."""
+        local = {}
+        if self.grid.replica == 0:
+            modules = [self.module] if self.chunks == 1 else list(self.module.children())
+            for module, offset in zip(modules, self.part_offsets, strict=True):
+                for key, value in module.state_dict().items():
+                    idx, _, rest = key.partition(".")
+                    local[f"{int(idx) + offset}.{rest}"] = value.detach().cpu()
+        merged: dict[str, torch.Tensor] = {}
+        for part in self.comm.allgather_object(local):
+            merged.update(part)
+        return dict(sorted(merged.items(), key=lambda kv: (int(kv[0].partition(".")[0]), kv[0])))

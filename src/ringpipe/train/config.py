@@ -198,7 +198,7 @@ class TrainConfig(_Section):
             self.__dict__["nprocs"] = 1
         self._check_steps()
         if self.logger == "tensorboard":
-            from ringpipe.train.loggers import tensorboard_problem
+            from ringpipe.train.metric_loggers import tensorboard_problem
 
             if tensorboard_problem():
                 raise ValueError(tensorboard_problem())

@@ -1,6 +1,6 @@
 """``ringpipe train --eval-only``: evaluate a run's checkpoint without training, in any mode.
 
-The run's own config builds the engine as training does, on the processes given (modes
+The run's own config builds the runner as training does, on the processes given (modes
 ``single``, ``ddp`` and ``dp`` on any number, pipeline modes on the world that wrote the
 checkpoint); the checkpoint is loaded as ``--resume`` loads it, then the test set and the
 training set are evaluated once, each sample once across the replicas. Nothing of the training
@@ -27,7 +27,7 @@ def resolve_checkpoint(run_dir: Path, name: str | None) -> Path | None:
     if name is None:
         return None
     if name == "best":
-        from ringpipe.train.checkpoint import CheckpointError, latest_checkpoint
+        from ringpipe.train.checkpoints.files import CheckpointError, latest_checkpoint
 
         best = latest_checkpoint(run_dir / "checkpoints" / "best")
         if best is None:
@@ -46,26 +46,26 @@ def evaluate_checkpoint(comm: Communicator, cfg: TrainConfig, run_dir: Path, che
                         make_run: Callable[..., Any]) -> dict[str, Any]:
     """Evaluate ``checkpoint`` of ``run_dir`` (default: its newest good one) on this rank; rank 0 writes it.
 
-    ``make_run``: builds the loop's per-rank run state (engine, data) without writing anything.
+    ``make_run``: builds the loop's per-rank run state (runner, data) without writing anything.
     """
     state = make_run()
     try:
-        state.resume(checkpoint, evaluating=True)
+        state.checkpointer.resume(checkpoint, evaluating=True)
         start = time.perf_counter()
         test_loss, test_acc = state.evaluate()
         train_loss, train_acc = state.evaluate(state.data.train)
         seconds = time.perf_counter() - start
     finally:
-        state.engine.close()
+        state.runner.close()
         state.metrics.close()
     record = {
         "eval_only": True,
-        "checkpoint": str(state.resumed_from),
-        "step": state.step,
-        "epoch": round(state.epoch_at(state.step), 6),
+        "checkpoint": str(state.checkpointer.resumed_from),
+        "step": state.progress.step,
+        "epoch": round(state.progress.epoch_at(state.progress.step), 6),
         "mode": cfg.mode,
         "world_size": comm.size,
-        "replicas": state.engine.replicas,
+        "replicas": state.runner.replicas,
         "test_loss": test_loss,
         "test_accuracy": test_acc,
         "train_loss": train_loss,
@@ -75,5 +75,5 @@ def evaluate_checkpoint(comm: Communicator, cfg: TrainConfig, run_dir: Path, che
         "eval_time_s": seconds,
     }
     if comm.rank == 0:
-        write_json_atomic(eval_path(run_dir, state.step), record)
+        write_json_atomic(eval_path(run_dir, state.progress.step), record)
     return record

@@ -72,10 +72,10 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
 
 class MetricsWriter:
     """Appends one JSON record per line to ``<run-dir>/metrics.jsonl`` (rank 0 only; others no-op),
-    and each record to the loggers of :mod:`ringpipe.train.loggers` (``metrics.csv``, TensorBoard)."""
+    and each record to the loggers of :mod:`ringpipe.train.metric_loggers` (``metrics.csv``, TensorBoard)."""
 
     def __init__(self, run_dir: str | Path, enabled: bool, logger: str = "csv") -> None:
-        from ringpipe.train.loggers import CsvLogger, TensorBoardLogger
+        from ringpipe.train.metric_loggers import CsvLogger, TensorBoardLogger
 
         self.path = Path(run_dir) / "metrics.jsonl"
         self.enabled = enabled

@@ -1,6 +1,7 @@
-"""Mode registry: each training mode is one adapter that turns (config, communicator, model) into an Engine.
+"""Mode registry: each training mode is one adapter that turns (config, communicator, model) into a ModeRunner.
 
-The training loop only talks to an :class:`Engine`: one optimizer step on a batch, one
+The training loop only talks to a :class:`ModeRunner` (the per-mode step runner; the name
+``ringpipe.train.Engine`` still refers to it): one optimizer step on a batch, one
 evaluation batch, state for checkpoints, and which data shard (replica) this rank reads.
 Data-parallel modes (``single``, ``ddp``, ``dp``) are here; pipeline modes live in
 :mod:`ringpipe.train.pipeline_modes` and register themselves into the same registry.
@@ -31,16 +32,16 @@ from ringpipe.train.registry import Registry
 
 __all__ = [
     "MODES",
-    "Engine",
+    "ModeRunner",
     "ModeContext",
     "ModeSpec",
     "ModeUnavailable",
-    "DataParallelEngine",
+    "DataParallelRunner",
     "tally",
     "correct",
     "default_device",
     "loss_fn",
-    "build_engine",
+    "build_runner",
 ]
 
 
@@ -121,7 +122,7 @@ def default_device(comm: Communicator) -> torch.device:
     return torch.device("cpu")
 
 
-class Engine(ABC):
+class ModeRunner(ABC):
     """One rank's view of a training mode, driven by :func:`ringpipe.train.loop.train`."""
 
     #: number of data-parallel replicas (data shards) and this rank's replica
@@ -133,7 +134,7 @@ class Engine(ABC):
     #: True when every rank holds the same model and optimizer state (only rank 0's is saved)
     shared_state: bool = True
     #: True when micro-batches stay in flight from one step into the next (mode async): the state
-    #: is whole only where the engine drains (epoch ends, the end of the run), so a run stopped
+    #: is whole only where the runner drains (epoch ends, the end of the run), so a run stopped
     #: between drains is checkpointed as it was at its last drain
     streams: bool = False
 
@@ -151,7 +152,7 @@ class Engine(ABC):
     @abstractmethod
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
-    def close(self) -> None:  # noqa: B027 - optional hook, most engines hold nothing to release
+    def close(self) -> None:  # noqa: B027 - optional hook, most runners hold nothing to release
         """Release communication resources (background threads, hooks)."""
 
 
@@ -160,7 +161,7 @@ class ModeSpec:
     """A registered mode: its adapter and a one-line description for ``--help``."""
 
     name: str
-    build: Callable[[ModeContext], Engine]
+    build: Callable[[ModeContext], ModeRunner]
     description: str
     requires: str | None = None  # module that must be importable, e.g. ringpipe.dp
 
@@ -180,15 +181,15 @@ MODES: Registry[ModeSpec] = Registry("mode")
 
 
 def register_mode(name: str, description: str, requires: str | None = None) -> Callable[[Any], Any]:
-    def deco(build: Callable[[ModeContext], Engine]) -> Callable[[ModeContext], Engine]:
+    def deco(build: Callable[[ModeContext], ModeRunner]) -> Callable[[ModeContext], ModeRunner]:
         MODES.register(name)(ModeSpec(name, build, description, requires))
         return build
 
     return deco
 
 
-def build_engine(ctx: ModeContext) -> Engine:
-    """The engine of ``ctx.cfg.mode`` (pipeline modes are registered on first use)."""
+def build_runner(ctx: ModeContext) -> ModeRunner:
+    """The runner of ``ctx.cfg.mode`` (pipeline modes are registered on first use)."""
     importlib.import_module("ringpipe.train.pipeline_modes")
     spec = MODES.get(ctx.cfg.mode)
     spec.check()
@@ -198,7 +199,7 @@ def build_engine(ctx: ModeContext) -> Engine:
 # --------------------------------------------------------------------------------- data parallel
 
 
-class DataParallelEngine(Engine):
+class DataParallelRunner(ModeRunner):
     """Every rank holds the whole model and reads its own shard: ``single``, ``ddp`` and ``dp``."""
 
     def __init__(self, ctx: ModeContext, model: nn.Module, train_model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -262,7 +263,7 @@ class DataParallelEngine(Engine):
 
 
 @register_mode("single", "one process, no communication: the reference")
-def _single(ctx: ModeContext) -> Engine:
+def _single(ctx: ModeContext) -> ModeRunner:
     if ctx.comm.size != 1:
         raise ModeUnavailable(
             f"mode 'single' runs on one process but the world has {ctx.comm.size} ranks: "
@@ -270,7 +271,7 @@ def _single(ctx: ModeContext) -> Engine:
         )
     model = ctx.build_model().to(ctx.device)
     opt, scale = ctx.optimizer(model.parameters(), 1)
-    return DataParallelEngine(ctx, model, model, opt, scale, accumulate=ctx.cfg.accumulate)
+    return DataParallelRunner(ctx, model, model, opt, scale, accumulate=ctx.cfg.accumulate)
 
 
 def _timed_allreduce_hook(log: EventLog, launches: list[int]) -> Callable[[Any, Any], torch.futures.Future[torch.Tensor]]:
@@ -299,7 +300,7 @@ def _timed_allreduce_hook(log: EventLog, launches: list[int]) -> Callable[[Any, 
 
 
 @register_mode("ddp", "torch DistributedDataParallel over the world process group (baseline)")
-def _ddp(ctx: ModeContext) -> Engine:
+def _ddp(ctx: ModeContext) -> ModeRunner:
     if not dist.is_available() or not dist.is_initialized():
         raise ModeUnavailable(
             f"mode 'ddp' needs torch.distributed's default process group, which the {ctx.comm.backend!r} "
@@ -309,13 +310,13 @@ def _ddp(ctx: ModeContext) -> Engine:
 
     model = ctx.build_model().to(ctx.device)
     ddp = DistributedDataParallel(model, device_ids=[ctx.device] if ctx.device is not None and ctx.device.type == "cuda" else None)
-    engine = _DDPEngine(ctx, model, ddp, *ctx.optimizer(model.parameters(), ctx.comm.size),
+    runner = _DDPRunner(ctx, model, ddp, *ctx.optimizer(model.parameters(), ctx.comm.size),
                         accumulate=ctx.cfg.accumulate)
-    ddp.register_comm_hook(None, _timed_allreduce_hook(default_log(), engine.launches))
-    return engine
+    ddp.register_comm_hook(None, _timed_allreduce_hook(default_log(), runner.launches))
+    return runner
 
 
-class _DDPEngine(DataParallelEngine):
+class _DDPRunner(DataParallelRunner):
     """``ddp``: DDP's reducer waits for its last allreduces inside ``backward()``, in C++.
 
     That wait, the time from the last bucket's launch (the end of backward's computation) to the
@@ -346,7 +347,7 @@ def _import_dp() -> tuple[Any, Any, Any]:
     return DistributedOptimizer, broadcast_parameters, broadcast_optimizer_state
 
 
-class _DPEngine(DataParallelEngine):
+class _DPRunner(DataParallelRunner):
     """``dp``: gradients averaged by ringpipe's DistributedOptimizer while backward runs."""
 
     def close(self) -> None:
@@ -354,7 +355,7 @@ class _DPEngine(DataParallelEngine):
 
 
 @register_mode("dp", "ringpipe's DistributedOptimizer (Horovod-style, overlapped bucketed allreduce)")
-def _dp(ctx: ModeContext) -> Engine:
+def _dp(ctx: ModeContext) -> ModeRunner:
     distributed_optimizer, broadcast_parameters, broadcast_optimizer_state = _import_dp()
     dpc = ctx.cfg.dp
     assert dpc is not None
@@ -372,4 +373,4 @@ def _dp(ctx: ModeContext) -> Engine:
         comm=ctx.comm,
         join_support=False,  # every replica runs the same number of steps (ShardStream)
     )
-    return _DPEngine(ctx, model, model, opt, scale, accumulate=dpc.backward_passes_per_step, base=base)
+    return _DPRunner(ctx, model, model, opt, scale, accumulate=dpc.backward_passes_per_step, base=base)

@@ -37,11 +37,11 @@ import torch
 from torch import nn
 
 from ringpipe.train.config import ConfigError, PipelineConfig
-from ringpipe.train.modes import Engine, ModeContext, ModeUnavailable, correct, register_mode
+from ringpipe.train.lr_schedules import build_schedule
+from ringpipe.train.modes import ModeContext, ModeRunner, ModeUnavailable, correct, register_mode
 from ringpipe.train.precision import GradStep, autocast_layers
-from ringpipe.train.schedules import build_schedule
 
-__all__ = ["PipelineEngine", "SCHEDULE_OF_MODE", "rate_stand_in", "async_options"]
+__all__ = ["PipelineRunner", "SCHEDULE_OF_MODE", "rate_stand_in", "async_options"]
 
 #: ringpipe.pipeline schedule behind each mode
 SCHEDULE_OF_MODE = {
@@ -91,7 +91,7 @@ def async_options(pc: PipelineConfig) -> dict[str, Any]:
     }
 
 
-class PipelineEngine(Engine):
+class PipelineRunner(ModeRunner):
     """One rank's stage of a (replicated) pipeline."""
 
     shared_state = False
@@ -346,7 +346,7 @@ def _sample(ctx: ModeContext) -> torch.Tensor:
 
 
 def _register(mode: str, description: str) -> None:
-    register_mode(mode, description)(lambda ctx: PipelineEngine(ctx, mode))
+    register_mode(mode, description)(lambda ctx: PipelineRunner(ctx, mode))
 
 
 _register("seq", "naive model parallelism: the model cut into stages, one micro-batch at a time")

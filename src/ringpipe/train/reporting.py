@@ -1,8 +1,8 @@
 """What a training run reports on one rank: the train and evaluation records, the log line, the
-progress bar and the summary (mixed into the loop's run state, :mod:`ringpipe.train.loop`).
+progress bar and the summary (the :class:`Reporter` the training loop owns, :mod:`ringpipe.train.loop`).
 
 A train record closes every log window (``log_every`` steps, and each evaluation); an
-evaluation record follows each epoch boundary; :meth:`Reporting._summary` is the run's
+evaluation record follows each epoch boundary; :meth:`Reporter.summary` is the run's
 ``summary.json``. The loop measures, this module words and writes what it measured.
 """
 
@@ -10,127 +10,104 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ringpipe.comm import Communicator
-    from ringpipe.train.best import BestCheckpoint
+    from ringpipe.train.checkpoints.best import BestCheckpoint
     from ringpipe.train.config import TrainConfig
     from ringpipe.train.metrics import MetricsWriter
-    from ringpipe.train.modes import Engine
+    from ringpipe.train.modes import ModeRunner
+    from ringpipe.train.progress import RunProgress
     from ringpipe.train.stop import StopRequest
-    from ringpipe.train.tally import Tally
 
-__all__ = ["Reporting"]
-
-log = logging.getLogger("ringpipe.train.loop")  # the records' log lines carry the loop's name
+__all__ = ["Reporter"]
 
 
-class Reporting:
-    """The reporting half of a run on one rank (mixed into the loop's run state)."""
+class Reporter:
+    """Words and writes what the loop of one run measured on one rank.
 
-    comm: Communicator
-    cfg: TrainConfig
-    engine: Engine
-    metrics: MetricsWriter
-    stop: StopRequest
-    best: BestCheckpoint | None
-    schedule: Any
-    window: Tally
-    epoch_tally: Tally
-    is_root: bool
-    progress: bool
-    step: int
-    stop_step: int
-    global_batch: int
-    records: int
-    train_time: float
-    stop_reason: str
-    resizes: list[dict[str, Any]]
-    step_windows: list[tuple[int, int, int]]
-    last_eval: dict[str, Any]
-    last_train: dict[str, Any]
+    ``progress``: where the run stands (read, and its records kept there); ``schedule``: the LR
+    schedule (its rate goes into the records); ``evaluate``: evaluates the test set, collective;
+    ``log``: the logger of the loop's lines (the loop passes its own, so they carry its name).
+    """
 
-    def epoch_at(self, step: int) -> float:
-        raise NotImplementedError
+    def __init__(self, comm: Communicator, cfg: TrainConfig, progress: RunProgress, runner: ModeRunner, schedule: Any,
+                 metrics: MetricsWriter, stop: StopRequest, evaluate: Callable[[], tuple[float, float]],
+                 log: logging.Logger, show_bar: bool) -> None:
+        self.comm, self.cfg, self.progress, self.runner, self.schedule = comm, cfg, progress, runner, schedule
+        self.metrics, self.stop, self.evaluate, self.log = metrics, stop, evaluate, log
+        self.is_root = comm.rank == 0
+        self.show_bar = show_bar
 
-    def samples_at(self, step: int) -> int:
-        raise NotImplementedError
-
-    def evaluate(self, split: Any = None) -> tuple[float, float]:
-        raise NotImplementedError
-
-    def comm_share(self, since: int = 0) -> float:
-        """Share of the steps' time this rank spent blocked waiting for communication.
-
-        Communication that overlaps computation (gradient buckets reduced during backward,
-        pipeline receives posted ahead) costs nothing here; only the waits that remain do.
-        """
-        windows = self.step_windows[since:]
-        busy = sum(w1 - w0 for w0, w1, _ in windows)
-        return sum(b for _, _, b in windows) / busy if busy > 0 else 0.0
-
-    def _bar(self) -> Any:
+    def bar(self) -> Any:
+        """The progress bar of this part of the run (shown on rank 0 only)."""
         from tqdm.auto import tqdm
 
         return tqdm(
-            total=self.stop_step,
-            initial=self.step,
-            disable=not (self.is_root and self.progress),
+            total=self.progress.stop_step,
+            initial=self.progress.step,
+            disable=not (self.is_root and self.show_bar),
             desc=f"{self.cfg.mode} x{self.comm.size}",
             unit="step",
             dynamic_ncols=True,
             leave=False,
         )
 
-    def _log_train(self, bar: Any, steps: int, seconds: float, partial: bool = False) -> bool:
+    def log_train(self, bar: Any, steps: int, seconds: float, partial: bool = False) -> bool:
         """Log the window's train record; returns whether any rank was asked to stop (Ctrl-C)."""
-        loss, acc, _, stop = self.window.reduce_flag(self.comm, self.stop.requested)
+        p = self.progress
+        loss, acc, _, stop = p.window.reduce_flag(self.comm, self.stop.requested)
         rec: dict[str, Any] = {
             "kind": "train",
-            "step": self.step,
-            "epoch": round(self.epoch_at(self.step), 6),
+            "step": p.step,
+            "epoch": round(p.epoch_at(p.step), 6),
             "loss": loss,
             "accuracy": acc,
             "lr": self.schedule.get_last_lr()[0],
-            "samples_per_second": steps * self.global_batch / seconds if seconds > 0 else 0.0,
+            "samples_per_second": steps * p.global_batch / seconds if seconds > 0 else 0.0,
         }
         if partial:
             rec["partial"] = True
-        self.last_train = rec
+        p.last_train = rec
         self.metrics.write(rec)
         bar.set_postfix(loss=f"{loss:.4f}", acc=f"{acc:.3f}", lr=f"{rec['lr']:.2e}", refresh=False)
         return stop
 
-    def _log_eval(self, since: int) -> None:
-        train_loss, train_acc, _ = self.epoch_tally.reduce(self.comm)
+    def log_eval(self, since: int) -> None:
+        """Evaluate and log the epoch's record; ``since``: the index of the epoch's first step window."""
+        p = self.progress
+        train_loss, train_acc, _ = p.epoch_tally.reduce(self.comm)
         test_loss, test_acc = self.evaluate()
-        windows = self.step_windows[since:]
+        windows = p.step_windows[since:]
         secs = sum(w1 - w0 for w0, w1, _ in windows) / 1e9
         rec: dict[str, Any] = {
             "kind": "eval",
-            "step": self.step,
-            "epoch": round(self.epoch_at(self.step), 6),
+            "step": p.step,
+            "epoch": round(p.epoch_at(p.step), 6),
             "train_loss": train_loss,
             "train_accuracy": train_acc,
             "test_loss": test_loss,
             "test_accuracy": test_acc,
             "lr": self.schedule.get_last_lr()[0],
-            "samples_per_second": len(windows) * self.global_batch / secs if secs > 0 else 0.0,
-            "comm_share": self.comm_share(since),
+            "samples_per_second": len(windows) * p.global_batch / secs if secs > 0 else 0.0,
+            "comm_share": p.comm_share(since),
         }
-        self.last_eval = rec
+        p.last_eval = rec
         self.metrics.write(rec)
         if self.is_root:
-            log.info(
+            self.log.info(
                 "epoch %.2f | train loss %.4f acc %.4f | test loss %.4f acc %.4f | lr %.2e | %.0f samples/s | comm %.0f%%",
                 rec["epoch"], train_loss, train_acc, test_loss, test_acc, rec["lr"],
                 rec["samples_per_second"], 100 * rec["comm_share"],
             )
 
-    def _summary(self, final_eval: dict[str, Any], interrupted: bool, wall: float) -> dict[str, Any]:
-        e, cfg = self.engine, self.cfg
-        samples = self.samples_at(self.step)
+    def summary(self, final_eval: dict[str, Any], interrupted: bool, wall: float,
+                best: BestCheckpoint | None) -> dict[str, Any]:
+        """The run's ``summary.json``; ``best``: the best checkpoint kept, if the run keeps one."""
+        e, cfg, p = self.runner, self.cfg, self.progress
+        samples = p.samples_at(p.step)
         micro, steps_per_batch = _micro_batches(cfg)
         return {
             "mode": cfg.mode,
@@ -138,28 +115,28 @@ class Reporting:
             "replicas": e.replicas,
             "model": _label(cfg.model),
             "dataset": _label(cfg.data),
-            "epochs": round(self.epoch_at(self.step), 6),
+            "epochs": round(p.epoch_at(p.step), 6),
             "epochs_configured": cfg.epochs,
-            "steps": self.step,
-            "optimizer_steps": self.step * steps_per_batch,
-            "global_batch": self.global_batch,
+            "steps": p.step,
+            "optimizer_steps": p.step * steps_per_batch,
+            "global_batch": p.global_batch,
             "micro_batch": cfg.batch_size // micro,
             "samples": samples,
-            "records": self.records,
+            "records": p.records,
             "test_accuracy": final_eval["test_accuracy"],
             "test_loss": final_eval["test_loss"],
-            "final_loss": self.last_train.get("loss", math.nan),
+            "final_loss": p.last_train.get("loss", math.nan),
             "lr": cfg.optimizer.lr,
             "lr_scale": e.lr_scale,
             "final_lr": self.schedule.get_last_lr()[0],
-            "samples_per_second": samples / self.train_time if self.train_time > 0 else 0.0,
-            "comm_share": self.comm_share(),
-            "train_time_s": self.train_time,
+            "samples_per_second": samples / p.train_time if p.train_time > 0 else 0.0,
+            "comm_share": p.comm_share(),
+            "train_time_s": p.train_time,
             "wall_time_s": wall,
             "complete": not interrupted,
-            "stop_reason": self.stop_reason,
-            **({"best": self.best.summary()} if self.best is not None else {}),
-            **({"resized": self.resizes} if self.resizes else {}),
+            "stop_reason": p.stop_reason,
+            **({"best": best.summary()} if best is not None else {}),
+            **({"resized": p.resizes} if p.resizes else {}),
         }
 
 

@@ -7,7 +7,7 @@ replicas). Batches are cut from the concatenation of passes, so every step has e
 The position (pass, offset) is the whole state: a resumed run continues mid-pass.
 
 A pass may also begin at position ``start`` of its permutation (a run resumed on another
-number of replicas, see :mod:`ringpipe.train.resize`): the rest of the permutation is then
+number of replicas, see :mod:`ringpipe.train.checkpoints.resize`): the rest of the permutation is then
 padded and dealt out by DistributedSampler's rule (padding repeats its first samples).
 """
 

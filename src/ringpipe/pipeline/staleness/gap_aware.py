@@ -36,6 +36,7 @@ Before the first statistics update ``C`` is undefined and nothing is scaled (``r
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from typing import Any
 
 import torch
@@ -67,7 +68,7 @@ def gap_aware_stages(policy: str, num_stages: int) -> frozenset[int]:
     )
 
 
-class GapAware:
+class GapAware(ABC):
     """Shared machinery: penalties from gaps and the gradient division; subclasses track ``C``."""
 
     def __init__(
@@ -91,13 +92,13 @@ class GapAware:
         """Whether ``C`` is defined (the statistics were updated after at least one step)."""
         return self.updates > 0
 
+    @abstractmethod
     def constants(self) -> list[torch.Tensor]:
         """``C`` per parameter."""
-        raise NotImplementedError
 
+    @abstractmethod
     def update_running_stats(self) -> None:
         """Fold the step just taken into the statistics; call right after ``optimizer.step()``."""
-        raise NotImplementedError
 
     def state_dict(self) -> dict[str, Any]:
         """The statistics that shape every later penalty (for checkpoints): copies."""

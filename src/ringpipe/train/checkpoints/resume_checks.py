@@ -12,8 +12,8 @@ __all__ = ["check_resume_world", "nothing_left", "resume_world"]
 
 def check_resume_world(header: dict[str, Any], raw: dict[str, Any]) -> None:
     """Refuse to resume a checkpoint in a mode or on a number of processes it cannot continue on."""
-    from ringpipe.train.checkpoint import CheckpointError
-    from ringpipe.train.resize import resume_refusal
+    from ringpipe.train.checkpoints.files import CheckpointError
+    from ringpipe.train.checkpoints.resize import resume_refusal
 
     mode = raw.get("mode", TrainConfig.model_fields["mode"].default)
     nprocs = raw.get("nprocs", TrainConfig.model_fields["nprocs"].default)
@@ -27,14 +27,18 @@ def check_resume_world(header: dict[str, Any], raw: dict[str, Any]) -> None:
 
 def nothing_left(header: dict[str, Any], cfg: TrainConfig, run_dir: Path) -> str:
     """Why resuming checkpoint ``header`` with ``cfg`` would train no step ("" if it would)."""
-    from ringpipe.train.loop import nothing_to_resume
-    from ringpipe.train.resize import DATA_PARALLEL_MODES, samples_seen, total_steps_from
+    from ringpipe.train.checkpoints.checkpointer import nothing_to_resume
+    from ringpipe.train.checkpoints.resize import (
+        DATA_PARALLEL_MODES,
+        samples_seen,
+        total_steps_from,
+    )
 
     records, replicas = header.get("records"), header.get("replicas")
     if not records or not replicas:
         return ""  # a checkpoint that does not say: the ranks check it after loading the data
     step, samples = int(header["step"]), samples_seen(header, replicas)
-    if cfg.mode in DATA_PARALLEL_MODES:  # continued on the replicas of this run (see ringpipe.train.resize)
+    if cfg.mode in DATA_PARALLEL_MODES:  # continued on the replicas of this run (see ringpipe.train.checkpoints.resize)
         replicas = resume_world(cfg.mode, cfg.nprocs)
     total = total_steps_from(cfg.epochs, records, cfg.batch_size * replicas, step, samples)
     if samples == step * cfg.batch_size * replicas:

@@ -11,10 +11,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ringpipe.train.cli_help import epilog_when_shown
-from ringpipe.train.cli_stop import forward_stop as _forward_stop
-from ringpipe.train.cli_stop import interrupted as _interrupted
-from ringpipe.train.cli_stop import stop_children as _stop_children
+from ringpipe.train.command_help import epilog_when_shown
+from ringpipe.train.command_stop import forward_stop as _forward_stop
+from ringpipe.train.command_stop import interrupted as _interrupted
+from ringpipe.train.command_stop import stop_children as _stop_children
 from ringpipe.train.config import (
     MODE_NAMES,
     PIPELINE_MODES,
@@ -108,7 +108,7 @@ def _build_config(args: argparse.Namespace, run_dir: Path | None, header: dict[s
     if env_backend and args.backend is None and "backend" not in raw:
         raw = {**raw, "backend": env_backend}
     if header is not None:
-        from ringpipe.train.resume_checks import check_resume_world
+        from ringpipe.train.checkpoints.resume_checks import check_resume_world
 
         check_resume_world(header, raw)
     return validate(raw)
@@ -130,8 +130,8 @@ def _worker(comm: Any, raw: dict[str, Any], run_dir: str, resume: bool, progress
     """Entry point on every rank (spawned, or under a launcher): rank 0's summary, the others' stop reason."""
     import torch
 
-    from ringpipe.train.logs import configure_rank_logging
     from ringpipe.train.loop import NothingToResume, train
+    from ringpipe.train.rank_logging import configure_rank_logging
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1") or 1))
     configure_rank_logging(comm.rank, comm.size, verbose)
@@ -173,10 +173,10 @@ def run_train(args: argparse.Namespace) -> int:
 def _run_train(args: argparse.Namespace) -> int:
     verbose = bool(getattr(args, "verbose", False))
     from ringpipe.env import EnvironmentError_
-    from ringpipe.train.checkpoint import CheckpointError, find_resumable, load_checkpoint
+    from ringpipe.train.checkpoints.files import CheckpointError, find_resumable, load_checkpoint
 
     header: dict[str, Any] | None = None
-    from ringpipe.train.runstate import after_restart
+    from ringpipe.train.checkpoints.checkpointer import after_restart
 
     evaluate = (bool(getattr(args, "eval_only", False)), getattr(args, "checkpoint", None))
     if evaluate[1] is not None and not evaluate[0]:
@@ -225,7 +225,7 @@ def _run_train(args: argparse.Namespace) -> int:
         return 2
     if header is not None and not evaluate[0]:
         assert pre_dir is not None
-        from ringpipe.train.resume_checks import nothing_left
+        from ringpipe.train.checkpoints.resume_checks import nothing_left
 
         done = nothing_left(header, cfg, pre_dir)
         if done:

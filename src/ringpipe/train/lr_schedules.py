@@ -19,29 +19,29 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from ringpipe.train.registry import Registry
 
-__all__ = ["SCHEDULES", "EpochSchedule", "build_schedule", "warmup_start"]
+__all__ = ["LR_SCHEDULES", "EpochSchedule", "build_schedule", "warmup_start"]
 
 #: name -> (schedule config, total epochs) -> factor(epoch) applied after the warmup
-SCHEDULES: Registry[Callable[[Any, float], Callable[[float], float]]] = Registry("schedule")
+LR_SCHEDULES: Registry[Callable[[Any, float], Callable[[float], float]]] = Registry("schedule")
 
 
-@SCHEDULES.register("constant")
+@LR_SCHEDULES.register("constant")
 def _constant(cfg: Any, total: float) -> Callable[[float], float]:
     return lambda epoch: 1.0
 
 
-@SCHEDULES.register("step")
+@LR_SCHEDULES.register("step")
 def _step(cfg: Any, total: float) -> Callable[[float], float]:
     return lambda epoch: float(cfg.gamma ** math.floor(epoch / cfg.step_epochs + 1e-9))
 
 
-@SCHEDULES.register("multistep")
+@LR_SCHEDULES.register("multistep")
 def _multistep(cfg: Any, total: float) -> Callable[[float], float]:
     milestones = list(cfg.milestones)
     return lambda epoch: float(cfg.gamma ** bisect.bisect_right(milestones, epoch + 1e-9))
 
 
-@SCHEDULES.register("cosine")
+@LR_SCHEDULES.register("cosine")
 def _cosine(cfg: Any, total: float) -> Callable[[float], float]:
     start = cfg.warmup_epochs
     span = max(total - start, 1e-9)
@@ -110,5 +110,5 @@ def build_schedule(
     optimizer: torch.optim.Optimizer, cfg: Any, total_epochs: float, steps_per_epoch: float, scale: float
 ) -> EpochSchedule:
     """The schedule of a schedule config section; ``scale`` is the factor the rate was multiplied by."""
-    after = SCHEDULES.get(cfg.name)(cfg, total_epochs)
+    after = LR_SCHEDULES.get(cfg.name)(cfg, total_epochs)
     return EpochSchedule(optimizer, steps_per_epoch, after, cfg.warmup_epochs, warmup_start(cfg, scale))

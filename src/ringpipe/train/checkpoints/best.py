@@ -17,7 +17,7 @@ from typing import Any
 
 from ringpipe.comm import Communicator
 from ringpipe.observe.regions import expected_work
-from ringpipe.train.checkpoint import list_checkpoints, save_checkpoint
+from ringpipe.train.checkpoints.files import list_checkpoints, save_checkpoint
 
 __all__ = ["BestCheckpoint", "best_checkpoint"]
 

@@ -145,7 +145,7 @@ def fit(
 
 def _run_dir(comm: Communicator, cfg: TrainConfig, run_dir: str | Path | None, resume: bool, overwrite: bool) -> Path:
     """Rank 0 names the run directory (refusing an earlier run's without ``resume`` or ``overwrite``); every rank uses it."""
-    from ringpipe.train.cli import resolve_run_dir
+    from ringpipe.train.command import resolve_run_dir
     from ringpipe.train.rundir import run_dir_problem
 
     found: tuple[str, str] | None = None

@@ -58,7 +58,7 @@ def stop_children(timeout: float = 5.0) -> None:
 
 def interrupted(run_dir: Path) -> int:
     """Say where an interrupted run can continue from; the exit code of Ctrl-C."""
-    from ringpipe.train.checkpoint import checkpoint_step, latest_checkpoint
+    from ringpipe.train.checkpoints.files import checkpoint_step, latest_checkpoint
 
     ckpt = latest_checkpoint(run_dir / "checkpoints")
     if ckpt is None:
