@@ -28,7 +28,7 @@ if TYPE_CHECKING:  # the names as type checkers see them; at run time __getattr_
     from ringpipe.launch.run_api import run as run
     from ringpipe.pipeline import PipelineTrainer as PipelineTrainer
 
-__version__ = "0.1.0"
+from ringpipe.version import __version__ as __version__
 
 #: names that are not the Horovod-style API's, and the module each comes from
 _HOME = {

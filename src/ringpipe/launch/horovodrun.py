@@ -119,7 +119,7 @@ def check_build() -> str:
 
     import torch.distributed as dist
 
-    from ringpipe import __version__
+    from ringpipe.version import __version__
 
     def mark(value: bool) -> str:
         return "X" if value else " "
