@@ -46,5 +46,7 @@ def emit(row: dict[str, Any]) -> None:
 
 
 def rows(text: str) -> list[dict[str, Any]]:
-    """The JSON rows a worker printed with :func:`emit`, in order."""
-    return [json.loads(line.split(MARK, 1)[1]) for line in text.splitlines() if MARK in line]
+    """The JSON rows a worker printed with :func:`emit`, in order (each object decoded on its own:
+    launchers may prefix a rank's lines or put another rank's output right after one)."""
+    decoder = json.JSONDecoder()
+    return [decoder.raw_decode(chunk.lstrip())[0] for chunk in text.split(MARK)[1:]]
