@@ -42,7 +42,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from lib import procs, report, sizes, stats, timing  # noqa: E402
+from lib import procs, report, sizes, stats, testhelpers, timing  # noqa: E402
 
 __all__ = ["main"]
 
@@ -255,9 +255,7 @@ def main(argv: list[str] | None = None) -> int:
             rows += _run(mpirun_command(2, [sys.executable, me, "--worker", "--backend", "mpi",
                                             "--label", "one host", *rep]), env)
     if "two-hosts-gloo" in parts:
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-        import netns
-
+        netns = testhelpers.module("netns")
         reason = netns.can_create()
         if reason:
             print(f"two-host part skipped: {reason}")
@@ -276,9 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     if "two-hosts-mpi" in parts and shutil.which("mpirun"):
         import tempfile
 
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-        import netns
-
+        netns = testhelpers.module("netns")
         reason = netns.can_create()
         if reason:
             print(f"two-host MPI part skipped: {reason}")
