@@ -42,7 +42,7 @@ every call of the slowest rank, the ratio of medians, "apart" when the p10-p90 r
 overlap.
 
 Dropped: ``auto_dispatch_cost.py`` timed auto's choice alone through a private function of
-``ringpipe.collectives``; its figures stay in RESULTS.md's history with the commit that made them.
+``ringpipe.collectives``; its figures stay in HISTORY.md with the commit that made them.
 """
 
 from __future__ import annotations

@@ -20,9 +20,9 @@ reduction).
 Dropped: ``tf_bridge_cold.py`` (where the eager face's time per small call went, by stamps patched
 into the engine) and ``tf_graph_cost.py`` (the same inside ``tf.function``, a ladder of graphs
 built from the engine's and the announcement's private functions): diagnostics of a finished
-investigation that patched internals this redesign moves; their figures stay in RESULTS.md's
-history, and ``git show <commit>:benchmarks/tf_graph_cost.py`` gives them back at the commit named
-there.
+investigation that patched internals this redesign moves; their figures stay in HISTORY.md, and
+``git show 27393d1:benchmarks/tf_graph_cost.py`` (or ``tf_bridge_cold.py``) gives them back as they
+were then.
 """
 
 from __future__ import annotations
