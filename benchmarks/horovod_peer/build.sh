@@ -11,7 +11,9 @@
 # (pr3998-cxx17.patch beside it, taken from the commit as it is) to the PyPI sdist and builds it.
 #
 # torch is never installed unpinned: the environment reuses the torch of TORCH_PYTHON (default
-# /work/main/.venv/bin/python, then the python3 on PATH) through a .pth file, and refuses to go on
+# /work/main/.venv/bin/python, then the python3 on PATH): it is made with --system-site-packages from
+# that interpreter's base Python, and a .pth file adds the site-packages that hold TORCH_PYTHON's
+# torch (after the environment's own), so it sees what TORCH_PYTHON sees; it refuses to go on
 # unless that torch is 2.13.0. Set HOROVOD_TORCH_PIN=1 to install torch==2.13.0 (CPU wheel) into the
 # new environment instead.
 set -euo pipefail
@@ -25,7 +27,7 @@ for tool in cmake g++ make; do
 done
 
 echo "== environment $venv (from $base_python)"
-"$base_python" -m venv "$venv"
+"$base_python" -m venv --system-site-packages "$venv"
 py=$venv/bin/python
 site=$("$py" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 if [ "${HOROVOD_TORCH_PIN:-0}" = 1 ]; then
