@@ -41,9 +41,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=30)
     args = p.parse_args(argv)
     if args.impl == "horovod":
+        import horovod
         import horovod.torch as hvd
+
+        version = horovod.__version__
     else:
         import ringpipe as hvd
+
+        version = hvd.__version__
 
     torch.set_num_threads(1)
     hvd.init()
@@ -66,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     if hvd.rank() == 0:
         procs.emit({"impl": args.impl, "model": args.model, "size": hvd.size(), "median_s": statistics.median(slowest),
                     "steps_s": slowest, "loss": float(out), "checksum": checksum,
-                    "version": getattr(hvd, "__version__", "?")})
+                    "version": version})
     return 0
 
 
