@@ -1,6 +1,7 @@
 """Step time of one Horovod program under real Horovod 0.28.1 and under ringpipe (``import ringpipe as hvd``).
 
     bash benchmarks/horovod_peer/build.sh                     # once: Horovod 0.28.1 into its own venv (~8 min)
+    python benchmarks/dp_vs_horovod.py --build-peer           # the same, then the run
     python benchmarks/dp_vs_horovod.py                        # mlp and cnn, 2 ranks, 5 runs of each
     python benchmarks/dp_vs_horovod.py --models mlp --runs 3 --steps 40
     python benchmarks/dp_vs_horovod.py --quick                # seconds: tiny model, one run each
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -39,6 +41,7 @@ from lib import procs, report, stats  # noqa: E402
 __all__ = ["main"]
 
 PROGRAM = Path(__file__).resolve().parent / "lib" / "horovod_program.py"
+BUILD = Path(__file__).resolve().parent / "horovod_peer" / "build.sh"
 DEFAULT_VENV = Path.home() / ".cache" / "ringpipe-bench" / "horovod-0.28.1"
 
 
@@ -72,10 +75,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=30, help="timed steps per run")
     p.add_argument("--timeout", type=float, default=600, help="seconds one run may take")
     p.add_argument("--require-horovod", action="store_true", help="fail when the Horovod peer is not built")
+    p.add_argument("--build-peer", action="store_true",
+                   help="first build Horovod 0.28.1 into HOROVOD_VENV with horovod_peer/build.sh (about 8 minutes)")
     p.add_argument("--quick", action="store_true", help="seconds: the tiny model, 2 ranks, one run of each side")
     args = p.parse_args(argv)
     if args.quick:
         args.models, args.ranks, args.runs, args.warmup, args.steps = "tiny", 2, 1, 2, 3
+    if args.build_peer:
+        subprocess.run(["bash", str(BUILD), str(Path(os.environ.get("HOROVOD_VENV", DEFAULT_VENV)))], check=True)
     venv = horovod_venv()
     report.header("dp_vs_horovod", argv, {"horovod peer": str(venv) if venv else "not built"})
     if venv is None:
