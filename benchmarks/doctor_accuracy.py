@@ -16,6 +16,7 @@ that the doctor measured (the fix it recommends, proven in the same run).
     python benchmarks/doctor_accuracy.py --trials 10 --log FILE --resume   # go on: skip the trials FILE holds
     python benchmarks/doctor_accuracy.py --table FILE [--each]   # the table of a log (--each: every trial)
     python benchmarks/doctor_accuracy.py --clock 3        # clock_offsets under each launcher
+    python benchmarks/doctor_accuracy.py --quick          # seconds: one probe on 2 local ranks, scored (no namespaces)
 
 Where a trial's time goes (8 ranks on a 2-core machine): setting up the namespaces takes 0.4 s and
 the probe itself 3-4 s (``phases_s`` in the log); the rest is starting the launchers and 8 Python
@@ -39,13 +40,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "tests"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import netns  # noqa: E402
+from lib import procs, report, testhelpers  # noqa: E402
 
-LATE = str(HERE.parent / "tests" / "scripts" / "doctor_late_rank.py")
-CLOCK = str(HERE.parent / "tests" / "scripts" / "doctor_clock.py")
+netns = testhelpers.module("netns")
+LATE = str(testhelpers.path("scripts/doctor_late_rank.py"))
+CLOCK = str(testhelpers.path("scripts/doctor_clock.py"))
 
 
 B, C = "rp-host-b", "rp-host-c"
@@ -207,8 +208,10 @@ def _keep(where: Path, tag: str, report: dict[str, Any]) -> None:
 def table(rows: list[dict[str, Any]]) -> str:
     """The markdown table of logged trials (one row per scenario and launcher)."""
     out = ["| scenario | launcher | trials | named correctly | false accusations | fix measured (ring / fix) "
-           "| s per trial (median) | load (min-max) |", "|---|---|---|---|---|---|---|---|"]
-    for name, sc in SCENARIOS.items():
+           "| s per trial (median) | load (min-max) |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    names = list(SCENARIOS) + sorted({r["scenario"] for r in rows} - set(SCENARIOS))
+    for name in names:
+        sc = SCENARIOS.get(name, Scenario((0, 0, 0), []))
         for launcher in ("launch", "mpirun"):
             mine = [r for r in rows if r["scenario"] == name and r["launcher"] == launcher]
             if not mine:
@@ -262,11 +265,23 @@ def _done(log: str | None) -> set[tuple[int, str, str]]:
     return {(r["trial"], r["scenario"], r["launcher"]) for r in rows}
 
 
+def quick_trial(size: str) -> list[dict[str, Any]]:
+    """One probe on 2 ranks of this machine (no namespaces, no root), scored as "nothing wrong"."""
+    sc = Scenario((2, 0, 0), [])
+    t0 = time.time()
+    out = procs.run(procs.ringpipe_cli("launch", "-n", "2", "-m", "ringpipe.cli", "doctor", "--json", "--size", size,
+                                       "--verify", "1"), 300, {"OMP_NUM_THREADS": "1"})
+    ok, false = score(report_of(out), sc)
+    return [{"scenario": "2 local ranks, nothing wrong", "launcher": "launch", "trial": 0, "named": ok,
+             "false": false, "gain": None, "secs": time.time() - t0, "load": os.getloadavg()[0], "phases": {},
+             "code": "quick"}]
+
+
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
         compute_worker(sys.argv[2], int(sys.argv[3]))
         return 0
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--launchers", default="launch,mpirun")
     ap.add_argument("--size", default="256K", help="probe message size (doctor --size)")
@@ -282,7 +297,14 @@ def main() -> int:
     ap.add_argument("--until", default=None, metavar="HH:MM",
                     help="start no trial after this time of day (UTC); the log keeps what ran")
     ap.add_argument("--code", default="", help="a label of the code under trial (a commit), logged with each trial")
+    ap.add_argument("--quick", action="store_true",
+                    help="seconds: one doctor probe on 2 ranks of this machine, scored and tabled (no namespaces)")
     args = ap.parse_args()
+    report.header("doctor_accuracy", sys.argv[1:])
+    if args.quick:
+        print(table(quick_trial("4K")))
+        report.footer()
+        return 0
     if args.table:
         rows = [json.loads(line) for line in Path(args.table).read_text().splitlines() if line.strip()]
         print(table(rows))
@@ -325,12 +347,12 @@ def main() -> int:
                         return 0
                     t0 = time.time()
                     try:
-                        report = run_trial(sc, launcher, args.size, port, Path(tmp))
-                        ok, false = score(report, sc)
-                        gain = _gain(report, sc)
-                        phases = report.get("phases_s", {})
+                        found = run_trial(sc, launcher, args.size, port, Path(tmp))
+                        ok, false = score(found, sc)
+                        gain = _gain(found, sc)
+                        phases = found.get("phases_s", {})
                         if args.keep and (not ok or false):
-                            _keep(Path(args.keep), f"{trial}-{launcher}-{port}", report)
+                            _keep(Path(args.keep), f"{trial}-{launcher}-{port}", found)
                     except Exception as exc:  # noqa: BLE001 - a failed trial is scored as missed
                         print(f"  {name} / {launcher}: trial failed: {str(exc)[-600:]}", file=sys.stderr)
                         ok, false, gain, phases = False, ["(trial failed)"], None, {}

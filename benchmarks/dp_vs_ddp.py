@@ -2,6 +2,7 @@
 
     python benchmarks/dp_vs_ddp.py                                  # every model, 2 ranks, fp32, 5 runs
     python benchmarks/dp_vs_ddp.py --models small,mlp --ranks 2,4 --compression none,fp16 --runs 5
+    python benchmarks/dp_vs_ddp.py --quick                          # seconds: tiny model, every variant
 
 Every run starts ``--ranks`` real processes (gloo, local launcher, one thread each) that time,
 in alternating blocks, one training step (zero_grad, forward, loss, backward, optimizer step,
@@ -64,71 +65,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["main", "make_model", "run_ranks"]
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from lib import models, report, stats, timing  # noqa: E402
+
+__all__ = ["main", "run_ranks", "variants"]
 
 PHASES = ("forward", "backward", "step")
 CLOCK = ("copy", "ready_to_sent", "engine", "copy_out", "wait", "bucket_step")
-
-
-class _Block(nn.Module):
-    """ResNet's basic block."""
-
-    def __init__(self, cin: int, cout: int, stride: int) -> None:
-        super().__init__()
-        self.body = nn.Sequential(
-            nn.Conv2d(cin, cout, 3, stride, 1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(),
-            nn.Conv2d(cout, cout, 3, 1, 1, bias=False), nn.BatchNorm2d(cout),
-        )
-        self.skip = nn.Identity() if stride == 1 and cin == cout else nn.Sequential(
-            nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.relu(self.body(x) + self.skip(x))
-
-
-def resnet18(classes: int = 10) -> nn.Module:
-    layers: list[nn.Module] = [nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64), nn.ReLU(),
-                               nn.MaxPool2d(3, 2, 1)]
-    cin = 64
-    for cout, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
-        layers += [_Block(cin, cout, stride), _Block(cout, cout, 1)]
-        cin = cout
-    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(512, classes)]
-    return nn.Sequential(*layers)
-
-
-def make_model(kind: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
-    """The model, one batch of inputs and targets (the same on every rank and for every variant)."""
-    torch.manual_seed(0)
-    if kind == "small":
-        model: nn.Module = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64), nn.ReLU(),
-                                         nn.Linear(64, 10))
-        x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
-    elif kind == "mlp":
-        model = nn.Sequential(nn.Linear(1024, 2048), nn.ReLU(), nn.Linear(2048, 2048), nn.ReLU(),
-                              nn.Linear(2048, 2048), nn.ReLU(), nn.Linear(2048, 10))
-        x, y = torch.randn(64, 1024), torch.randint(0, 10, (64,))
-    elif kind == "resnet":
-        model = resnet18()
-        x, y = torch.randn(16, 3, 32, 32), torch.randint(0, 10, (16,))
-    elif kind == "transformer":
-        from ringpipe.train.models import Embedding, TokenHead, TransformerBlock
-
-        model = nn.Sequential(Embedding(32, 16, 64), TransformerBlock(64, 4, 128, 0.0),
-                              TransformerBlock(64, 4, 128, 0.0), TokenHead(64, 32))
-        x, y = torch.randint(0, 32, (32, 16)), torch.randint(0, 32, (32, 16))
-    else:
-        raise ValueError(f"unknown model {kind!r}; valid: small, mlp, resnet, transformer")
-    return model, x, y
-
-
-def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _steps(variant: dict[str, Any], n: int, clocked: bool = False) -> None:
@@ -149,14 +93,14 @@ def _steps(variant: dict[str, Any], n: int, clocked: bool = False) -> None:
             clock.clear()
         t0 = time.perf_counter()
         opt.zero_grad()
-        loss = _loss(model(x), y)
-        _sync(dev)
+        loss = models.loss(model(x), y)
+        models.sync(dev)
         t1 = time.perf_counter()
         loss.backward()
-        _sync(dev)
+        models.sync(dev)
         t2 = time.perf_counter()
         opt.step()
-        _sync(dev)
+        models.sync(dev)
         t3 = time.perf_counter()
         if clock is not None:
             for k in CLOCK:
@@ -205,14 +149,14 @@ AGAINST_DEFAULTS = {
 }
 
 
-def _variants(comm: Any, kind: str, compression: str, nojoin: bool,
+def variants(comm: Any, kind: str, compression: str, nojoin: bool,
               device: torch.device, extras: tuple[str, ...] = ()) -> dict[str, dict[str, Any]]:
     """bound, DDP and ringpipe (and ringpipe-nojoin with ``nojoin``), plus the ``extras`` named:
     ``serial``, ``ringpipe-held``, ``ringpipe-whole``."""
     from ringpipe.dp import DistributedOptimizer
 
     def make_model_on_device(kind: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
-        model, x, y = make_model(kind)
+        model, x, y = models.make_model(kind)
         return model.to(device), x.to(device), y.to(device)
 
     def sgd(m: nn.Module) -> torch.optim.Optimizer:
@@ -257,27 +201,27 @@ def run_ranks(comm: Any, kind: str, compression: str, blocks: int, steps: int, n
     if device_type == "cuda":
         device = torch.device("cuda", comm.topology.local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
-    variants = _variants(comm, kind, compression, nojoin, device, extras)
-    for v in variants.values():
+    built = variants(comm, kind, compression, nojoin, device, extras)
+    for v in built.values():
         _steps(v, 3)  # warm-up
         if v.get("clocked"):
             _steps(v, 2, clocked=True)
         v["samples"] = {k: [] for k in v["samples"]}
-    names = list(variants)
+    names = list(built)
     for block in range(blocks):
-        for name in (names if block % 2 == 0 else names[::-1]):
+        for name in timing.order(names, block):
             comm.barrier()
-            _steps(variants[name], steps)
-            if variants[name].get("clocked"):  # its clock's columns, in steps of their own
+            _steps(built[name], steps)
+            if built[name].get("clocked"):  # its clock's columns, in steps of their own
                 comm.barrier()
-                _steps(variants[name], max(2, steps // 2), clocked=True)
-    mine = {name: {k: statistics.median(s) for k, s in v["samples"].items()} for name, v in variants.items()}
-    for name, v in variants.items():  # the spread of single steps: a fast path against stalls
-        deciles = statistics.quantiles(v["samples"]["total"], n=10)
-        mine[name]["p10"], mine[name]["p90"] = deciles[0], deciles[-1]
+                _steps(built[name], max(2, steps // 2), clocked=True)
+    mine = {name: {k: statistics.median(s) for k, s in v["samples"].items()} for name, v in built.items()}
+    for name, v in built.items():  # the spread of single steps: a fast path against stalls
+        single = stats.spread(v["samples"]["total"], "p10-p90")
+        mine[name]["p10"], mine[name]["p90"] = single.low, single.high
     every = comm.allgather_object(mine)
     slowest = max(every, key=lambda m: m["ringpipe"]["total"])  # one rank's figures, consistent phases
-    return {"params": sum(p.numel() for p in variants["bound"]["model"].parameters()), "ranks": comm.size,
+    return {"params": sum(p.numel() for p in built["bound"]["model"].parameters()), "ranks": comm.size,
             "variants": slowest, "per_rank_total": [{n: m[n]["total"] for n in m} for m in every],
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "backend": comm.backend}
@@ -301,8 +245,8 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
         totals = [r["variants"][name]["total"] for r in runs]
         med["min"], med["max"] = min(totals), max(totals)
         out["variants"][name] = med
-    ratios = [r["variants"]["ringpipe"]["total"] / r["variants"]["ddp"]["total"] for r in runs]
-    out["ratio_median"], out["ratio_min"], out["ratio_max"] = statistics.median(ratios), min(ratios), max(ratios)
+    ratio = stats.ratios([r["variants"]["ringpipe"]["total"] for r in runs], [r["variants"]["ddp"]["total"] for r in runs])
+    out["ratio_median"], out["ratio_min"], out["ratio_max"] = ratio.median, ratio.low, ratio.high
     if "serial" in runs[0]["variants"]:  # each system against the bare transport, run by run
         for name in ("ddp", "ringpipe"):
             r = [run["variants"][name]["total"] / run["variants"]["serial"]["total"] for run in runs]
@@ -327,7 +271,7 @@ def _names(results: list[tuple[str, int, str, dict[str, Any]]]) -> list[str]:
     return names
 
 
-def report(results: list[tuple[str, int, str, dict[str, Any]]]) -> str:
+def tables(results: list[tuple[str, int, str, dict[str, Any]]]) -> str:
     lines = [
         "| model | params | ranks | wire | bound (ms) | DDP (ms) | ringpipe (ms) | ringpipe / DDP (runs) |"
         " DDP over bound | ringpipe over bound |",
@@ -398,7 +342,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where models and batches live")
     p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo",
                    help="transport of DDP and ringpipe alike (nccl: one rank per GPU, --device cuda)")
+    p.add_argument("--quick", action="store_true",
+                   help="seconds: the tiny model, 2 ranks, one run of 2 blocks, every optional variant")
     args = p.parse_args(argv)
+    if args.quick:
+        args.models, args.ranks, args.compression, args.runs, args.blocks, args.steps = "tiny", "2", "none", 1, 2, 2
+        args.nojoin = args.serial = args.held = args.whole_step = True
+    report.header("dp_vs_ddp", argv)
     if args.backend == "nccl" and args.device != "cuda":
         p.error("--backend nccl moves CUDA tensors only: add --device cuda")
     default_steps = {"small": 60, "transformer": 15, "mlp": 5, "resnet": 3}
@@ -418,7 +368,11 @@ def main(argv: list[str] | None = None) -> int:
                 results.append((kind, ranks, comp, s))
                 print(f"{kind} ranks={ranks} wire={comp} on {s['device']} over {s['backend']}: ringpipe/DDP {s['ratio_median']:.3f} "
                       f"({s['ratio_min']:.3f}-{s['ratio_max']:.3f}); load {os.getloadavg()[0]:.1f}", flush=True)
-    print(report(results))
+    print(tables(results))
+    report.headline([(f"DistributedOptimizer step time, {kind}, {ranks} ranks, wire {comp}", "torch DDP",
+                      stats.Spread(s["ratio_median"], s["ratio_min"], s["ratio_max"], "runs"))
+                     for kind, ranks, comp, s in results])
+    report.footer()
     if args.json:
         with open(args.json, "w") as f:
             json.dump([{"model": k, "ranks": r, "wire": c, **s} for k, r, c, s in results], f, indent=1)

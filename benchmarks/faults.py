@@ -9,6 +9,7 @@ whether the job hung (still running after ``--hang-s``), orphans (processes of t
 after the launcher ended) and whether a wrong result was returned silently ("data lost").
 
     python benchmarks/faults.py [--repeats 1] [--hang-s 60] [--backends gloo,mpi]
+    python benchmarks/faults.py --quick      # seconds: the shape mismatch over gloo
 """
 
 from __future__ import annotations
@@ -21,6 +22,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from lib import report  # noqa: E402
+
+__all__ = ["main", "run_case"]
 
 PROGRAM = r"""
 import os, signal, sys, time
@@ -112,16 +119,20 @@ def _alive(marker: str) -> list[int]:
     return found
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--hang-s", type=float, default=60.0)
     parser.add_argument("--backends", default="gloo,mpi")
     parser.add_argument("--cases", default=",".join(CASES))
-    args = parser.parse_args()
+    parser.add_argument("--quick", action="store_true", help="seconds: the shape mismatch over gloo, once")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.repeats, args.backends, args.cases = 1, "gloo", "shape"
+    report.header("faults", argv)
     backends = [b for b in args.backends.split(",") if b != "mpi" or shutil.which("mpirun")]
     print("| case | backend | rank 0 error | rank 1 error | job ends | orphans | data lost |")
-    print("|---|---|---|---|---|---|---|")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     with tempfile.TemporaryDirectory(prefix="ringpipe-faults-") as tmp:
         for case in args.cases.split(","):
             for backend in backends:
@@ -129,7 +140,9 @@ def main() -> None:
                     c = run_case(case, backend, args.hang_s, Path(tmp))
                     print(f"| {case} | {backend} | {c['rank 0']} | {c['rank 1']} | {c['job ends']} | "
                           f"{c['orphans']} | {c['data lost']} |", flush=True)
+    report.footer()
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -65,7 +65,7 @@ stage_profile() {
     # Where one step's time goes on the GPU, ringpipe against DDP, one rank (kernel launches,
     # synchronisations, operators); Chrome traces under $OUT.
     for m in small mlp; do
-        timeout 150 $PY benchmarks/dp_profile.py --model $m --device cuda --steps 20 --trace "$OUT/$m" 2>&1 \
+        timeout 150 $PY benchmarks/dp_breakdown.py --by profiler --models $m --device cuda --steps 20 --trace "$OUT/$m" 2>&1 \
             | grep -v USDT | cut -c1-150 | head -30
     done
 }

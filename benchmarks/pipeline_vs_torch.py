@@ -27,7 +27,7 @@ measured the same way on both sides: live bytes of the storages autograd saves f
 (a saved-tensors hook; each storage counted once, a parameter's storage not at all) plus the
 stage inputs ringpipe keeps for recomputation, peak over the run, per rank. Next to the
 measured figures: what the schedules imply, computed from their action lists
-(``schedule_timing.py``: F = 1, B = 2, I = W = 1 per stage), and the time per step they imply
+(``lib/pipeline/schedule_sim.py``: F = 1, B = 2, I = W = 1 per stage), and the time per step they imply
 with each variant's own measured thread CPU per action. Times per step are those of the steady
 state of consecutive steps: a rank starts the next step when it is done with this one (neither
 system has a barrier between steps), which shortens a step of the schedules whose first rank
@@ -45,7 +45,7 @@ columns, both fractions of the ranks' time that no rank computes:
     python benchmarks/pipeline_vs_torch.py --batch 256 --microbatches 4 --steps 20 --repeats 5
 
 ``--backend mpi`` runs ringpipe's variants over its MPI backend instead of gloo (``mpirun -n 2``,
-``pipeline_mpi.py``; ``--mca KEY=VALUE`` passes Open MPI parameters). torch's schedules need
+``lib/pipeline/ranks.py``; ``--mca KEY=VALUE`` passes Open MPI parameters). torch's schedules need
 c10d's process groups and cannot run there, so ``--backend mpi`` runs ringpipe's variants only
 and refuses a torch variant named in ``--only`` rather than mix two transports in one table:
 
@@ -66,19 +66,21 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from pipeline_meters import describe  # noqa: E402
-from pipeline_model import (  # noqa: E402
+from lib import report, stats  # noqa: E402
+from lib.pipeline.meters import describe  # noqa: E402
+from lib.pipeline.model import (  # noqa: E402
     Split,
     add_model_args,
     add_run_args,
     choose_split,
     make_layers,
+    quick,
     split_line,
 )
-from pipeline_mpi import add_backend_args, backend_line, check_backend_args, run_two_ranks  # noqa: E402
-from pipeline_theory import theory  # noqa: E402
-from pipeline_torch_run import TORCH_SCHEDULES  # noqa: E402
-from pipeline_variants import misfits, probe_torch, variant_names, worker  # noqa: E402
+from lib.pipeline.ranks import add_backend_args, backend_line, check_backend_args, run_two_ranks  # noqa: E402
+from lib.pipeline.theory import theory  # noqa: E402
+from lib.pipeline.torch_run import TORCH_SCHEDULES  # noqa: E402
+from lib.pipeline.variants import misfits, probe_torch, variant_names, worker  # noqa: E402
 
 __all__ = ["main"]
 
@@ -97,7 +99,7 @@ def skip_lines(skipped: dict[str, str]) -> list[str]:
     return [f"# skipped {', '.join(names)}: {why}" for why, names in by_why.items()]
 
 
-def report(args: argparse.Namespace, r0: dict[str, list[dict]], r1: dict[str, list[dict]],
+def tables(args: argparse.Namespace, r0: dict[str, list[dict]], r1: dict[str, list[dict]],
            failed: dict[str, str], skipped: dict[str, str] | None = None) -> None:
     load = os.getloadavg()
     print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
@@ -143,10 +145,17 @@ def report(args: argparse.Namespace, r0: dict[str, list[dict]], r1: dict[str, li
           "state: 1 - ideal / time per step, ideal = a rank's compute per micro-batch (F + B = 3 units), time "
           "per step = the steady state of consecutive steps (async: the stream's mean, one fill and drain)")
 
+    headline: list[tuple[str, str, stats.Spread]] = []
+
     def ratio(a: str, b: str) -> str:
         if not (equal[a] and equal[b]):
             return f"{a} / {b}: REFUSED, the ranks do not hold the same layers and parameters"
         per_block = [x["samples_per_s"] / y["samples_per_s"] for x, y in zip(r0[a], r0[b], strict=True)]
+        if b.startswith("torch ") and not any(h[0].startswith(f"pipeline step time, {a} ") for h in headline):
+            # the headline's ratio is a time: ringpipe's step over torch's
+            headline.append((f"pipeline step time, {a} (2 ranks, MLP width {args.width}, {args.blocks} blocks)",
+                             f"torch.distributed.pipelining, {b[6:]}",
+                             stats.ratios([y["samples_per_s"] for y in r0[b]], [x["samples_per_s"] for x in r0[a]])))
         pred = th[b][1] / th[a][1] if a in th and b in th else float("nan")
         pred_ms = th[b][2] / th[a][2] if a in th and b in th else float("nan")
         bubbles = f"{th[a][3]:.3f} / {th[b][3]:.3f}" if a in th and b in th else "n/a"
@@ -167,12 +176,14 @@ def report(args: argparse.Namespace, r0: dict[str, list[dict]], r1: dict[str, li
         print("- " + ratio("ringpipe async_1f1b", "ringpipe 1f1b"))
     if "ringpipe zb_h2" in r0 and "ringpipe 1f1b" in r0:
         print("- " + ratio("ringpipe zb_h2", "ringpipe 1f1b"))
+    if headline:
+        report.headline(headline)
 
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Columns 'bubble, one step': idle share of one step run alone (async: of the whole stream of\n"
                "--steps steps). 'bubble, steady state': 1 - ideal / time per step, with time per step the\n"
                "steady state of consecutive steps in units per micro-batch (async: the stream's mean) and\n"
@@ -183,8 +194,14 @@ def main() -> None:
     ap.add_argument("--profile", metavar="DIR", help="write each rank's cProfile statistics of each run to DIR")
     ap.add_argument("--json", action="store_true")
     add_backend_args(ap)
-    args = ap.parse_args()
+    ap.add_argument("--quick", action="store_true",
+                    help="seconds: a tiny model, 2 steps, one block, ringpipe's and torch's 1f1b and gpipe")
+    args = ap.parse_args(argv)
+    if args.quick:
+        quick(args)
+        args.only = args.only or "ringpipe 1f1b,torch 1f1b,ringpipe gpipe,torch gpipe,ringpipe async_1f1b"
     check_backend_args(args)
+    report.header("pipeline_vs_torch", argv)
     args.load_before = f"{os.getloadavg()[0]:.2f}"
     only = [v.strip() for v in args.only.split(",")] if args.only else None
     known = variant_names(TORCH_SCHEDULES)
@@ -214,9 +231,11 @@ def main() -> None:
     r0, r1 = run_two_ranks(args, worker, (args, ok, only, list(skipped)))
     if args.json:
         print(json.dumps({"rank0": r0, "rank1": r1, "failed": failed, "skipped": skipped}, default=str))
-        return
-    report(args, r0, r1, failed, skipped)
+        return 0
+    tables(args, r0, r1, failed, skipped)
+    report.footer()
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

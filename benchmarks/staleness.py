@@ -27,6 +27,7 @@ Each epoch is one stream of micro-batches (the pipeline drains at the epoch's en
 policies (and Gap Aware statistics) persist across epochs. Usage::
 
     python benchmarks/staleness.py --plot out/staleness.png --json out/staleness.json [--throughput]
+    python benchmarks/staleness.py --quick      # seconds: one epoch, sync and stale, digits' throughput once
 """
 
 from __future__ import annotations
@@ -34,7 +35,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -44,8 +47,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from ringpipe.pipeline.simulator import simulate_async, simulate_sync
-from ringpipe.pipeline.staleness import make_policy
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from lib import report  # noqa: E402
+
+from ringpipe.pipeline.simulator import simulate_async, simulate_sync  # noqa: E402
+from ringpipe.pipeline.staleness import make_policy  # noqa: E402
 
 __all__ = ["MODES", "Task", "digits_task", "deep_task", "run_mode", "main"]
 
@@ -221,7 +228,7 @@ def _plot(results: dict[str, dict[str, dict[str, Any]]], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--digits-epochs", type=int, default=20)
     parser.add_argument("--digits-lr", type=float, default=0.03)
@@ -236,7 +243,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="blocks of throughput runs (every mode once per block); median and range reported")
     parser.add_argument("--plot", type=Path, help="write a PNG of the loss and accuracy curves here")
     parser.add_argument("--json", type=Path, help="write all curves and the table as JSON here")
+    parser.add_argument("--quick", action="store_true",
+                        help="seconds: one epoch of each task, modes sync and stale, throughput of digits once")
     args = parser.parse_args(argv)
+    report.header("staleness", argv)
+    if args.quick:
+        args.digits_epochs, args.deep_epochs, args.modes = 1, 1, "sync,stale"
+        args.throughput, args.throughput_repeats, args.batch_microbatches = True, 1, 2
     torch.set_num_threads(1)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     bad = [m for m in modes if m not in MODES]
@@ -247,7 +260,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     results: dict[str, dict[str, dict[str, Any]]] = {}
     for task in tasks:
         results[task.name] = {m: run_mode(task, m, args.seed) for m in modes}
-        if args.throughput:
+        if args.throughput and not (args.quick and task.name != "digits"):  # --quick: 4 processes, not 8
             timed = modes + (["sync/batched"] if "sync" in modes else [])
             runs: dict[str, list[float]] = {m: [] for m in timed}
             for block in range(args.throughput_repeats):
@@ -257,17 +270,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for m, v in runs.items():
                 row = results[task.name].setdefault(m, {})
                 row["samples_per_s"], row["samples_per_s_range"] = statistics.median(v), (min(v), max(v))
-    header = f"{'mode':<10}" + "".join(
-        f"{t.name + ' acc':>12}{t.name + ' loss':>12}{'vs sync':>9}{'samples/s':>11}" for t in tasks)
-    lines = [header, "-" * len(header)]
+    columns = ["mode"] + [f"{t.name} {what}" for t in tasks for what in ("acc", "loss", "vs sync", "samples/s")]
+    cells = []
     for m in modes:
-        row = f"{m:<10}"
+        row = [m]
         for t in tasks:
             c = results[t.name][m]
             ref = results[t.name].get("sync", c)["test_acc"][-1]
-            row += f"{c['test_acc'][-1] * 100:>11.2f}%{c['test_loss'][-1]:>12.4f}"
-            row += f"{c['test_acc'][-1] / ref:>9.3f}{c.get('samples_per_s', float('nan')):>11.0f}"
-        lines.append(row)
+            row += [f"{c['test_acc'][-1] * 100:.2f}%", f"{c['test_loss'][-1]:.4f}", f"{c['test_acc'][-1] / ref:.3f}",
+                    f"{c.get('samples_per_s', float('nan')):.0f}"]
+        cells.append(row)
+    lines = [report.table(columns, cells, [False] + [True] * (len(columns) - 1))]
     if args.throughput:
         lines.append("samples/s: median over blocks; range " + "; ".join(
             f"{t.name} {m} {lo:.0f}-{hi:.0f}" for t in tasks for m, c in results[t.name].items()
@@ -275,9 +288,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if "sync" in modes:
             lines.append("sync/batched (one step per batch of {} micro-batches, not the accuracy reference): {}".format(
                 args.batch_microbatches, ", ".join(
-                    f"{t.name} {results[t.name]['sync/batched']['samples_per_s']:.0f}" for t in tasks)))
+                    f"{t.name} {results[t.name]['sync/batched']['samples_per_s']:.0f}" for t in tasks
+                    if "sync/batched" in results[t.name])))
     table = "\n".join(lines)
     print(table)  # noqa: T201 -- a benchmark script reports on stdout
+    report.footer()
     out = {"config": vars(args) | {"plot": str(args.plot), "json": str(args.json)},
            "table": table, "results": results}
     if args.plot:
@@ -290,3 +305,4 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 if __name__ == "__main__":
     main()
+    sys.exit(0)

@@ -35,6 +35,12 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from lib import procs, report, stats  # noqa: E402
+
+__all__ = ["main"]
+
 HERE = os.path.abspath(__file__)
 ENV = {"TF_CPP_MIN_LOG_LEVEL": "3", "OMP_NUM_THREADS": "1"}
 
@@ -171,7 +177,7 @@ def worker_ringpipe(args: argparse.Namespace) -> None:
 
     grads = [tf.ones(v.shape) for v in model.trainable_variables]
     reduce = tf.function(lambda: hvd.grouped_allreduce(grads))
-    import ringpipe.api as hvd_torch
+    import ringpipe as hvd_torch
 
     torch_grads = [torch.ones(tuple(v.shape)) for v in model.trainable_variables]
     out = _measure(step, _local_step(loss_fn), reduce, x, y, args,
@@ -241,16 +247,15 @@ def _run(side: str, args: argparse.Namespace, env: dict) -> dict:
         wargs = ["--worker", side, "--out", out, *(f"--{k}={getattr(args, k)}" for k in
                                                   ("batch", "steps", "warmup", "block", "intra", "inter"))]
         if side == "ringpipe":
-            subprocess.run([sys.executable, "-m", "ringpipe.cli", "launch", "-n", "2", HERE, *wargs], env=env,
-                           check=True, stdout=subprocess.DEVNULL)
+            procs.run(procs.ringpipe_cli("launch", "-n", "2", HERE, *wargs), 900, env)
         else:
             ports = _free_ports(2)
             cluster = {"worker": [f"localhost:{p}" for p in ports]}
-            procs = [subprocess.Popen([sys.executable, HERE, *wargs], stdout=subprocess.DEVNULL,
-                                      env=dict(env, TF_CONFIG=json.dumps({"cluster": cluster,
-                                                                          "task": {"type": "worker", "index": i}})))
-                     for i in range(2)]
-            codes = [p.wait(timeout=900) for p in procs]
+            workers = [subprocess.Popen([sys.executable, HERE, *wargs], stdout=subprocess.DEVNULL,
+                                        env=dict(env, TF_CONFIG=json.dumps({"cluster": cluster,
+                                                                            "task": {"type": "worker", "index": i}})))
+                       for i in range(2)]
+            codes = [p.wait(timeout=900) for p in workers]
             if any(codes):
                 raise SystemExit(f"MultiWorkerMirroredStrategy workers exited with {codes}")
         with open(out) as f:
@@ -269,12 +274,11 @@ def _differences(a: dict, b: dict, tol: float) -> list[str]:
 
 
 def _stat(xs: list[float]) -> str:
-    xs = sorted(xs)
-    return f"{statistics.median(xs) * 1e3:.2f} [{xs[len(xs) // 10] * 1e3:.2f}-{xs[len(xs) * 9 // 10] * 1e3:.2f}]"
+    return stats.spread(xs, "p10-p90").fmt(2, 1e3)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int | None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--worker", choices=["ringpipe", "mwms"])
     p.add_argument("--out")
     p.add_argument("--batch", type=int, default=32, help="per-worker batch")
@@ -285,11 +289,15 @@ def main() -> None:
     p.add_argument("--inter", type=int, default=2, help="tf.config.threading inter-op threads (both sides)")
     p.add_argument("--repeats", type=int, default=2, help="ABBA pairs of runs")
     p.add_argument("--tol", type=float, default=1e-3, help="relative loss difference that refuses the ratio")
-    args = p.parse_args()
+    p.add_argument("--quick", action="store_true", help="seconds: 2 timed steps after 1, one run of each side")
+    args = p.parse_args(argv)
     if args.worker == "ringpipe":
         return worker_ringpipe(args)
     if args.worker == "mwms":
         return worker_mwms(args)
+    if args.quick:
+        args.steps, args.warmup, args.block, args.repeats = 2, 1, 1, 1
+    report.header("tf_tape_vs_mwms", argv)
     env = dict(os.environ, **ENV)
     runs: dict[str, list[dict]] = {"ringpipe": [], "mwms": []}
     for r in range(args.repeats):
@@ -302,7 +310,7 @@ def main() -> None:
     print(f"\n2 workers, batch {args.batch} per worker, {args.steps} steps after {args.warmup}, blocks of "
           f"{args.block}, ABBA x{args.repeats}; ms, median [p10-p90] over every run's calls")
     print("| side | step | local (fwd+bwd+apply) | reduce only | step - local | run medians of step |")
-    print("|---|---|---|---|---|---|")
+    print("| --- | --- | --- | --- | --- | --- |")
     med = {}
     for side, label in (("ringpipe", "ringpipe DistributedGradientTape"), ("mwms", "TF MultiWorkerMirroredStrategy")):
         t = {k: [v for run in runs[side] for v in run["times"][k]] for k in ("step", "local", "reduce")}
@@ -317,12 +325,17 @@ def main() -> None:
     problems = _differences(runs["ringpipe"][0], runs["mwms"][0], args.tol)
     if problems:
         print("\nNo ratio: the sides did not do the same work: " + "; ".join(problems))
-        return
+        report.footer()
+        return 0
     wins = sum(a < b for a, b in zip(med["ringpipe"], med["mwms"], strict=True))
     r, m = statistics.median(med["ringpipe"]), statistics.median(med["mwms"])
     print(f"\nratio ringpipe / MWMS (median of run medians): {r / m:.2f}; ringpipe faster in {wins} of "
           f"{len(med['mwms'])} pairs; per-step losses agree within {args.tol:.0e}")
+    report.headline([("DistributedGradientTape training step, Keras CNN, 2 workers",
+                      "TF MultiWorkerMirroredStrategy (gRPC, RING)", stats.ratios(med["ringpipe"], med["mwms"]))])
+    report.footer()
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

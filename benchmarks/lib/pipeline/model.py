@@ -172,7 +172,7 @@ def split_line(args: argparse.Namespace) -> str:
 
 
 def add_model_args(ap: argparse.ArgumentParser) -> None:
-    """The model, batch and split options, shared with ``pipeline_timeline.py``."""
+    """The model, batch and split options, alike in every pipeline benchmark."""
     ap.add_argument("--width", type=int, default=362)
     ap.add_argument("--blocks", type=int, default=32,
                     help="Linear+ReLU blocks in all (32 of width 362: the multiply-adds of 4 blocks of 1024)")
@@ -182,6 +182,12 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--balance-repeats", type=int, default=31, help="passes over the layers to time the split (median)")
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--microbatches", type=int, default=4)
+
+
+def quick(args: argparse.Namespace) -> None:
+    """Shrink a run to seconds (``--quick``): 4 blocks of width 16, 2 micro-batches, 2 steps, 1 block."""
+    args.width, args.blocks, args.balance, args.balance_repeats = 16, 4, "measured", 2
+    args.batch, args.microbatches, args.steps, args.warmup, args.repeats = 16, 2, 2, 1, 1
 
 
 def add_run_args(ap: argparse.ArgumentParser) -> None:

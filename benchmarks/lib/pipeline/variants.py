@@ -14,10 +14,10 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
-from pipeline_model import layout_misfit
-from pipeline_ringpipe_run import RINGPIPE_NEW, RINGPIPE_SYNC, ringpipe_run
-from pipeline_torch_run import TORCH_SCHEDULES, torch_run
 
+from lib.pipeline.model import layout_misfit
+from lib.pipeline.ringpipe_run import RINGPIPE_NEW, RINGPIPE_SYNC, ringpipe_run
+from lib.pipeline.torch_run import TORCH_SCHEDULES, torch_run
 from ringpipe.launch import spawn
 from ringpipe.pipeline.schedules import SCHEDULES
 

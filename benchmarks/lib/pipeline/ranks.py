@@ -27,6 +27,7 @@ from typing import Any
 __all__ = ["add_backend_args", "backend_line", "check_backend_args", "run_two_ranks"]
 
 ENV = {"OMP_NUM_THREADS": "1"}
+BENCHMARKS = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def add_backend_args(ap: argparse.ArgumentParser) -> None:
@@ -79,9 +80,10 @@ def run_two_ranks(args: argparse.Namespace, worker: Callable[..., Any], wargs: t
             module = os.path.splitext(os.path.basename(sys.modules["__main__"].__file__ or ""))[0]
         with open(job, "wb") as f:
             pickle.dump((module, worker.__name__, wargs), f)
-        here = os.path.dirname(os.path.abspath(__file__))
+        # benchmarks/ (lib and the entry scripts) and the script's own folder, for the ranks to import the worker
+        here = [BENCHMARKS, os.path.dirname(os.path.abspath(sys.modules["__main__"].__file__ or BENCHMARKS))]
         env = dict(os.environ, RINGPIPE_BACKEND="mpi", **ENV)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [here, env.get("PYTHONPATH")]))
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [*here, env.get("PYTHONPATH")]))
         run = subprocess.run([*cmd_head, sys.executable, os.path.abspath(__file__), job, out], env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         if run.returncode != 0 or not os.path.exists(out):
@@ -111,5 +113,5 @@ def _rank_main(job: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, BENCHMARKS)
     _rank_main(sys.argv[1], sys.argv[2])

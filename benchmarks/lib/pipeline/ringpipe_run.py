@@ -3,7 +3,7 @@
 Builds a :class:`PipelineTrainer` on the shared layers and :class:`Split`, times ``--steps``
 steps after ``--warmup`` (the asynchronous schedule as one stream of steps), and records each
 compute call's thread CPU, peak activation memory and what the rank holds, the same way as
-``pipeline_torch_run.py`` does for torch.distributed.pipelining.
+``lib/pipeline/torch_run.py`` does for torch.distributed.pipelining.
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ import argparse
 from typing import Any
 
 import torch
-from pipeline_meters import ActivationMeter, cpu_timed, describe, medians, timed
-from pipeline_model import Split, data, make_layers
 from torch import nn
 
 import ringpipe.pipeline.stage as stage_mod
+from lib.pipeline.meters import ActivationMeter, cpu_timed, describe, medians, timed
+from lib.pipeline.model import Split, data, make_layers
 from ringpipe.pipeline import PipelineTrainer
 
 __all__ = ["RINGPIPE_NEW", "RINGPIPE_SYNC", "ringpipe_run"]

@@ -1,6 +1,16 @@
-"""Where one rank's time goes in an asynchronous step and in a 1F1B step, side by side (2 ranks).
+"""Where a pipeline step's time goes, per rank: by profile (CPU per micro-batch by kind) or by timeline (stamped actions).
 
-Runs ringpipe's ``1f1b`` and ``async_1f1b`` schedules on the model and split of
+    python benchmarks/pipeline_breakdown.py --by profile --steps 20 --repeats 5
+    python benchmarks/pipeline_breakdown.py --by timeline --steps 20 --repeats 5 [--check-bookkeeping]
+    python benchmarks/pipeline_breakdown.py --quick          # seconds: both, a tiny model
+
+``--by timeline`` (was ``pipeline_timeline.py``): see :mod:`lib.pipeline.timeline`: every forward,
+backward and optimizer step stamped with the monotonic clock; per rank, the gap before each
+action split into waiting for the neighbour and overhead, the CPU per micro-batch, and the bound
+that 1F1B and the asynchronous stream can at best reach on this split.
+
+``--by profile`` (the default; was ``pipeline_profile.py``): one rank's time in an asynchronous
+step and in a 1F1B step, side by side (2 ranks). Runs ringpipe's ``1f1b`` and ``async_1f1b`` schedules on the model and split of
 ``pipeline_vs_torch.py`` (same options; a split chosen from each block's measured cost by
 default) and, per rank and per micro-batch, splits the main thread's time into:
 
@@ -24,11 +34,11 @@ most own time (calls per micro-batch and microseconds per call), to find bookkee
 micro-batch. The variants run in blocks, alternating their order; figures are medians over
 blocks.
 
-    python benchmarks/pipeline_profile.py --steps 20 --repeats 5
-    python benchmarks/pipeline_profile.py --bookkeeping   # the live-weight hooks' cost per micro-batch
-    python benchmarks/pipeline_profile.py --backend mpi --steps 20 --repeats 5   # over MPI: no I/O thread
+    python benchmarks/pipeline_breakdown.py --by profile --steps 20 --repeats 5
+    python benchmarks/pipeline_breakdown.py --by profile --bookkeeping   # the live-weight hooks' cost per micro-batch
+    python benchmarks/pipeline_breakdown.py --by profile --backend mpi --steps 20 --repeats 5   # over MPI: no I/O thread
 
-Over MPI (``--backend mpi``, ``pipeline_mpi.py``) the row of gloo's I/O thread reads 0, and the
+Over MPI (``--backend mpi``, ``lib/pipeline/ranks.py``) the row of gloo's I/O thread reads 0, and the
 receive calls' CPU includes Open MPI's busy-polling while the message is not in yet (with
 ``--mca mpi_yield_when_idle=1`` too: the loop yields the core but still polls), so it is the
 time the receive waited rather than work; the bounds leave it out there.
@@ -53,10 +63,12 @@ from torch import nn
 from ringpipe.pipeline import PipelineTrainer
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from pipeline_model import Split, data, make_layers  # noqa: E402
-from pipeline_timeline import add_variant_args, bookkeeping, predict, run_variants, threads_cpu  # noqa: E402
+from lib import report  # noqa: E402
+from lib.pipeline import timeline  # noqa: E402
+from lib.pipeline.model import Split, data, make_layers, quick  # noqa: E402
+from lib.pipeline.timeline import add_variant_args, bookkeeping, predict, run_variants, threads_cpu  # noqa: E402
 
-__all__ = ["main", "profile_run"]
+__all__ = ["by_profile", "main", "profile_run"]
 
 IO_THREAD = "thread gloo_tcp_loop"  # gloo's I/O loop, by its thread name; always a row (0 over MPI)
 
@@ -224,7 +236,7 @@ def worker(comm: Any, args: argparse.Namespace, names: list[str]) -> dict[str, A
 def bounds(args: argparse.Namespace, med: dict[tuple[str, int], dict[str, float]], res: Any) -> None:
     """async / 1F1B: measured (median of per-block wall ratios) against what the measured CPU allows.
 
-    The schedules' bound (``pipeline_timeline.predict``: each stage busy with exactly its
+    The schedules' bound (``lib.pipeline.timeline.predict``: each stage busy with exactly its
     measured main-thread CPU per action, the same for both schedules, messages free) leaves the other threads out: 1F1B's
     bubble gives them an idle core. The asynchronous stream has no bubble, so on a machine with
     as many cores as stages its step also needs the CPU of every thread of both ranks shared
@@ -258,14 +270,37 @@ def bounds(args: argparse.Namespace, med: dict[tuple[str, int], dict[str, float]
           f"(range {min(walls):.3f}-{max(walls):.3f}); load average now {os.getloadavg()[0]:.2f}")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--by", choices=("profile", "timeline"), default="profile")
     add_variant_args(ap)
-    ap.add_argument("--top", type=int, default=12, help="Python functions listed per rank from cProfile (0: no cProfile pass)")
+    ap.add_argument("--top", type=int, default=12,
+                    help="profile: Python functions listed per rank from cProfile (0: no cProfile pass)")
     ap.add_argument("--bookkeeping", action="store_true",
-                    help="only time, in this process, forward + backward of a 16-block stage of width 8 "
+                    help="profile: only time, in this process, forward + backward of a 16-block stage of width 8 "
                          "(bookkeeping dominates) plain and with the asynchronous stage's live-weight hooks")
-    args = ap.parse_args()
+    ap.add_argument("--check-bookkeeping", action="store_true",
+                    help="timeline: also time forward + backward with and without the live-weight hooks")
+    ap.add_argument("--quick", action="store_true", help="seconds: both breakdowns on a tiny model, one block")
+    args = ap.parse_args(argv)
+    report.header("pipeline_breakdown", argv)
+    if args.quick:
+        quick(args)
+        args.top = 3
+        names, res = run_variants(args, timeline.worker, ", ms per step")
+        timeline.timeline_report(args, names, res)
+        by_profile(args)
+    elif args.by == "timeline":
+        names, res = run_variants(args, timeline.worker, ", ms per step")
+        timeline.timeline_report(args, names, res)
+    else:
+        by_profile(args)
+    report.footer()
+    return 0
+
+
+def by_profile(args: argparse.Namespace) -> None:
+    """The profile breakdown: CPU per micro-batch by kind, per rank and schedule, and the bounds."""
     if args.bookkeeping:
         for _ in range(3):
             bk = bookkeeping(8, 4, reps=2000, blocks=16)
@@ -298,4 +333,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Horovod's own example programs against ringpipe: 2 ranks over gloo on the CPU, tiny settings.
 
-    .venv/bin/python benchmarks/horovod_examples/run.py HOROVOD_CHECKOUT [NAME...] [--list] [--backend mpi]
+    .venv/bin/python conformance/horovod_examples/run.py HOROVOD_CHECKOUT [NAME...] [--list] [--backend mpi]
 
 Copies each chosen program from HOROVOD_CHECKOUT/examples into ./horovod-examples-out/NAME/ (with
 --backend mpi: ./horovod-examples-out-mpi/NAME/), changes only the Horovod import lines (IMPORTS below; `import horovod` for horovod.run becomes `import ringpipe as horovod`),

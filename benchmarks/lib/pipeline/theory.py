@@ -1,7 +1,7 @@
 """What the schedules imply for the pipeline benchmark's variants, from their action lists alone.
 
 For each variant measured by ``pipeline_vs_torch.py``: the bubble of one step run alone, the time
-per step in the steady state of consecutive steps (both with ``schedule_timing.py``'s unit costs,
+per step in the steady state of consecutive steps (both with ``lib/pipeline/schedule_sim.py``'s unit costs,
 F = 1, B = 2, I = W = 1 per stage), the time per step with the variant's own measured thread CPU
 per action, and the steady-state bubble ``1 - ideal / time per step``. ringpipe's action lists
 come from its schedule functions, torch's from what its ranks were seen to run.
@@ -13,8 +13,7 @@ import argparse
 import statistics
 from typing import Any
 
-from schedule_timing import Op, ringpipe_ops, simulate
-
+from lib.pipeline.schedule_sim import Op, ringpipe_ops, simulate
 from ringpipe.pipeline.schedules import async_1f1b, get_schedule
 
 __all__ = ["steady", "theory"]

@@ -26,12 +26,12 @@ input gradient of its first layer and the head and loss, so it is 1.2-1.37x the 
 the asynchronous steady state the last stage's optimizer step lies on the critical path (in
 1F1B it overlaps the first stage's last backward).
 
-    python benchmarks/pipeline_timeline.py --steps 20 --repeats 5
-    python benchmarks/pipeline_timeline.py --steps 20 --repeats 5 --balance 4,5 --blocks 4 --width 1024  # earlier split
+    python benchmarks/pipeline_breakdown.py --by timeline --steps 20 --repeats 5
+    python benchmarks/pipeline_breakdown.py --by timeline --steps 20 --repeats 5 --balance 4,5 --blocks 4 --width 1024  # earlier split
 
-``--backend mpi`` runs the ranks over ringpipe's MPI backend (``pipeline_mpi.py``); there the
+``--backend mpi`` runs the ranks over ringpipe's MPI backend (``lib/pipeline/ranks.py``); there the
 message calls' CPU includes Open MPI's busy-polling while a receive waits, so the bounds from
-it are low; ``pipeline_profile.py --backend mpi`` leaves the receives' CPU out of its bounds.
+it are low; ``pipeline_breakdown.py --by profile --backend mpi`` leaves the receives' CPU out of its bounds.
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -47,12 +46,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ringpipe.pipeline import PipelineTrainer
-from ringpipe.pipeline.executor import PipelineExecutor
-from ringpipe.pipeline.stage import StageRuntime
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from pipeline_model import (  # noqa: E402
+from lib.pipeline.model import (
     Split,
     add_model_args,
     add_run_args,
@@ -61,9 +55,13 @@ from pipeline_model import (  # noqa: E402
     make_layers,
     split_line,
 )
-from pipeline_mpi import add_backend_args, backend_line, check_backend_args, run_two_ranks  # noqa: E402
+from lib.pipeline.ranks import add_backend_args, backend_line, check_backend_args, run_two_ranks
+from ringpipe.pipeline import PipelineTrainer
+from ringpipe.pipeline.executor import PipelineExecutor
+from ringpipe.pipeline.stage import StageRuntime
 
-__all__ = ["main", "breakdown"]
+__all__ = ["add_variant_args", "bookkeeping", "breakdown", "cpu_profile", "predict", "run_variants", "threads_cpu",
+           "timeline_report", "worker"]
 
 Event = tuple[str, int, float, float, float]  # kind, micro-batch, start, end, thread CPU seconds
 
@@ -279,7 +277,7 @@ def bookkeeping(width: int, rows: int, reps: int = 200, blocks: int = 2) -> dict
 
 
 def add_variant_args(ap: argparse.ArgumentParser) -> None:
-    """The model, the timed run and the ringpipe schedules to compare (this script and pipeline_profile.py)."""
+    """The model, the timed run and the ringpipe schedules to compare (both breakdowns of pipeline_breakdown.py)."""
     add_model_args(ap)
     add_run_args(ap)
     ap.add_argument("--variants", default="1f1b,async", help="comma-separated ringpipe schedules")
@@ -299,12 +297,8 @@ def run_variants(args: argparse.Namespace, worker: Callable[..., Any], unit: str
           f"medians of {args.repeats} blocks{unit}")
     return names, res
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_variant_args(ap)
-    ap.add_argument("--check-bookkeeping", action="store_true")
-    args = ap.parse_args()
-    names, res = run_variants(args, worker, ", ms per step")
+def timeline_report(args: argparse.Namespace, names: list[str], res: list[Any]) -> None:
+    """Print the per-rank breakdown of each schedule's step, its CPU per micro-batch and the bounds."""
     print("| schedule | rank | wall | F | B | S | waiting | recv | send | other | after last action |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for n in names:
@@ -343,12 +337,9 @@ def main() -> None:
         pa = predict(costs["async"], m, args.steps)
         print(f"# from async's own measured costs: async {pa['async']:.1f} ms/step (stage CPU bound; "
               "the measured wall time above includes waiting and preemption)")
-    if args.check_bookkeeping:
+    if getattr(args, "check_bookkeeping", False):
         for width, rows in ((8, 4), (args.width, args.batch // args.microbatches)):
             bk = bookkeeping(width, rows)
             print(f"# forward+backward of one micro-batch ({rows}x{width}), thread CPU us: "
                   + ", ".join(f"{k} {v:.0f}" for k, v in bk.items()))
 
-
-if __name__ == "__main__":
-    main()

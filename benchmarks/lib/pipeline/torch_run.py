@@ -1,7 +1,7 @@
 """One timed run of a torch.distributed.pipelining schedule on the benchmark's model and split.
 
 Builds torch's ``PipelineStage`` objects from the same layers and :class:`Split` as ringpipe's
-side (``pipeline_ringpipe_run.py``), times ``--steps`` steps after ``--warmup``, and records
+side (``lib/pipeline/ringpipe_run.py``), times ``--steps`` steps after ``--warmup``, and records
 what the rank really runs (torch's ``pipeline_order`` is for display only), each compute call's
 thread CPU, peak activation memory and what the rank holds.
 """
@@ -13,9 +13,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from pipeline_meters import ActivationMeter, cpu_timed, describe, medians, timed
-from pipeline_model import Split, data, make_layers
 from torch import nn
+
+from lib.pipeline.meters import ActivationMeter, cpu_timed, describe, medians, timed
+from lib.pipeline.model import Split, data, make_layers
 
 __all__ = ["TORCH_SCHEDULES", "record", "torch_run"]
 

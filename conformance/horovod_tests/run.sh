@@ -3,7 +3,7 @@
 # as `horovodrun -np 2 pytest` does. The shim (shim/horovod) only re-exports ringpipe's modules under
 # Horovod's names and supplies three helpers the tests import from Horovod's internals.
 #
-#   benchmarks/horovod_tests/run.sh HOROVOD_CHECKOUT test_torch.py [pytest args...]
+#   conformance/horovod_tests/run.sh HOROVOD_CHECKOUT test_torch.py [pytest args...]
 #   (test_tensorflow.py, test_tensorflow2_keras.py...; TF_USE_LEGACY_KERAS=1 for tf-keras;
 #    RINGPIPE_BACKEND=mpi for MPI)
 #
