@@ -11,7 +11,7 @@ import pytest
 
 from ringpipe.comm.world import free_port
 
-SCRIPTS = Path(__file__).parent / "scripts"
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 CHECKS = str(SCRIPTS / "comm_checks.py")
 HAVE_MPI = shutil.which("mpirun") is not None and __import__("importlib").util.find_spec("mpi4py") is not None
 RINGPIPE = [sys.executable, "-m", "ringpipe.cli"]

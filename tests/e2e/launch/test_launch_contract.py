@@ -17,7 +17,7 @@ import pytest
 
 HAVE_MPI = shutil.which("mpirun") is not None and __import__("importlib").util.find_spec("mpi4py") is not None
 RINGPIPE = [sys.executable, "-m", "ringpipe.cli"]
-SCRIPTS = Path(__file__).parent / "scripts"
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 MODES = [
     pytest.param([], id="agent"),
     pytest.param(["--mode", "mp"], id="mp"),

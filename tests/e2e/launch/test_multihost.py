@@ -10,8 +10,8 @@ import pytest
 
 import netns
 
-SCRIPT = str(Path(__file__).parent / "scripts" / "multinode.py")
-LATE_RANK = str(Path(__file__).parent / "scripts" / "stall_late_rank.py")
+SCRIPT = str(Path(__file__).resolve().parents[2] / "scripts" / "multinode.py")
+LATE_RANK = str(Path(__file__).resolve().parents[2] / "scripts" / "stall_late_rank.py")
 REASON = netns.can_create()
 
 
@@ -76,7 +76,7 @@ def test_two_hosts_mpirun_mpi_backend(tmp_path):
 def test_two_hosts_mpi_stall_inspector_reaches_rank0_store(tmp_path):
     """Under MPI across hosts the inspector's store is served by rank 0 on a non-loopback address."""
     pytest.importorskip("mpi4py")
-    from test_stall import assert_late_rank_named, late_rank_reports
+    from ranks.comm.test_stall import assert_late_rank_named, late_rank_reports
 
     env = _env(RINGPIPE_BACKEND="mpi", RINGPIPE_STALL_CHECK_SECONDS="1")
     with netns.two_hosts() as hosts:

@@ -19,7 +19,7 @@ import pytest
 import netns
 
 REASON = netns.can_create()
-LATE = str(Path(__file__).parent / "scripts" / "doctor_late_rank.py")
+LATE = str(Path(__file__).resolve().parents[2] / "scripts" / "doctor_late_rank.py")
 
 
 def _env() -> dict[str, str]:
@@ -104,7 +104,7 @@ def test_under_mpirun_eight_ranks_on_few_cores_accuse_no_link_but_host_cs(tmp_pa
     assert min(others) > 10 * 0.00625, sorted(others)[:5]
 
 
-CLOCK = str(Path(__file__).parent / "scripts" / "doctor_clock.py")
+CLOCK = str(Path(__file__).resolve().parents[2] / "scripts" / "doctor_clock.py")
 
 
 @pytest.mark.netns

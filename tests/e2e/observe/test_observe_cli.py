@@ -170,7 +170,7 @@ def test_a_long_report_reaches_mpirun_tag_output_in_whole_lines():
 
     from ringpipe.launch import mpirun_command
 
-    script = Path(__file__).parent / "scripts" / "doctor_long_report.py"
+    script = Path(__file__).resolve().parents[2] / "scripts" / "doctor_long_report.py"
     out = subprocess.run(mpirun_command(1, [sys.executable, str(script), "300"]), capture_output=True, text=True,
                          env=_env(), timeout=110)
     assert out.returncode == 0, out.stderr[-2000:]

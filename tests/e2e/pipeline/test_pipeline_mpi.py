@@ -3,7 +3,7 @@
 The synchronous schedules (GPipe, 1F1B, interleaved 1F1B, ZB-H1, ZB-H2) must end with the weights
 of one process that accumulates the same micro-batches' gradients and takes torch's SGD step;
 the asynchronous 1F1B stream (``step_every`` 1 and 2) must end with the weights of the
-hand-written reference of ``tests/test_pipeline_reference.py``. Run as a script, this file is
+hand-written reference of ``tests/unit/pipeline/test_pipeline_reference.py``. Run as a script, this file is
 what each rank runs under ``mpirun``: it trains every configuration over ``init_world("mpi")``
 and rank 0 saves the final weights for the test to check.
 """
@@ -21,8 +21,7 @@ import pytest
 import torch
 from torch import nn
 
-from ringpipe.pipeline import PipelineTrainer
-from test_pipeline_async import (
+from ranks.pipeline.test_pipeline_async import (
     BALANCE,
     MICRO,
     OPTS,
@@ -32,8 +31,9 @@ from test_pipeline_async import (
     make_layers,
     optimizer_factory,
 )
+from ringpipe.pipeline import PipelineTrainer
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).resolve().parents[2]  # tests/: the helper scripts and modules
 HAVE_MPI = shutil.which("mpirun") is not None and importlib.util.find_spec("mpi4py") is not None
 ATOL = 1e-10
 

@@ -18,7 +18,7 @@ import pytest
 pytest.importorskip("tensorflow")
 pytest.importorskip("sklearn")
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 
 
 def _launch(program: str, *args: str) -> str:

@@ -29,7 +29,7 @@ pytest.importorskip("keras")
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
 
-SCRIPTS = Path(__file__).parent / "scripts"
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 N, LR = 2, 0.5
 
 

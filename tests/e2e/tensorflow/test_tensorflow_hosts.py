@@ -19,7 +19,7 @@ pytest.importorskip("tensorflow")
 
 import netns  # noqa: E402
 
-SCRIPT = str(Path(__file__).parent / "scripts" / "tf_features_hosts.py")
+SCRIPT = str(Path(__file__).resolve().parents[2] / "scripts" / "tf_features_hosts.py")
 REASON = netns.can_create()
 pytestmark = [pytest.mark.netns, pytest.mark.slow, pytest.mark.timeout(600),
               pytest.mark.skipif(REASON is not None, reason=REASON or "")]
@@ -29,7 +29,7 @@ def _env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if k not in ("MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME", "RINGPIPE_BACKEND")}
     return {**env, "OMP_NUM_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "3", "TF_NUM_INTRAOP_THREADS": "1",
-            "TF_NUM_INTEROP_THREADS": "2", "PYTHONPATH": str(Path(__file__).parent)}
+            "TF_NUM_INTEROP_THREADS": "2", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
 
 
 @pytest.mark.parametrize("per_host, port", [((2, 1), 29671), ((1, 1), 29672)], ids=["2+1", "1+1"])

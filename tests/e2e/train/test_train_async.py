@@ -35,7 +35,7 @@ TINY = ["epochs=1", "batch_size=32", "log_every=2", "optimizer.scale_lr=false", 
 COMMAND = ["mode=async", "mitigations=wp,ws,ga", "step_every=2", "recompute=false"]
 NESTED = ["mode=async", "pipeline.mitigations=[wp, ws, ga]", "pipeline.step_every=2", "pipeline.recompute=false"]
 TIMING = {"samples_per_second", "comm_share"}
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 
 
 

@@ -25,7 +25,7 @@ import pytest
 import torch
 from torch import nn
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 N, STEPS, LR = 48, 3, 0.5
 
 JOB = textwrap.dedent('''

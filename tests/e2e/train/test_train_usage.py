@@ -15,7 +15,7 @@ import pytest
 from ringpipe.train.metrics import curves_figure, format_summary
 from trainrun import sets, train
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[3] / "README.md"
 
 
 def _cli(*argv, cwd=None):

@@ -18,7 +18,7 @@ import ringpipe.api as hvd
 from ringpipe.comm import shutdown_world
 from ringpipe.launch import mpirun_command, spawn
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).resolve().parents[2]  # tests/: the helper scripts and modules
 EXAMPLE = HERE.parent / "examples" / "horovod_mnist_style.py"
 HAVE_MPI = shutil.which("mpirun") is not None and __import__("importlib").util.find_spec("mpi4py") is not None
 

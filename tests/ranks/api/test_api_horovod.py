@@ -23,7 +23,7 @@ import torch
 import ringpipe as hvd
 from ringpipe.launch import mpirun_command, spawn
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).resolve().parents[2]  # tests/: the helper scripts and modules
 HAVE_MPI = shutil.which("mpirun") is not None and __import__("importlib").util.find_spec("mpi4py") is not None
 
 
@@ -486,6 +486,7 @@ def test_every_dtype_through_the_collectives_on_sets_over_mpi(tmp_path):
     assert [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)] == [[]] * 3
 
 
+@pytest.mark.mpi
 @pytest.mark.timeout(180)
 @pytest.mark.skipif(not HAVE_MPI, reason="needs mpirun and mpi4py")
 def test_init_on_an_mpi4py_communicator_as_horovod(tmp_path):

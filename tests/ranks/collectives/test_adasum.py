@@ -8,7 +8,7 @@ add up; parallel ones average. Only float16, float32 and float64; only powers of
 (``NotImplementedError`` as in Horovod); every bad or mismatched call raises on every rank
 and the next collective works.
 
-Run as a script under mpirun (``mpirun -n 4 python tests/test_adasum.py``) it performs the
+Run as a script under mpirun (``mpirun -n 4 python tests/ranks/collectives/test_adasum.py``) it performs the
 same checks over the MPI backend.
 """
 

@@ -1,6 +1,6 @@
 """ringpipe's collectives against the native ones, on real gloo and MPI processes, and the mismatch check.
 
-Run as a script under mpirun (``mpirun -n 3 python tests/test_collectives.py``) it performs
+Run as a script under mpirun (``mpirun -n 3 python tests/ranks/collectives/test_collectives.py``) it performs
 the same checks over the MPI backend.
 """
 
@@ -851,6 +851,7 @@ def test_one_wrong_rank_raises_on_every_rank(nprocs, kind, error, pattern):
         assert len({msg for _, msg, _ in out}) == 1  # the same text on every rank
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_bench_cli_under_torchrun(tmp_path):
     png = tmp_path / "busbw.png"

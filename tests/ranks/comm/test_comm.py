@@ -13,7 +13,7 @@ from ringpipe.comm import CommError, comm_stats, default_log, init_world
 from ringpipe.launch import mpirun_command, spawn
 from scripts.comm_checks import check_all
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).resolve().parents[2]  # tests/: the helper scripts and modules
 HAVE_MPI = shutil.which("mpirun") is not None and __import__("importlib").util.find_spec("mpi4py") is not None
 
 
@@ -24,6 +24,7 @@ def test_gloo_every_operation(nprocs):
     assert all(c > 200 for c in counts)
 
 
+@pytest.mark.mpi
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(not HAVE_MPI, reason="needs mpirun and mpi4py")
 @pytest.mark.parametrize("nprocs", [2, 3])

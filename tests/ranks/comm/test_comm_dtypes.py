@@ -12,7 +12,7 @@ Integer averages floor. A bool reduction is the reduction of the values as integ
 back to bool: sum and max are a logical or, min and product a logical and, average is true
 where every rank is true.
 
-Run as a script under mpirun (``mpirun -n 2 python tests/test_comm_dtypes.py``) it performs
+Run as a script under mpirun (``mpirun -n 2 python tests/ranks/comm/test_comm_dtypes.py``) it performs
 the same checks over the MPI backend.
 """
 

@@ -21,7 +21,7 @@ import torch
 from ringpipe.launch import mpirun_command, spawn
 from scripts.consistency_cases import CASES, PATHS, run_all
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).resolve().parents[2]  # tests/: the helper scripts and modules
 HAVE_MPI = shutil.which("mpirun") is not None and __import__("importlib").util.find_spec("mpi4py") is not None
 
 #: What the text must name beyond the ranks, per case (the differing values).

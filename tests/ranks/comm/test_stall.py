@@ -19,7 +19,7 @@ from ringpipe.comm.stall import StallInspector, describe
 from ringpipe.comm.world import stall_inspector
 from ringpipe.launch import mpirun_command, spawn
 
-LATE_RANK = Path(__file__).parent / "scripts" / "stall_late_rank.py"
+LATE_RANK = Path(__file__).resolve().parents[2] / "scripts" / "stall_late_rank.py"
 HAVE_MPI = shutil.which("mpirun") is not None and __import__("importlib").util.find_spec("mpi4py") is not None
 
 

@@ -16,7 +16,7 @@ from torch import nn
 from ringpipe.dp import DistributedOptimizer, join
 from ringpipe.launch import mpirun_command, spawn
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).resolve().parents[2]  # tests/: the helper scripts and modules
 HAVE_MPI = shutil.which("mpirun") is not None and __import__("importlib").util.find_spec("mpi4py") is not None
 LR, GAMMA = 0.1, 0.5
 

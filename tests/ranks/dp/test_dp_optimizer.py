@@ -24,7 +24,7 @@ from ringpipe.dp import Compression, DistributedOptimizer
 from ringpipe.dp.announce import announcement_bytes
 from ringpipe.launch import mpirun_command, spawn
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).resolve().parents[2]  # tests/: the helper scripts and modules
 HAVE_MPI = shutil.which("mpirun") is not None and __import__("importlib").util.find_spec("mpi4py") is not None
 STEPS, B = 3, 4
 

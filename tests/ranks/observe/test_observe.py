@@ -233,6 +233,7 @@ print("stats", hvd.rank(), {k: [v["calls"], v["bytes"]] for k, v in mine.items()
 """
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(180)
 def test_a_horovod_style_calls_announcement_is_listed_as_ringpipes_own(tmp_path):
     """hvd.allreduce agrees on the call with a small header allreduce first: that one is not the program's."""
@@ -310,6 +311,7 @@ def _env():
     return env
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_doctor_and_trace_commands(tmp_path):
     events = tmp_path / "ev.json"
@@ -369,7 +371,7 @@ def test_doctor_blames_the_cross_host_hops_from_a_runs_events(tmp_path):
     cross-host hops read slower (with two hosts there is no third to tell a slow host from crossing hosts)."""
     env = _env()
     events = tmp_path / "events.json"
-    script = str(Path(__file__).parent / "scripts" / "ring_events.py")
+    script = str(Path(__file__).resolve().parents[2] / "scripts" / "ring_events.py")
     with netns.two_hosts(rate="200mbit") as (a, b):
         procs = []
         for node, host in enumerate((a, b)):

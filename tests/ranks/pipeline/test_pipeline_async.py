@@ -1,6 +1,6 @@
 """The asynchronous 1F1B pipeline on real processes against a one-process reference from the papers.
 
-The reference (``tests/test_pipeline_reference.py``) shares no code with ringpipe's staleness
+The reference (``tests/unit/pipeline/test_pipeline_reference.py``) shares no code with ringpipe's staleness
 package or its simulator: it writes the schedule, the stage's forward and backward, the
 optimizers, weight stashing, weight prediction and Gap Aware out by hand. Every run here must
 end with the same weights, for every mitigation and combination, with SGD in both momentum
@@ -21,7 +21,7 @@ from ringpipe.pipeline.executor import staleness_of
 from ringpipe.pipeline.schedules import async_1f1b, async_1f1b_window, async_staleness
 from ringpipe.pipeline.stage import StageRuntime
 from ringpipe.pipeline.staleness import SutskeverSGD
-from test_pipeline_reference import Config, Opt, reference_async
+from unit.pipeline.test_pipeline_reference import Config, Opt, reference_async
 
 DT = torch.float64
 ATOL = 1e-10

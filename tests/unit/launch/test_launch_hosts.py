@@ -32,7 +32,7 @@ from ringpipe.launch.options import LaunchUsageError, parse_launch_args, validat
 from ringpipe.launch.remote import forwarded_env, ssh_prefix
 
 SCRIPT = os.path.abspath(__file__)
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_host_list_as_horovodrun_writes_it():
@@ -113,6 +113,7 @@ def test_this_machine_alone_stays_a_local_launch():
     assert is_local("localhost") and is_local("127.0.0.2") and not is_local("192.0.2.1")
 
 
+@pytest.mark.e2e  # asks mpirun its version
 def test_other_hosts_get_a_placement_and_the_options_they_need(monkeypatch):
     monkeypatch.setenv("HOROVOD_FUSION_THRESHOLD", "1024")
     monkeypatch.setenv("RPL_ASKED", "yes")
@@ -184,6 +185,7 @@ def test_horovodrun_picks_mpi_when_usable_as_horovod_does(monkeypatch):
     assert translate(["-np", "2", "python", "t.py"])[0][:4] == ["-np", "2", "--backend", "gloo"]
 
 
+@pytest.mark.e2e
 def test_horovodrun_is_installed_under_its_own_name_and_horovodrun_itself_is_opt_in(tmp_path):
     """``horovodrun`` never shadows a real Horovod's: ringpipe writes it only when asked, never over another's."""
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
@@ -209,6 +211,7 @@ def test_horovodrun_is_installed_under_its_own_name_and_horovodrun_itself_is_opt
     assert run("--install-alias", "--bogus").returncode == 2
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(120)
 def test_unknown_host_is_named_before_anything_starts(tmp_path):
     marker = tmp_path / "started"

@@ -3,7 +3,7 @@
 import re
 from pathlib import Path
 
-RUN_SH = Path(__file__).parent.parent / "run.sh"
+RUN_SH = Path(__file__).resolve().parents[3] / "run.sh"
 
 
 def test_every_install_shows_progress_and_says_what_it_installs():

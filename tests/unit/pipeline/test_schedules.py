@@ -222,6 +222,7 @@ def test_validator_rejects_bad_split_backwards_and_chunks():
 SCHEDULE_MODULES = ["actions", "schedule_checks", "schedules", "schedules_interleaved", "zero_bubble"]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("module", SCHEDULE_MODULES)
 def test_each_schedule_module_imports_first_in_a_fresh_interpreter(module):
     """No import cycle: whichever schedule module a program imports first, it loads, and the registry is whole."""

@@ -174,7 +174,7 @@ def test_help_names_every_key_mode_and_choice():
         assert re.search(rf"^  {mode} +\S", text, re.MULTILINE), mode
 
 
-@pytest.mark.parametrize("path", sorted((Path(__file__).parents[1] / "configs").glob("*.yaml")), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", sorted((Path(__file__).resolve().parents[3] / "configs").glob("*.yaml")), ids=lambda p: p.name)
 def test_every_shipped_config_loads(path):
     cfg = load_config(path)
     assert cfg.mode in MODE_NAMES

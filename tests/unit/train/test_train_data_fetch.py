@@ -26,6 +26,7 @@ def _cli(*argv, cwd):
                           text=True, timeout=120)
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("config,name,url", [
     ("mnist", "mnist", "https://ossci-datasets.s3.amazonaws.com/mnist/train-images-idx3-ubyte.gz"),
@@ -61,6 +62,7 @@ def test_torchvision_layout_is_read(tmp_path, name, folder):
 # ------------------------------------------------------------------------------ ringpipe data fetch
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(120)
 def test_fetch_without_network_names_the_url_and_the_manual_steps(tmp_path):
     out = _cli("data", "fetch", "mnist", "--root", str(tmp_path / "mnist"), "--mirror", "http://127.0.0.1:9",
@@ -75,6 +77,7 @@ def test_fetch_without_network_names_the_url_and_the_manual_steps(tmp_path):
     assert not any(p.is_file() for p in (tmp_path / "mnist").rglob("*"))
 
 
+@pytest.mark.e2e
 def test_fetch_unknown_dataset_lists_the_known_ones(tmp_path):
     out = _cli("data", "fetch", "imagenet", cwd=tmp_path)
     assert out.returncode == 1 and "mnist, fashion-mnist, cifar10" in out.stderr

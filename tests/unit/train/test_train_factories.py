@@ -133,6 +133,7 @@ def test_user_data_must_be_map_style_pairs():
         as_dataset(Stream(), "t", "fit()")
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(600)
 def test_ringpipe_train_runs_a_factory_named_in_the_config(user_module, tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
