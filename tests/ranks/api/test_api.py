@@ -132,8 +132,8 @@ def _gradients(r: int, n: int) -> int:
 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("nprocs", [2, 3])
-def test_api_on_gloo(nprocs):
-    assert all(c >= 30 for c in spawn(api_checks, nprocs))
+def test_api_on_gloo(worlds, nprocs):
+    assert all(c >= 30 for c in worlds.spawn(api_checks, nprocs))
 
 
 def test_api_before_init_is_an_error():
@@ -186,6 +186,7 @@ def _accuracies(text: str) -> list[float]:
 def test_example_runs_on_gloo(tmp_path, capfd):
     ck = tmp_path / "ck.pt"
     argv = ["--epochs", "3", "--checkpoint", str(ck), "--no-cuda"]
+    # fresh ranks: capfd reads what rank 0 prints, which a kept world's ranks would print elsewhere
     assert spawn(_run_example, 2, args=(argv,)) == ["cpu", "cpu"]
     acc = _accuracies(capfd.readouterr().out)
     assert len(acc) == 3 and acc[-1] > 50.0, acc  # rank 0 prints once per epoch

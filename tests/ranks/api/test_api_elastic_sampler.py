@@ -14,7 +14,6 @@ import random
 import torch
 
 import ringpipe as hvd
-from ringpipe.launch import spawn
 
 
 def _split(n, seed, epoch, processed, ranks, shuffle=True):
@@ -60,9 +59,9 @@ def _sampler(comm):  # noqa: ANN001
         hvd.shutdown()
 
 
-def test_elastic_sampler_splits_and_resplits_as_horovod():
+def test_elastic_sampler_splits_and_resplits_as_horovod(worlds):
     for ranks in (2, 3):
-        outs = spawn(_sampler, ranks)
+        outs = worlds.spawn(_sampler, ranks)
         for r, out in enumerate(outs):
             assert out["epoch0"] == _split(10, 3, 0, 0, ranks)[r]
             assert out["len"] == -(-10 // ranks)

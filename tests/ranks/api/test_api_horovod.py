@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import ringpipe as hvd
-from ringpipe.launch import mpirun_command, spawn
+from ringpipe.launch import mpirun_command
 
 HERE = Path(__file__).resolve().parents[2]  # tests/: the helper scripts and modules
 HAVE_MPI = shutil.which("mpirun") is not None and __import__("importlib").util.find_spec("mpi4py") is not None
@@ -81,8 +81,8 @@ def _sets(comm):  # noqa: ANN001
 
 
 @pytest.mark.timeout(120)
-def test_process_sets_run_collectives_among_their_ranks():
-    out = spawn(_sets, 3)
+def test_process_sets_run_collectives_among_their_ranks(worlds):
+    out = worlds.spawn(_sets, 3)
     assert {o["ids"] for o in out} == {(1, 2, 0)}  # the same ids on every rank
     assert out[0]["ranks"] == ([0, 2], [0, 1], [0, 1, 2])
     # Horovod's internal table its own process-set tests read (``mpi_ops._basics``): {id: world ranks}
@@ -121,8 +121,8 @@ def _static_duplicates(comm):  # noqa: ANN001
 
 
 @pytest.mark.timeout(120)
-def test_init_refuses_a_process_set_listed_twice_or_equal_to_the_global_one_as_horovod():
-    for rank, (dup, initialized, again, (ids, ranks, total, unknown)) in enumerate(spawn(_static_duplicates, 3)):
+def test_init_refuses_a_process_set_listed_twice_or_equal_to_the_global_one_as_horovod(worlds):
+    for rank, (dup, initialized, again, (ids, ranks, total, unknown)) in enumerate(worlds.spawn(_static_duplicates, 3)):
         assert dup[0] == ["ValueError"] and "process_sets entry number 2 is a duplicate" in dup[1], dup
         assert again[0] == ["ValueError"] and "process_sets entry number 1 is a duplicate" in again[1], again
         # Horovod is initialised when it refuses the list, and init() again with a valid list goes on: each
@@ -159,8 +159,8 @@ def _dynamic(comm):  # noqa: ANN001
 
 
 @pytest.mark.timeout(120)
-def test_dynamic_process_sets_as_in_horovod():
-    out = spawn(_dynamic, 3)
+def test_dynamic_process_sets_as_in_horovod(worlds):
+    out = worlds.spawn(_dynamic, 3)
     for first, second in out:
         kinds, text = first["static"]
         assert kinds == ["ValueError"] and "HOROVOD_DYNAMIC_PROCESS_SETS=1" in text
@@ -195,8 +195,8 @@ def _optimizer_on_set(comm):  # noqa: ANN001
 
 
 @pytest.mark.timeout(120)
-def test_optimizer_and_parameter_broadcast_on_a_process_set():
-    out = spawn(_optimizer_on_set, 3)
+def test_optimizer_and_parameter_broadcast_on_a_process_set(worlds):
+    out = worlds.spawn(_optimizer_on_set, 3)
     grad = torch.tensor([1.0, 2.0, 3.0])
     members = (-(grad * 1 + grad * 2) / 2).tolist()  # SGD lr 1 on the average over ranks 0 and 1
     assert out[0][0] == members and out[1][0] == members
@@ -228,8 +228,8 @@ def _disagreements(comm):  # noqa: ANN001
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("nprocs", [2, 3])
-def test_every_rank_raises_the_same_error_and_goes_on(nprocs):
-    out = spawn(_disagreements, nprocs)
+def test_every_rank_raises_the_same_error_and_goes_on(worlds, nprocs):
+    out = worlds.spawn(_disagreements, nprocs)
     for case, words in (("root", ["root ranks", "root_rank=1"]), ("prescale", ["prescale"]),
                         ("gather_dims", ["tensor shapes", "3"]), ("bcast_shape", ["tensor shapes", "[5]"])):
         texts = {o[case][1] for o in out}
@@ -278,8 +278,8 @@ def _named_out_of_order(comm):  # noqa: ANN001
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("nprocs", [2, 3])
-def test_named_operations_match_by_name_whatever_order_the_ranks_posted_them_in(nprocs):
-    out = spawn(_named_out_of_order, nprocs)
+def test_named_operations_match_by_name_whatever_order_the_ranks_posted_them_in(worlds, nprocs):
+    out = worlds.spawn(_named_out_of_order, nprocs)
     total = float(sum(range(1, nprocs + 1)))
     dup = out[0]["dup0"]  # refused on rank 0 alone, where it was posted; nothing was posted
     assert dup[0] == ["ValueError"] and "'late' is still in flight" in dup[1], dup
@@ -303,8 +303,8 @@ def _integers(comm):  # noqa: ANN001
     return _with_world(comm, body)
 
 
-def test_scale_factors_on_integers_truncate_as_horovod():
-    out = spawn(_integers, 2)
+def test_scale_factors_on_integers_truncate_as_horovod(worlds):
+    out = worlds.spawn(_integers, 2)
     # each rank scales its int32 buffer by 0.5 (C++ truncation toward zero), the sum is scaled by 1.5
     pre = [[int(v * 0.5) for v in (3 * k, -3 * k, 7 * k)] for k in (1, 2)]
     summed = [a + b for a, b in zip(*pre, strict=True)]
@@ -330,7 +330,7 @@ def _integer_averages(comm):  # noqa: ANN001
     return _with_world(comm, body)
 
 
-def test_integer_averages_truncate_toward_zero_as_horovod():
+def test_integer_averages_truncate_toward_zero_as_horovod(worlds):
     """Horovod averages by scaling the sum by postscale / size in double precision and converting
     back to the integer type (``operations.cc``: ``postscale_factor /= size``; ``ScaleBuffer``),
     which truncates toward zero: -7 + 2 - 3 = -8 over 3 ranks is -2, not floor's -3."""
@@ -339,7 +339,7 @@ def test_integer_averages_truncate_toward_zero_as_horovod():
     avg = [int(s * (1.0 / 3)) for s in sums]  # C++'s double-to-int conversion truncates
     post = [int(s * (2.5 / 3)) for s in sums]
     assert avg == [-2, -1, -1, 3, -22, 0] and post[0] == -6  # the cases that floor would get wrong
-    outs = spawn(_integer_averages, 3)
+    outs = worlds.spawn(_integer_averages, 3)
     for rank, out in enumerate(outs):
         for dtype in (torch.int32, torch.int64):
             assert out[f"allreduce {dtype}"] == avg
@@ -370,9 +370,9 @@ def _gradients(comm):  # noqa: ANN001
 
 
 @pytest.mark.timeout(120)
-def test_gradients_follow_horovods_conventions():
+def test_gradients_follow_horovods_conventions(worlds):
     n = 2
-    out = spawn(_gradients, n)
+    out = worlds.spawn(_gradients, n)
     c = torch.arange(1.0, 13.0).reshape(-1, 2)[:3]
     # allgather: the output gradient c (the same everywhere) averaged, then this rank's rows
     assert out[0]["allgather"] == c[:1].tolist() and out[1]["allgather"] == c[1:3].tolist()
@@ -412,8 +412,8 @@ def _small(comm):  # noqa: ANN001
     return first, again
 
 
-def test_small_horovod_behaviours():
-    out = spawn(_small, 2)
+def test_small_horovod_behaviours(worlds):
+    out = worlds.spawn(_small, 2)
     for first, again in out:
         assert first["ccl"] is False and first["internal"] is True and first["gpu"] == [True, False]
         assert first["state"] == ["exp_avg", "exp_avg_sq", "step"]
@@ -449,8 +449,8 @@ def _adasum_api(comm):  # noqa: ANN001
 
 
 @pytest.mark.timeout(120)
-def test_adasum_through_the_api_and_the_optimizer():
-    out = spawn(_adasum_api, 2)
+def test_adasum_through_the_api_and_the_optimizer(worlds):
+    out = worlds.spawn(_adasum_api, 2)
     g = [torch.tensor([1.0, 2.0, -1.0]) * (r + 1) + torch.tensor([0.5, -3.0, 2.0]) * r for r in range(2)]
     h = [torch.tensor([3.0, -1.0]) * (1 - 2 * r) for r in range(2)]
     want = _adasum_pair(g[0], g[1])
@@ -469,10 +469,10 @@ def test_adasum_through_the_api_and_the_optimizer():
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("nprocs", [2, 3])
-def test_every_dtype_through_the_collectives_on_sets_over_gloo(nprocs):
+def test_every_dtype_through_the_collectives_on_sets_over_gloo(worlds, nprocs):
     from scripts.hvd_dtypes import check
 
-    assert spawn(check, nprocs) == [[]] * nprocs
+    assert worlds.spawn(check, nprocs) == [[]] * nprocs
 
 
 @pytest.mark.mpi

@@ -27,7 +27,7 @@ import torch
 import ringpipe.collectives as C
 from ringpipe.comm.base import CommError
 from ringpipe.comm.header import InvalidCallError, MismatchError
-from ringpipe.launch import mpirun_command, spawn
+from ringpipe.launch import mpirun_command
 
 HERE = Path(__file__).resolve()
 HAVE_MPI = shutil.which("mpirun") is not None and importlib.util.find_spec("mpi4py") is not None
@@ -162,8 +162,8 @@ def test_reference_pair_is_the_papers_formula():
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("nprocs", [1, 2, 4])
-def test_adasum_equals_the_reference_over_gloo(nprocs):
-    outs = spawn(run_cases, nprocs)
+def test_adasum_equals_the_reference_over_gloo(worlds, nprocs):
+    outs = worlds.spawn(run_cases, nprocs)
     for out in outs:
         assert verify(out, nprocs) > 30
     _same_on_every_rank(outs)
@@ -178,8 +178,8 @@ def _groups(comm) -> torch.Tensor:  # noqa: ANN001
 
 
 @pytest.mark.timeout(200)
-def test_adasum_inside_sub_communicators():
-    outs = spawn(_groups, 4)
+def test_adasum_inside_sub_communicators(worlds):
+    outs = worlds.spawn(_groups, 4)
     g = [gradient(j, (101,), torch.float32, 9) for j in range(4)]
     assert close(outs[0], tree([g[0], g[2]]), torch.float32) and torch.equal(outs[0], outs[2])
     assert close(outs[1], tree([g[1], g[3]]), torch.float32) and torch.equal(outs[1], outs[3])
@@ -215,8 +215,8 @@ def _errors(comm) -> list[str]:  # noqa: ANN001
 
 
 @pytest.mark.timeout(200)
-def test_bad_and_mismatched_calls_raise_on_every_rank():
-    seen = spawn(_errors, 2)
+def test_bad_and_mismatched_calls_raise_on_every_rank(worlds):
+    seen = worlds.spawn(_errors, 2)
     assert seen[0] == seen[1], "every rank raises the same error"
     text = "\n".join(seen[0])
     for fragment in ("Adasum reduces float16, float32, float64 tensors, not int32",
@@ -242,8 +242,8 @@ def _three(comm) -> list[str]:  # noqa: ANN001
 
 
 @pytest.mark.timeout(200)
-def test_non_power_of_two_ranks_raise_horovods_error_on_every_rank():
-    seen = spawn(_three, 3)
+def test_non_power_of_two_ranks_raise_horovods_error_on_every_rank(worlds):
+    seen = worlds.spawn(_three, 3)
     assert seen[0] == seen[1] == seen[2]
     assert all("Running Adasum with non-power of 2 ranks is not supported yet" in s for s in seen[0])
     assert "has 3 ranks" in seen[0][0]

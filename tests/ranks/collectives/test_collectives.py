@@ -506,8 +506,8 @@ def _probe_and_use(comm, path) -> dict:  # noqa: ANN001
 
 
 @pytest.mark.timeout(120)
-def test_the_probe_gives_every_rank_the_same_table_and_auto_can_run_the_native_collective(tmp_path):
-    out = spawn(_probe_and_use, 2, args=(str(tmp_path / "auto.json"),))
+def test_the_probe_gives_every_rank_the_same_table_and_auto_can_run_the_native_collective(worlds, tmp_path):
+    out = worlds.spawn(_probe_and_use, 2, args=(str(tmp_path / "auto.json"),))
     assert out[0]["rows"] == out[1]["rows"]
     assert out[0]["times"] == out[1]["times"]  # the slowest rank's time of every round, on every rank
     for (_b, choice, timed), times in zip(out[0]["rows"], out[0]["times"], strict=True):
@@ -710,9 +710,9 @@ def _auto_native(comm, seed) -> dict:  # noqa: ANN001
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("nprocs", [2, 3])
-def test_auto_with_a_native_choice_calls_the_backends_own_allreduce(nprocs):
+def test_auto_with_a_native_choice_calls_the_backends_own_allreduce(worlds, nprocs):
     seed = 11
-    out = spawn(_auto_native, nprocs, args=(seed,))
+    out = worlds.spawn(_auto_native, nprocs, args=(seed,))
     for k, n in enumerate((1, 1000, 300_000)):
         # one process, the global batch: the sum of every rank's tensor
         want = sum(torch.randn(n, generator=torch.Generator().manual_seed(seed + 7 * r + n)) for r in range(nprocs))
@@ -754,8 +754,8 @@ def test_header_roundtrip_and_message():
 
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("nprocs", [2, 3, 4])
-def test_equal_to_native_over_gloo(nprocs):
-    counts = spawn(check_everything, nprocs)
+def test_equal_to_native_over_gloo(worlds, nprocs):
+    counts = worlds.spawn(check_everything, nprocs)
     assert all(c == counts[0] and c > 500 for c in counts)
 
 
@@ -778,25 +778,25 @@ def _cases(draw, p: int) -> list[tuple[tuple[int, ...], int]]:
 @pytest.mark.parametrize("nprocs", [3, 4])
 @settings(PURE, max_examples=3)
 @given(data=st.data())
-def test_random_shapes_equal_to_native(nprocs, data):
+def test_random_shapes_equal_to_native(worlds, nprocs, data):
     cases = data.draw(_cases(nprocs), label="cases")
-    done = spawn(check_shapes, nprocs, args=(cases,))
+    done = worlds.spawn(check_shapes, nprocs, args=(cases,))
     assert done == [len(cases) * (2 * len(C.SUPPORTED["allreduce"]) + 4)] * nprocs
 
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("hosts", [["a", "a", "b", "b"], ["a", "a", "a", "b"]])
-def test_hierarchical_on_fake_nodes_large(hosts):
+def test_hierarchical_on_fake_nodes_large(worlds, hosts):
     # a few thousand elements (recursive doubling among leaders) and 1.2 MB, three chunks of
     # every message (the ring among leaders)
-    out = spawn(_hierarchical, 4, args=(hosts, [(7, 643), (300_001,)]))
+    out = worlds.spawn(_hierarchical, 4, args=(hosts, [(7, 643), (300_001,)]))
     assert all(equal for per_rank in out for equal, _ in per_rank), out
     assert [chunks for _, chunks in out[0]] == [1, 1, 3, 3]
 
 
 @pytest.mark.timeout(60)
-def test_step_trace_and_hierarchical_over_two_fake_nodes():
-    out = spawn(_trace_and_hierarchy, 4)
+def test_step_trace_and_hierarchical_over_two_fake_nodes(worlds):
+    out = worlds.spawn(_trace_and_hierarchy, 4)
     for res in out:
         assert res["steps"] == list(range(6))  # 2(p-1) ring steps
         assert len(res["cids"]) == 1 and res["has_reduce_time"]
@@ -815,8 +815,8 @@ def test_step_trace_and_hierarchical_over_two_fake_nodes():
     (4, "large", "auto", r"rank 0 has float32\[1024\] algorithm=auto, rank 1 has float32\[300000\] algorithm=native"),
     (3, "collective", "auto", r"collective #\d+: rank 0 has allreduce #\d+ of float32\[1024\]"),
 ])
-def test_mismatch_raises_on_every_rank(nprocs, kind, algo, pattern):
-    messages = spawn(_mismatch, nprocs, args=(kind, algo))
+def test_mismatch_raises_on_every_rank(worlds, nprocs, kind, algo, pattern):
+    messages = worlds.spawn(_mismatch, nprocs, args=(kind, algo))
     for msg in messages:
         assert re.search(pattern, msg), msg
 
@@ -841,8 +841,8 @@ def test_mismatch_raises_on_every_rank(nprocs, kind, algo, pattern):
     (3, "rd_root", "MismatchError", r"reduce #\d+: rank 0 has float32\[192\] root=0, rank 1 has float32\[192\] root=2"),
     (3, "rd_op", "MismatchError", r"reduce #\d+: rank 0 has float32\[192\] op=sum, rank 1 has float32\[192\] op=max"),
 ])
-def test_one_wrong_rank_raises_on_every_rank(nprocs, kind, error, pattern):
-    out = spawn(_one_rank_wrong, nprocs, args=(kind,))
+def test_one_wrong_rank_raises_on_every_rank(worlds, nprocs, kind, error, pattern):
+    out = worlds.spawn(_one_rank_wrong, nprocs, args=(kind,))
     for rank, (name, msg, after) in enumerate(out):
         assert name == error, (rank, name, msg)
         assert re.search(pattern, msg), (rank, msg)

@@ -19,8 +19,8 @@ HAVE_MPI = shutil.which("mpirun") is not None and __import__("importlib").util.f
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("nprocs", [2, 3])
-def test_gloo_every_operation(nprocs):
-    counts = spawn(check_all, nprocs)
+def test_gloo_every_operation(worlds, nprocs):
+    counts = worlds.spawn(check_all, nprocs)
     assert all(c > 200 for c in counts)
 
 
@@ -50,8 +50,8 @@ def _events(comm):
     return [(e.op, e.nbytes, e.peer, e.tag, e.end_ns >= e.start_ns) for e in evs], comm_stats()
 
 
-def test_events_recorded_at_the_choke_point():
-    (ev0, stats0), (ev1, _) = spawn(_events, 2)
+def test_events_recorded_at_the_choke_point(worlds):
+    (ev0, stats0), (ev1, _) = worlds.spawn(_events, 2)
     assert ("allreduce", 1024, -1, 0, True) in ev0
     assert ("send", 1024, 1, 9, True) in ev0
     assert ("recv", 1024, 0, 9, True) in ev1
@@ -96,8 +96,8 @@ def _wrong_device(comm):
     return "accepted"
 
 
-def test_wrong_device_is_refused():
-    msgs = spawn(_wrong_device, 2)
+def test_wrong_device_is_refused(worlds):
+    msgs = worlds.spawn(_wrong_device, 2)
     assert all("cannot send tensors on meta" in m for m in msgs)
 
 

@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ringpipe.launch import mpirun_command, spawn
+from ringpipe.launch import mpirun_command
 
 HERE = Path(__file__).resolve()
 HAVE_MPI = shutil.which("mpirun") is not None and importlib.util.find_spec("mpi4py") is not None
@@ -154,8 +154,8 @@ def check_dtypes(comm) -> int:  # noqa: ANN001 - a ringpipe Communicator
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("nprocs", [2, 3])
-def test_every_dtype_every_operation_over_gloo(nprocs):
-    counts = spawn(check_dtypes, nprocs)
+def test_every_dtype_every_operation_over_gloo(worlds, nprocs):
+    counts = worlds.spawn(check_dtypes, nprocs)
     assert counts[0] > 400 and all(c == counts[0] for c in counts)
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ringpipe.launch import mpirun_command, spawn
+from ringpipe.launch import mpirun_command
 from scripts.consistency_cases import CASES, PATHS, run_all
 
 HERE = Path(__file__).resolve().parents[2]  # tests/: the helper scripts and modules
@@ -58,8 +58,8 @@ def _check(results: list[dict], size: int, paths=PATHS) -> None:
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("nprocs", [2, 3])
-def test_every_path_refuses_inconsistent_calls_over_gloo(nprocs):
-    results = spawn(run_all, nprocs)
+def test_every_path_refuses_inconsistent_calls_over_gloo(worlds, nprocs):
+    results = worlds.spawn(run_all, nprocs)
     _check(results, nprocs)
 
 
@@ -89,11 +89,11 @@ def _checks_on(comm):
     return comm.check_calls
 
 
-def test_opt_out_for_measured_hot_paths(monkeypatch):
-    assert spawn(_unchecked_opt_out, 2) == [4.0, 4.0]
-    assert spawn(_checks_on, 2) == [True, True]
+def test_opt_out_for_measured_hot_paths(worlds, monkeypatch):
+    assert worlds.spawn(_unchecked_opt_out, 2) == [4.0, 4.0]
+    assert worlds.spawn(_checks_on, 2) == [True, True]
     monkeypatch.setenv("RINGPIPE_CHECK_CALLS", "0")
-    assert spawn(_checks_on, 2) == [False, False]
+    assert worlds.spawn(_checks_on, 2) == [False, False]
 
 
 def _header_events(comm):
@@ -104,13 +104,13 @@ def _header_events(comm):
     return sorted({e.op for e in default_log().events()})
 
 
-def test_the_check_is_recorded_beside_the_call():
-    ops = spawn(_header_events, 2)[0]
+def test_the_check_is_recorded_beside_the_call(worlds):
+    ops = worlds.spawn(_header_events, 2)[0]
     assert ops == ["allreduce", "allreduce.header"]
 
 
-def test_a_mismatch_names_every_rank_call_in_order():
-    text = spawn(_three_way, 3)
+def test_a_mismatch_names_every_rank_call_in_order(worlds):
+    text = worlds.spawn(_three_way, 3)
     assert len(set(text)) == 1
     assert re.search(r"rank 0: allreduce\(.*shape=\[8\].*\); rank 1: allreduce\(.*shape=\[8\].*\); "
                      r"rank 2: allreduce\(.*shape=\[9\]", text[0]), text[0]

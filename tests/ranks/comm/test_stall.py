@@ -17,7 +17,7 @@ import torch
 from ringpipe.comm.events import EventLog
 from ringpipe.comm.stall import StallInspector, describe
 from ringpipe.comm.world import stall_inspector
-from ringpipe.launch import mpirun_command, spawn
+from ringpipe.launch import mpirun_command
 
 LATE_RANK = Path(__file__).resolve().parents[2] / "scripts" / "stall_late_rank.py"
 HAVE_MPI = shutil.which("mpirun") is not None and __import__("importlib").util.find_spec("mpi4py") is not None
@@ -110,8 +110,8 @@ def _late_rank(comm):
 
 
 @pytest.mark.timeout(120)
-def test_ranks_waiting_for_a_late_rank_name_it():
-    reports = spawn(_late_rank, 3, env={"RINGPIPE_STALL_CHECK_SECONDS": "1"})
+def test_ranks_waiting_for_a_late_rank_name_it(worlds):
+    reports = worlds.spawn(_late_rank, 3, env={"RINGPIPE_STALL_CHECK_SECONDS": "1"})
     assert_late_rank_named(dict(enumerate(reports)), 3)
 
 

@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from ringpipe.comm.base import ReduceOp
-from ringpipe.launch import spawn
 
 
 def _allreduces(comm):  # noqa: ANN001
@@ -58,9 +57,9 @@ def _expected(label: str, n: int, size: int) -> list[float]:
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("ranks", [2, 3])
-def test_a_small_sum_or_average_is_one_message_once_the_area_fits_it(ranks):
+def test_a_small_sum_or_average_is_one_message_once_the_area_fits_it(worlds, ranks):
     sizes = {"sum32": 5, "avg32": 1000, "avg16": 7, "sumbf16": 33, "scaled": 9, "max": 9, "int": 9, "long": 70000}
-    for rank_out in spawn(_allreduces, ranks):
+    for rank_out in worlds.spawn(_allreduces, ranks):
         for label, attempt, got, messages, negotiated in rank_out:
             want = _expected(label, sizes[label], ranks)
             tol = 1e-2 if label in ("avg16", "sumbf16") else 1e-6
@@ -92,8 +91,8 @@ def _joined_serves_riding_allreduces(comm):  # noqa: ANN001
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("ranks", [2, 3])
-def test_a_joined_rank_contributes_zeros_to_allreduces_riding_in_announcements(ranks):
-    for out in spawn(_joined_serves_riding_allreduces, ranks):
+def test_a_joined_rank_contributes_zeros_to_allreduces_riding_in_announcements(worlds, ranks):
+    for out in worlds.spawn(_joined_serves_riding_allreduces, ranks):
         if out[0] == "joined":
             continue
         _, got, _ = out
@@ -125,8 +124,8 @@ def _differing_calls(comm):  # noqa: ANN001
 
 
 @pytest.mark.timeout(180)
-def test_ranks_whose_riding_calls_differ_all_raise_and_leave_the_tensor_untouched():
-    for error, untouched, after in spawn(_differing_calls, 2):
+def test_ranks_whose_riding_calls_differ_all_raise_and_leave_the_tensor_untouched(worlds):
+    for error, untouched, after in worlds.spawn(_differing_calls, 2):
         assert error is not None and "shape" in error, error
         assert untouched
         assert after == [1.0, 1.0]

@@ -19,7 +19,6 @@ import torch
 from torch import nn
 
 from ringpipe.dp import DistributedOptimizer
-from ringpipe.launch import spawn
 
 STEPS, B = 4, 4
 
@@ -127,8 +126,8 @@ def reference(kind: str, passes: int, ranks: int) -> list[torch.Tensor]:
     ("rmsprop", 1, "per-parameter"), ("sgd", 2, "per-parameter"), ("adam", 2, "per-parameter"),
     ("sgd", 1, "tail"), ("adam", 2, "tail"),
 ])
-def test_stepping_by_bucket_equals_one_process_and_one_update_after_the_last_reduction(kind, passes, layout):
-    out = spawn(_both, 2, args=(kind, passes, layout))
+def test_stepping_by_bucket_equals_one_process_and_one_update_after_the_last_reduction(worlds, kind, passes, layout):
+    out = worlds.spawn(_both, 2, args=(kind, passes, layout))
     want = reference(kind, passes, 2)
     start = [p.detach() for p in Net().parameters()]
     assert not torch.allclose(want[0], start[0])  # the reference moved: a run doing nothing cannot pass
@@ -189,6 +188,6 @@ def _fallbacks(comm) -> dict[str, int]:
 
 
 @pytest.mark.timeout(120)
-def test_where_stepping_by_bucket_is_not_provably_the_same_the_optimizer_is_stepped_once():
-    for per_rank in spawn(_fallbacks, 2):
+def test_where_stepping_by_bucket_is_not_provably_the_same_the_optimizer_is_stepped_once(worlds):
+    for per_rank in worlds.spawn(_fallbacks, 2):
         assert per_rank == {"closure": 1, "subclass": 1, "global-hook": 1, "synchronize": 1, "fused": 1}

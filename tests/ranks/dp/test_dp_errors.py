@@ -7,7 +7,6 @@ import torch
 from torch import nn
 
 from ringpipe.dp import Compression, DistributedOptimizer
-from ringpipe.launch import spawn
 
 
 def _catch(fn):
@@ -46,8 +45,8 @@ def _errors(comm):
 
 
 @pytest.mark.timeout(60)
-def test_errors_name_the_problem_and_the_fix():
-    for out in spawn(_errors, 2):
+def test_errors_name_the_problem_and_the_fix(worlds):
+    for out in worlds.spawn(_errors, 2):
         assert "only applies with op=Average" in out["predivide"] and "gradient_predivide_factor=2.0" in out["predivide"]
         assert "Average or Sum" in out["op"]
         assert "'carrier-pigeon'" in out["algorithm"] and "valid: native" in out["algorithm"]
@@ -97,8 +96,8 @@ def _different_settings(comm):
 
 
 @pytest.mark.timeout(60)
-def test_settings_that_differ_across_ranks_are_an_error_on_every_rank():
-    for out in spawn(_different_settings, 2):
+def test_settings_that_differ_across_ranks_are_an_error_on_every_rank(worlds):
+    for out in worlds.spawn(_different_settings, 2):
         for setting, (a, b) in DIFFERENT.items():
             msg = out[setting]
             assert msg is not None and msg.startswith("ValueError"), (setting, msg)
@@ -139,8 +138,8 @@ def _step_against_allreduce(comm, features=4):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("features", [4, 1400])  # 1400: 140,100 gradients, more than ride in the announcement
 @pytest.mark.parametrize("ranks", [2, 3])  # 2: the messages go as pairwise exchanges on gloo
-def test_an_optimizer_step_against_another_collective_is_an_error_on_every_rank(features, ranks):
-    for out in spawn(_step_against_allreduce, ranks, args=(features,)):
+def test_an_optimizer_step_against_another_collective_is_an_error_on_every_rank(worlds, features, ranks):
+    for out in worlds.spawn(_step_against_allreduce, ranks, args=(features,)):
         msg = out["first"]
         assert msg is not None and "collective=step" in msg and "collective=allreduce" in msg, msg
         total = float(sum(range(1, ranks + 1)))

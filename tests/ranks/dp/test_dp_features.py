@@ -26,7 +26,7 @@ from ringpipe.dp import (
     scale_lr,
 )
 from ringpipe.dp.announce import JoinError
-from ringpipe.launch import mpirun_command, spawn
+from ringpipe.launch import mpirun_command
 
 HERE = Path(__file__).resolve().parents[2]  # tests/: the helper scripts and modules
 HAVE_MPI = shutil.which("mpirun") is not None and __import__("importlib").util.find_spec("mpi4py") is not None
@@ -68,8 +68,8 @@ def _broadcasts(comm, root):
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("root", [0, 1])
-def test_broadcast_parameters_and_optimizer_state(root):
-    _check_broadcasts(spawn(_broadcasts, 2, args=(root,)))
+def test_broadcast_parameters_and_optimizer_state(worlds, root):
+    _check_broadcasts(worlds.spawn(_broadcasts, 2, args=(root,)))
 
 
 def mpi_broadcasts(out_dir: str) -> None:
@@ -121,8 +121,8 @@ def _mismatched_broadcast(comm):
 
 
 @pytest.mark.timeout(60)
-def test_broadcast_of_different_models_is_an_error():
-    for msg in spawn(_mismatched_broadcast, 2):
+def test_broadcast_of_different_models_is_an_error(worlds):
+    for msg in worlds.spawn(_mismatched_broadcast, 2):
         assert "rank 1 does not hold the same tensors as rank 0" in msg and "weight" in msg
 
 
@@ -188,8 +188,8 @@ def _uneven_reference(batches):
 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("batches", [(3, 1), (1, 2, 4)])
-def test_join_with_uneven_shards(batches):
-    results = spawn(_uneven, len(batches), args=(batches,))
+def test_join_with_uneven_shards(worlds, batches):
+    results = worlds.spawn(_uneven, len(batches), args=(batches,))
     ref = _uneven_reference(batches)
     longest = max(range(len(batches)), key=lambda r: (batches[r], r))
     for last, params in results:
@@ -222,7 +222,7 @@ def _even_without_join_support(comm):
 
 
 @pytest.mark.timeout(90)
-def test_without_join_support_steps_match_and_join_refuses():
+def test_without_join_support_steps_match_and_join_refuses(worlds):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -232,7 +232,7 @@ def test_without_join_support_steps_match_and_join_refuses():
         opt.zero_grad()
         nn.functional.mse_loss(model(x), y).backward()
         opt.step()
-    for params, error in spawn(_even_without_join_support, 2):
+    for params, error in worlds.spawn(_even_without_join_support, 2):
         for got, want in zip(params, model.parameters(), strict=True):
             assert torch.allclose(torch.as_tensor(got), want.detach(), atol=1e-6)
         assert "join_support=False" in error and "join_support=True (the default)" in error
@@ -261,8 +261,8 @@ def _syncbn(comm):
 
 
 @pytest.mark.timeout(60)
-def test_sync_batchnorm_equals_batchnorm_on_the_global_batch():
-    results = spawn(_syncbn, 2)
+def test_sync_batchnorm_equals_batchnorm_on_the_global_batch(worlds):
+    results = worlds.spawn(_syncbn, 2)
     torch.manual_seed(0)
     net = nn.Sequential(nn.Conv2d(2, 3, 3), nn.BatchNorm2d(3), nn.ReLU(), nn.Flatten(), nn.Linear(3 * 4 * 4, 1))
     g = torch.Generator().manual_seed(3)
@@ -300,10 +300,10 @@ def _shards(comm, n, drop_last):
 
 
 @pytest.mark.timeout(60)
-def test_sampler_covers_every_sample_once_per_epoch():
-    shards = spawn(_shards, 3, args=(30, False))
+def test_sampler_covers_every_sample_once_per_epoch(worlds):
+    shards = worlds.spawn(_shards, 3, args=(30, False))
     assert sorted(i for s in shards for i in s) == list(range(30))
-    shards = spawn(_shards, 2, args=(31, True))
+    shards = worlds.spawn(_shards, 2, args=(31, True))
     flat = [i for s in shards for i in s]
     assert len(flat) == len(set(flat)) == 30
 
@@ -339,9 +339,9 @@ def _checkpoint(comm, path):
 
 
 @pytest.mark.timeout(60)
-def test_checkpoint_written_once_and_loadable_on_another_world_size(tmp_path):
+def test_checkpoint_written_once_and_loadable_on_another_world_size(worlds, tmp_path):
     path = tmp_path / "ck" / "model.pt"
-    results = spawn(_checkpoint, 2, args=(str(path),))
+    results = worlds.spawn(_checkpoint, 2, args=(str(path),))
     assert [p.name for p in path.parent.iterdir()] == ["model.pt"]  # no temporary left behind
     for epoch, saved, live in results:
         assert epoch == 3 and (saved == live).all()
@@ -381,11 +381,11 @@ def _sparse_steps(comm, sparse_as_dense):
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("sparse_as_dense", [False, True])
-def test_sparse_gradients_are_averaged_and_handed_back_sparse_for_sparse_adam(sparse_as_dense):
+def test_sparse_gradients_are_averaged_and_handed_back_sparse_for_sparse_adam(worlds, sparse_as_dense):
     """An embedding with sparse gradients under SparseAdam (which refuses dense ones): the averaged
     gradient comes back sparse with either setting, as Horovod documents for sparse_as_dense, and
     the weights equal one process's on the mean of the two ranks' losses."""
-    out = spawn(_sparse_steps, 2, args=(sparse_as_dense,))
+    out = worlds.spawn(_sparse_steps, 2, args=(sparse_as_dense,))
     emb = _sparse_embedding()
     opt = torch.optim.SparseAdam(list(emb.parameters()), lr=0.1)
     for _ in range(3):

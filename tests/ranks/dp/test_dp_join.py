@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ringpipe.dp import DistributedOptimizer, join
-from ringpipe.launch import mpirun_command, spawn
+from ringpipe.launch import mpirun_command
 
 HERE = Path(__file__).resolve().parents[2]  # tests/: the helper scripts and modules
 HAVE_MPI = shutil.which("mpirun") is not None and __import__("importlib").util.find_spec("mpi4py") is not None
@@ -84,34 +84,34 @@ def _schedule_reference(batches, kind, wide=False):
 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize(("batches", "kind"), [((3, 1), "step"), ((1, 2, 4), "lambda")])
-def test_join_serves_steps_with_the_learning_rate_of_the_ranks_with_data(batches, kind):
-    _check_schedule(spawn(_uneven_with_schedule, len(batches), args=(batches, kind)), batches, kind)
+def test_join_serves_steps_with_the_learning_rate_of_the_ranks_with_data(worlds, batches, kind):
+    _check_schedule(worlds.spawn(_uneven_with_schedule, len(batches), args=(batches, kind)), batches, kind)
 
 
 @pytest.mark.timeout(90)
-def test_join_serves_steps_whose_buckets_are_held_until_backward_ends():
+def test_join_serves_steps_whose_buckets_are_held_until_backward_ends(worlds):
     """overlap=False: the ranks with data post every bucket in step(); the joined ranks serve them alike."""
     batches = (1, 2, 4)
-    results = spawn(_uneven_with_schedule, len(batches), args=(batches, "lambda", False, None, False))
+    results = worlds.spawn(_uneven_with_schedule, len(batches), args=(batches, "lambda", False, None, False))
     _check_schedule(results, batches, "lambda")
 
 
 @pytest.mark.timeout(90)
-def test_join_serves_steps_whose_first_bucket_is_longer_than_the_announcement_carries():
+def test_join_serves_steps_whose_first_bucket_is_longer_than_the_announcement_carries(worlds):
     """One bucket of 143,251 gradients: its start rides in the step's announcement, the rest follows it."""
     from ringpipe.dp.announce import RIDE_CAP
 
     assert sum(p.numel() for p in _model(wide=True).parameters()) > RIDE_CAP
     batches = (3, 1)
-    results = spawn(_uneven_with_schedule, len(batches), args=(batches, "step", True))
+    results = worlds.spawn(_uneven_with_schedule, len(batches), args=(batches, "step", True))
     _check_schedule(results, batches, "step", wide=True)
 
 
 @pytest.mark.timeout(90)
-def test_join_serves_steps_with_fp16_compression():
+def test_join_serves_steps_with_fp16_compression(worlds):
     """An fp16 wire: nothing rides in the announcement (it is float32); the buckets follow it."""
     batches = (3, 1)
-    results = spawn(_uneven_with_schedule, len(batches), args=(batches, "step", True, "fp16"))
+    results = worlds.spawn(_uneven_with_schedule, len(batches), args=(batches, "step", True, "fp16"))
     _check_schedule(results, batches, "step", wide=True, atol=2e-3)
 
 
@@ -165,9 +165,9 @@ def _clipping_reference(batches):
 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("batches", [(3, 1), (1, 2, 4)])
-def test_join_with_clipped_gradients_leaves_every_rank_with_the_same_weights(batches):
+def test_join_with_clipped_gradients_leaves_every_rank_with_the_same_weights(worlds, batches):
     """A joined rank applies the reduced gradients unclipped; join then gives it the last rank's weights and state."""
-    results = spawn(_uneven_with_clipping, len(batches), args=(batches,))
+    results = worlds.spawn(_uneven_with_clipping, len(batches), args=(batches,))
     ref, ref_momenta = _clipping_reference(batches)
     for rank, (_, params, momenta) in enumerate(results):
         for got, want in zip(params, ref, strict=True):
@@ -249,8 +249,8 @@ def _syncbn_reference(batches):
 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("batches", [(3, 1), (1, 2, 4)])
-def test_joined_ranks_take_part_in_syncbatchnorm_and_allreduce(batches):
-    _check_syncbn_and_metrics(spawn(_uneven_syncbn_and_metrics, len(batches), args=(batches,)), batches)
+def test_joined_ranks_take_part_in_syncbatchnorm_and_allreduce(worlds, batches):
+    _check_syncbn_and_metrics(worlds.spawn(_uneven_syncbn_and_metrics, len(batches), args=(batches,)), batches)
 
 
 def _check_syncbn_and_metrics(results, batches):
@@ -295,8 +295,8 @@ def _unservable(comm, op):
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("op", ["broadcast", "allgather", "broadcast_object"])
-def test_collective_a_joined_rank_cannot_serve_is_an_error_on_the_caller_only(op):
-    _check_unservable(spawn(_unservable, 2, args=(op,)), op)
+def test_collective_a_joined_rank_cannot_serve_is_an_error_on_the_caller_only(worlds, op):
+    _check_unservable(worlds.spawn(_unservable, 2, args=(op,)), op)
 
 
 def _check_unservable(results, op):
@@ -374,7 +374,7 @@ def _settle_while_another_thread_reads(comm):
 
 
 @pytest.mark.timeout(60)
-def test_settle_waits_for_a_read_of_the_step_header_in_progress_on_another_thread():
-    (waited, seen), = spawn(_settle_while_another_thread_reads, 1)
+def test_settle_waits_for_a_read_of_the_step_header_in_progress_on_another_thread(worlds):
+    (waited, seen), = worlds.spawn(_settle_while_another_thread_reads, 1)
     assert waited, "settle returned while the step's header was still being read on another thread"
     assert seen == [1]  # on_note ran once, before settle returned

@@ -22,7 +22,7 @@ from torch import nn
 
 from ringpipe.dp import Compression, DistributedOptimizer
 from ringpipe.dp.announce import announcement_bytes
-from ringpipe.launch import mpirun_command, spawn
+from ringpipe.launch import mpirun_command
 
 HERE = Path(__file__).resolve().parents[2]  # tests/: the helper scripts and modules
 HAVE_MPI = shutil.which("mpirun") is not None and __import__("importlib").util.find_spec("mpi4py") is not None
@@ -175,18 +175,18 @@ def groups() -> dict[str, list[dict]]:
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("group", list(groups()))
-def test_gloo_two_ranks_equal_one_process_on_the_global_batch(group):
+def test_gloo_two_ranks_equal_one_process_on_the_global_batch(worlds, group):
     cfgs = groups()[group]
-    check(spawn(train_distributed, 2, args=(cfgs,)), cfgs, 2)
+    check(worlds.spawn(train_distributed, 2, args=(cfgs,)), cfgs, 2)
 
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("alg", algorithms())
-def test_gloo_three_ranks(alg):
+def test_gloo_three_ranks(worlds, alg):
     cfgs = [{"opt": "sgd", "bucket": 256, "alg": alg}]
     if alg == "native":
         cfgs += [{"opt": "adam", "bucket": 1 << 22, "bpps": 2}, {"opt": "sgd", "bucket": 64, "model": "branchy"}]
-    check(spawn(train_distributed, 3, args=(cfgs,)), cfgs, 3)
+    check(worlds.spawn(train_distributed, 3, args=(cfgs,)), cfgs, 3)
 
 
 def mpi_main(out_dir: str) -> None:
@@ -239,8 +239,8 @@ def _clipped(comm) -> list:
 
 
 @pytest.mark.timeout(60)
-def test_clipping_after_synchronize_equals_one_process_with_clipping():
-    results = spawn(_clipped, 2)
+def test_clipping_after_synchronize_equals_one_process_with_clipping(worlds):
+    results = worlds.spawn(_clipped, 2)
     model = make_model("mlp")
     opt = make_opt("sgd", model)
     x_all, y_all = data(STEPS * 2 * B)
@@ -314,8 +314,8 @@ def _overlap(comm, policy="overlap"):
 
 
 @pytest.mark.timeout(60)
-def test_buckets_are_reduced_while_backward_runs():
-    for buckets, starts, (pause_start, pause_end), backward_end in spawn(_overlap, 2):
+def test_buckets_are_reduced_while_backward_runs(worlds):
+    for buckets, starts, (pause_start, pause_end), backward_end in worlds.spawn(_overlap, 2):
         assert buckets == 8 and len(starts) == buckets
         # The top half's 4 buckets are reduced while backward is still in the pause between
         # the halves; the bottom half's gradients, and so their buckets, come after it.
@@ -325,9 +325,9 @@ def test_buckets_are_reduced_while_backward_runs():
 
 
 @pytest.mark.timeout(60)
-def test_after_backward_holds_every_bucket_until_backward_ends(monkeypatch):
+def test_after_backward_holds_every_bucket_until_backward_ends(worlds, monkeypatch):
     monkeypatch.setenv("RINGPIPE_OVERLAP", "0")  # the environment's spelling of overlap=False
-    for buckets, starts, _, backward_end in spawn(_overlap, 2, args=(None,)):
+    for buckets, starts, _, backward_end in worlds.spawn(_overlap, 2, args=(None,)):
         assert buckets == 8 and len(starts) == buckets
         assert backward_end < starts[0], "a bucket went out before backward ended"
 
@@ -353,10 +353,10 @@ def _messages_per_step(comm, join_support, compression="none"):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("compression", ["none", "fp16", "bf16"])
 @pytest.mark.parametrize("join_support", [True, False])
-def test_a_one_bucket_step_is_one_allreduce_with_or_without_join_support(join_support, compression):
+def test_a_one_bucket_step_is_one_allreduce_with_or_without_join_support(worlds, join_support, compression):
     """Join support costs no message of its own: the step's announcement carries the gradients
     (half-precision wires ride widened to float32)."""
-    for counts in spawn(_messages_per_step, 2, args=(join_support, compression)):
+    for counts in worlds.spawn(_messages_per_step, 2, args=(join_support, compression)):
         assert counts == [1, 1, 1]
 
 
@@ -396,8 +396,8 @@ def _compressed_gradients(comm, wire_name):
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("wire_name", ["fp16", "bf16"])
-def test_compressed_gradients_are_each_rank_s_cast_share_summed_on_the_wire(wire_name):
-    for buckets, steps in spawn(_compressed_gradients, 2, args=(wire_name,)):
+def test_compressed_gradients_are_each_rank_s_cast_share_summed_on_the_wire(worlds, wire_name):
+    for buckets, steps in worlds.spawn(_compressed_gradients, 2, args=(wire_name,)):
         assert buckets == 2
         for got, want in steps:
             for a, b in zip(got, want, strict=True):

@@ -15,7 +15,6 @@ import torch
 import netns
 from ringpipe import collectives
 from ringpipe.comm.events import Event
-from ringpipe.launch import spawn
 from ringpipe.observe.collect import JobEvents, RankEvents, collect_events, load_events, save_events
 from ringpipe.observe.doctor import diagnose, late_ranks, link_findings, placement, ring_links
 from ringpipe.observe.table import busy_ns, format_profile, profile
@@ -199,7 +198,7 @@ def _user_and_internal(comm):
     return mine, own, (format_profile(job) if job is not None else None)
 
 
-def test_comm_stats_and_the_profile_show_ringpipes_own_calls_apart_from_the_programs():
+def test_comm_stats_and_the_profile_show_ringpipes_own_calls_apart_from_the_programs(worlds):
     """The program made 2 allreduces and 1 send (rank 0) or recv (rank 1); everything else is ringpipe's.
 
     The ranks are forked from this process, whose record already holds a call: a new rank's
@@ -209,7 +208,7 @@ def test_comm_stats_and_the_profile_show_ringpipes_own_calls_apart_from_the_prog
 
     default_log().record("broadcast", 8, -1, 1, 2, 0, "world")  # the parent's, not the ranks'
     try:
-        (mine0, own0, text), (mine1, _, _) = spawn(_user_and_internal, 2)
+        (mine0, own0, text), (mine1, _, _) = worlds.spawn(_user_and_internal, 2)
     finally:
         default_log().clear()
     assert set(mine0) == {"allreduce", "send"} and set(mine1) == {"allreduce", "recv"}
@@ -291,8 +290,8 @@ def _late_job(comm, late_rank):
 
 
 @pytest.mark.timeout(120)
-def test_doctor_names_the_rank_that_keeps_the_others_waiting(tmp_path):
-    job, findings = spawn(_late_job, 3, args=(1,))[0]
+def test_doctor_names_the_rank_that_keeps_the_others_waiting(worlds, tmp_path):
+    job, findings = worlds.spawn(_late_job, 3, args=(1,))[0]
     late = [f for f in findings if "arrives late" in f[1]]
     # Rank 1 arrives last at the native allreduce; the ring allreduce right after it starts together.
     assert {rank for rank, _ in late} == {1}, findings

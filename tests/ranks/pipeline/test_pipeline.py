@@ -4,7 +4,6 @@ import pytest
 import torch
 from torch import nn
 
-from ringpipe.launch import spawn
 from ringpipe.pipeline import PipelineTrainer, microbatch_seed, seeded
 from ringpipe.pipeline.channel import Meta
 from ringpipe.pipeline.partition import (
@@ -97,16 +96,16 @@ CONFIGS = [(s, r) for s in ("seq", "gpipe", "1f1b") for r in (False, True)]
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("balance", [[3, 5], [2, 3, 3]], ids=["2stages", "3stages"])
-def test_sync_schedules_match_one_process(balance):
+def test_sync_schedules_match_one_process(worlds, balance):
     # 3 steps; the last batch has 10 samples: micro-batches of 3,3,2,2 (new shape header mid-batch).
     data = make_data(2, 8) + make_data(1, 10, seed=3)
     ref_state, ref_losses = reference(balance, data, 4)
-    results = spawn(_run_all, len(balance), args=(balance, CONFIGS, data, 4, 1))
+    results = worlds.spawn(_run_all, len(balance), args=(balance, CONFIGS, data, 4, 1))
     _compare(results, ref_state, ref_losses)
 
 
 @pytest.mark.timeout(120)
-def test_two_replicas_of_two_stages_match_one_process():
+def test_two_replicas_of_two_stages_match_one_process(worlds):
     balance = [4, 4]
     shards = [make_data(2, 8, seed=10), make_data(2, 8, seed=11)]
     merged = [(torch.cat([a[0], b[0]]), torch.cat([a[1], b[1]])) for a, b in zip(*shards, strict=True)]
@@ -127,7 +126,7 @@ def test_two_replicas_of_two_stages_match_one_process():
                 (nn.functional.cross_entropy(h, ym) / 8).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-    results = spawn(_run_all, 4, args=(balance, [("gpipe", False), ("1f1b", True)], shards, 4, 2))
+    results = worlds.spawn(_run_all, 4, args=(balance, [("gpipe", False), ("1f1b", True)], shards, 4, 2))
     for rank_out in results:
         for key, (state, _, _) in rank_out.items():
             for name, value in full.state_dict().items():
@@ -151,8 +150,8 @@ def _extras(comm):
 
 
 @pytest.mark.timeout(60)
-def test_loss_everywhere_eval_and_state():
-    (l0, e0, m0, bal, _), (l1, e1, m1, _, lm1) = spawn(_extras, 2)
+def test_loss_everywhere_eval_and_state(worlds):
+    (l0, e0, m0, bal, _), (l1, e1, m1, _, lm1) = worlds.spawn(_extras, 2)
     assert l0 == pytest.approx(l1) and l0 > 0  # loss_on="all": the same loss on every rank
     assert e0 is None and e1 > 0 and 0 <= m1["acc"] <= 1 and m0 == {}
     assert "acc" in lm1 and sum(bal) == 8
@@ -176,9 +175,9 @@ class _ToDict(nn.Module):
 
 
 @pytest.mark.timeout(60)
-def test_non_tensor_stage_output_is_refused():
+def test_non_tensor_stage_output_is_refused(worlds):
     # one rank, so that the failing stage cannot leave a neighbour waiting
-    (msg,) = spawn(_non_tensor, 1)
+    (msg,) = worlds.spawn(_non_tensor, 1)
     assert "stage 0 output is dict; a stage must return a tensor or a tuple of tensors" in msg
     rt = StageRuntime(nn.Sequential(nn.Linear(2, 2), _ToDict()), 0, 2)
     with pytest.raises(StageError, match="stage 0 output is dict"):

@@ -15,7 +15,6 @@ import pytest
 import torch
 from torch import nn
 
-from ringpipe.launch import spawn
 from ringpipe.pipeline import PipelineTrainer
 from ringpipe.pipeline.executor import staleness_of
 from ringpipe.pipeline.schedules import async_1f1b, async_1f1b_window, async_staleness
@@ -189,17 +188,17 @@ def _check(stages, results, cfgs):
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("stages", [2, 3, 4])
-def test_async_matches_the_reference(stages):
+def test_async_matches_the_reference(worlds, stages):
     cfgs = configs(stages)
-    _check(stages, spawn(_train, stages, args=(stages, cfgs))[0], cfgs)
+    _check(stages, worlds.spawn(_train, stages, args=(stages, cfgs))[0], cfgs)
 
 
 @pytest.mark.timeout(300)
-def test_stream_steps_match_the_reference():
+def test_stream_steps_match_the_reference(worlds):
     """Batch by batch (stream_step, then drain) equals one stream: in flight across batch boundaries."""
     cfgs = [("wp+ws", OPTS["sgd"], 1, False), ("stale", OPTS["adam"], 1, True),
             ("ws+ga", dataclasses.replace(OPTS["sgd"], warmup=WARMUP), 1, False)]
-    _check(3, spawn(_train, 3, args=(3, cfgs, "stream_step"))[0], cfgs)
+    _check(3, worlds.spawn(_train, 3, args=(3, cfgs, "stream_step"))[0], cfgs)
 
 
 @pytest.mark.parametrize(("stages", "micro", "k", "batches"), [(2, 2, 2, 3), (3, 2, 1, 4), (4, 3, 3, 2), (3, 4, 2, 1)])
@@ -231,8 +230,8 @@ def _stale_differs(comm):
 
 
 @pytest.mark.timeout(300)  # spawns 2 ranks and imports torch.optim's compiler on a loaded machine
-def test_async_is_not_a_flush_and_bad_options_refused():
-    assert max(spawn(_stale_differs, 2)) > 1e-4
+def test_async_is_not_a_flush_and_bad_options_refused(worlds):
+    assert max(worlds.spawn(_stale_differs, 2)) > 1e-4
     with pytest.raises(ValueError, match="apply to schedule 'async_1f1b' only"):
         PipelineTrainer(_FakeComm(), make_layers(), balance=[7], schedule="gpipe",
                         optimizer_factory=optimizer_factory(OPTS["sgd"]), loss_fn=nn.functional.mse_loss, mitigations="ws")

@@ -4,7 +4,6 @@ import pytest
 import torch
 from torch import nn
 
-from ringpipe.launch import spawn
 from ringpipe.pipeline import PipelineTrainer
 
 BATCHES, MICRO = 60, 2  # 120 micro-batches through a stream that stays open until drain
@@ -28,9 +27,9 @@ def _outstanding_sends(comm):
 
 
 @pytest.mark.timeout(600)
-def test_an_open_stream_does_not_keep_every_send():
+def test_an_open_stream_does_not_keep_every_send(worlds):
     """gloo reports a send complete only once waited for: the channel waits for the oldest beyond its limit."""
-    for peak, left in spawn(_outstanding_sends, 2):
+    for peak, left in worlds.spawn(_outstanding_sends, 2):
         assert BATCHES * MICRO > LIMIT + 1  # without the limit every send (and its tensor) would stay
         assert peak <= LIMIT
         assert left == 0  # drain waits for the rest

@@ -21,7 +21,6 @@ import pytest
 import torch
 from torch import nn
 
-from ringpipe.launch import spawn
 from ringpipe.pipeline import PipelineTrainer
 from ringpipe.train.models import cnn, mlp, resnet, transformer
 
@@ -100,8 +99,8 @@ def _train(comm, runs, stages):
     return out
 
 
-def _check(stages, runs):
-    results = spawn(_train, stages, args=(runs, stages))
+def _check(worlds, stages, runs):
+    results = worlds.spawn(_train, stages, args=(runs, stages))
     for run in runs:
         model, depth = run[0], run[1]
         expected = oracle(model, depth, 2 * stages)
@@ -117,27 +116,27 @@ SCHEDULES = [("interleaved_1f1b", 2), ("zb_h1", None)]
 
 
 @pytest.mark.timeout(300)
-def test_every_model_on_two_stages():
+def test_every_model_on_two_stages(worlds):
     runs = [(model, DEPTH[model], s, k, False) for model in DEPTH for s, k in SCHEDULES]
     runs += [("resnet", 3, s, k, True) for s, k in SCHEDULES]  # batch norm under recomputation
     runs += [("mlp", 7, "interleaved_1f1b", 3, True)]  # three chunks per rank
-    _check(2, runs)
+    _check(worlds, 2, runs)
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("stages", [3, 4])
-def test_mlp_and_transformer_on_three_and_four_stages(stages):
+def test_mlp_and_transformer_on_three_and_four_stages(worlds, stages):
     runs = [("mlp", 7, s, k, stages == 4) for s, k in SCHEDULES]
     runs += [("transformer", 6, s, k, stages == 3) for s, k in SCHEDULES]
-    _check(stages, runs)
+    _check(worlds, stages, runs)
 
 
 @pytest.mark.timeout(300)
-def test_zb_h2_trains_as_one_process_on_two_and_three_stages():
+def test_zb_h2_trains_as_one_process_on_two_and_three_stages(worlds):
     # ZB-H2: up to 2p - 1 micro-batches held, the same backward split as ZB-H1
-    _check(2, [("mlp", 7, "zb_h2", None, False), ("mlp", 7, "zb_h2", None, True),
+    _check(worlds, 2, [("mlp", 7, "zb_h2", None, False), ("mlp", 7, "zb_h2", None, True),
                ("transformer", 6, "zb_h2", None, False)])
-    _check(3, [("mlp", 7, "zb_h2", None, False)])
+    _check(worlds, 3, [("mlp", 7, "zb_h2", None, False)])
 
 
 def _bad(comm):
@@ -160,9 +159,9 @@ def test_bad_input_is_refused_with_the_fix():
 
 
 @pytest.mark.timeout(120)
-def test_microbatches_not_a_multiple_of_stages_is_refused_at_construction():
+def test_microbatches_not_a_multiple_of_stages_is_refused_at_construction(worlds):
     with pytest.raises(Exception, match=r"multiple of stages \(2\).*use 4 micro-batches"):
-        spawn(_bad, 2)
+        worlds.spawn(_bad, 2)
 
 
 # ---------------------------------------------------------------- the split backward, one process
