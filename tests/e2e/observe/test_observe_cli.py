@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from clibatch import run_cli_batch
 from ringpipe.comm.events import Event
 from ringpipe.observe.bench import _sizes
 from ringpipe.observe.collect import JobEvents, RankEvents, save_events
@@ -81,8 +82,7 @@ def test_bench_sweeps_that_hung_finish_on_one_rank_with_a_note(sweep, expected):
 # ----------------------------------------------------------------------------- one-line errors
 
 
-@pytest.mark.timeout(60)
-@pytest.mark.parametrize("args, message", [
+BAD_ARGUMENTS = [
     (["bench", "allreduce", "-b", "abc"], "ringpipe bench: size 'abc' is not understood"),
     (["bench", "allreduce", "-f", "1"], "ringpipe bench: -f must be > 1"),
     (["bench", "allreduce", "-b", "8K", "-e", "4K"], "ringpipe bench: -b 8192 is larger than -e 4096"),
@@ -98,9 +98,20 @@ def test_bench_sweeps_that_hung_finish_on_one_rank_with_a_note(sweep, expected):
     (["doctor", "--backend", "foo"], "ringpipe doctor: unknown backend 'foo'"),
     (["doctor", "nosuch.json"], "ringpipe doctor: nosuch.json: no such events file"),
     (["trace", "nosuch.json"], "ringpipe trace: nosuch.json: no such events file"),
-])
-def test_bad_arguments_give_one_line_and_exit_2(args, message):
-    out = _run(*args, timeout=50)
+]
+
+
+@pytest.fixture(scope="module")
+def bad_argument_runs():
+    """Every command line of BAD_ARGUMENTS, each in a fork of one interpreter (tests/clibatch.py)."""
+    argvs = [args for args, _ in BAD_ARGUMENTS]
+    return dict(zip(map(tuple, argvs), run_cli_batch(argvs, env=_env(), timeout=50 * len(argvs)), strict=True))
+
+
+@pytest.mark.timeout(600)  # the first test to ask runs every command line of bad_argument_runs
+@pytest.mark.parametrize("args, message", BAD_ARGUMENTS)
+def test_bad_arguments_give_one_line_and_exit_2(bad_argument_runs, args, message):
+    out = bad_argument_runs[tuple(args)]
     assert out.returncode == 2, out.stderr
     assert "Traceback" not in out.stderr
     assert out.stderr.strip().splitlines() == [out.stderr.strip()]

@@ -36,6 +36,9 @@ JOB = textwrap.dedent('''
     from torch import nn
     import ringpipe.train as rt
 
+    # bound once: after its first call, ringpipe.train.fit names the submodule (the name collides)
+    fit = rt.fit
+
     class Pairs(torch.utils.data.Dataset):  # a map-style dataset of the user's own
         def __init__(self, x, y):
             self.x, self.y = x, y
@@ -56,7 +59,7 @@ JOB = textwrap.dedent('''
         model = make()
         x, y = data()
         ds = Pairs(x, y) if cfg.pop("as_pairs", True) else torch.utils.data.TensorDataset(x, y)
-        rt.fit(model, ds, ds, loss=nn.functional.cross_entropy,
+        fit(model, ds, ds, loss=nn.functional.cross_entropy,
                optimizer=lambda params: torch.optim.SGD(params, lr=%(lr)r), config=cfg, run_dir=run_dir,
                comm=comm)
 
