@@ -67,13 +67,20 @@ def test_size_sweep_refuses_what_cannot_advance():
         _sizes(8192, 4096, 2.0)
 
 
-@pytest.mark.timeout(60)
-@pytest.mark.parametrize("sweep, expected", [
+SWEEPS = [
     (["-b", "0", "-e", "64"], [4, 8, 16, 32, 64]),  # 0 bytes is measured as one element
     (["-b", "4", "-e", "32", "-f", "1.2"], [4, 8, 12, 16, 20, 24, 28]),
-])
-def test_bench_sweeps_that_hung_finish_on_one_rank_with_a_note(sweep, expected):
-    out = _run("bench", "allreduce", *sweep, "-a", "ring", "--iters", "2", "-w", "0", "--json", timeout=50)
+]
+
+
+def _sweep_command(sweep: list[str]) -> list[str]:
+    return ["bench", "allreduce", *sweep, "-a", "ring", "--iters", "2", "-w", "0", "--json"]
+
+
+@pytest.mark.timeout(600)  # the first test to ask runs every command line of cli_runs
+@pytest.mark.parametrize("sweep, expected", SWEEPS)
+def test_bench_sweeps_that_hung_finish_on_one_rank_with_a_note(cli_runs, sweep, expected):
+    out = cli_runs[tuple(_sweep_command(sweep))]
     assert out.returncode == 0, out.stderr
     assert [json.loads(line)["bytes"] for line in out.stdout.splitlines()] == expected
     assert "running on 1 rank" in out.stderr and "add -n N" in out.stderr
@@ -101,17 +108,21 @@ BAD_ARGUMENTS = [
 ]
 
 
+P2P_ON_ONE_RANK = ["bench", "p2p"]
+
+
 @pytest.fixture(scope="module")
-def bad_argument_runs():
-    """Every command line of BAD_ARGUMENTS, each in a fork of one interpreter (tests/clibatch.py)."""
-    argvs = [args for args, _ in BAD_ARGUMENTS]
+def cli_runs():
+    """Each command line of the bench sweeps, BAD_ARGUMENTS and p2p on one rank: ``ringpipe ARGS``
+    in a fork of one interpreter (tests/clibatch.py), by argument tuple."""
+    argvs = [_sweep_command(sweep) for sweep, _ in SWEEPS] + [args for args, _ in BAD_ARGUMENTS] + [P2P_ON_ONE_RANK]
     return dict(zip(map(tuple, argvs), run_cli_batch(argvs, env=_env(), timeout=50 * len(argvs)), strict=True))
 
 
-@pytest.mark.timeout(600)  # the first test to ask runs every command line of bad_argument_runs
+@pytest.mark.timeout(600)  # the first test to ask runs every command line of cli_runs
 @pytest.mark.parametrize("args, message", BAD_ARGUMENTS)
-def test_bad_arguments_give_one_line_and_exit_2(bad_argument_runs, args, message):
-    out = bad_argument_runs[tuple(args)]
+def test_bad_arguments_give_one_line_and_exit_2(cli_runs, args, message):
+    out = cli_runs[tuple(args)]
     assert out.returncode == 2, out.stderr
     assert "Traceback" not in out.stderr
     assert out.stderr.strip().splitlines() == [out.stderr.strip()]
@@ -120,9 +131,9 @@ def test_bad_arguments_give_one_line_and_exit_2(bad_argument_runs, args, message
         assert "observe.timeline=true" in out.stderr
 
 
-@pytest.mark.timeout(60)
-def test_bench_p2p_on_one_rank_says_it_needs_two():
-    out = _run("bench", "p2p", timeout=50)
+@pytest.mark.timeout(600)  # the first test to ask runs every command line of cli_runs
+def test_bench_p2p_on_one_rank_says_it_needs_two(cli_runs):
+    out = cli_runs[tuple(P2P_ON_ONE_RANK)]
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert out.stderr.strip().splitlines()[-1] == "ringpipe bench: p2p needs at least 2 ranks"
 
