@@ -239,8 +239,9 @@ class World:
 class Worlds:
     """One kept :class:`World` per size, started when a check first needs it."""
 
-    def __init__(self) -> None:
+    def __init__(self, timeout: float = DEFAULT_TIMEOUT) -> None:
         self.worlds: dict[tuple[int, str], World] = {}
+        self.timeout = timeout  # a check's limit where its call sets none
 
     def world(self, size: int, backend: str = "gloo") -> World:
         key = (size, backend)
@@ -255,7 +256,7 @@ class Worlds:
             from ringpipe.launch import spawn
 
             return spawn(fn, nprocs, backend=backend, args=args, env=env)
-        return self.world(nprocs, backend).run(fn, *args, env=env, timeout=timeout)
+        return self.world(nprocs, backend).run(fn, *args, env=env, timeout=timeout or self.timeout)
 
     def stop(self) -> None:
         for world in self.worlds.values():
