@@ -161,7 +161,7 @@ def mpi_main() -> None:
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(not HAVE_MPI, reason="needs mpirun and mpi4py")
 def test_api_on_mpi():
-    cmd = mpirun_command(2, [sys.executable, "-c", "import test_api as t; t.mpi_main()"])
+    cmd = mpirun_command(2, [sys.executable, "-c", "import ranks.api.test_api as t; t.mpi_main()"])
     env = dict(os.environ, PYTHONPATH=str(HERE), OMP_NUM_THREADS="1")
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=110)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]

@@ -333,7 +333,7 @@ def mpi_main(out_dir: str) -> None:
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(not HAVE_MPI, reason="needs mpirun and mpi4py")
 def test_join_on_mpi(tmp_path):
-    code = f"import test_dp_join as t; t.mpi_main({str(tmp_path)!r})"
+    code = f"import ranks.dp.test_dp_join as t; t.mpi_main({str(tmp_path)!r})"
     cmd = mpirun_command(2, [sys.executable, "-c", code])
     env = dict(os.environ, PYTHONPATH=str(HERE), OMP_NUM_THREADS="1")
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=110)

@@ -205,7 +205,7 @@ def mpi_main(out_dir: str) -> None:
 @pytest.mark.timeout(180)
 @pytest.mark.skipif(not HAVE_MPI, reason="needs mpirun and mpi4py")
 def test_mpi_two_ranks_equal_one_process(tmp_path):
-    code = f"import test_dp_optimizer as t; t.mpi_main({str(tmp_path)!r})"
+    code = f"import ranks.dp.test_dp_optimizer as t; t.mpi_main({str(tmp_path)!r})"
     cmd = mpirun_command(2, [sys.executable, "-c", code])
     env = dict(os.environ, PYTHONPATH=str(HERE), OMP_NUM_THREADS="1")
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=170)
