@@ -4,7 +4,8 @@
 processes (``tests/ranks/worlds.py``), ``tests/e2e`` starts launchers, the trainer, TensorFlow,
 MPI jobs and namespace hosts. Each test gets its folder's marker (``unit``, ``ranks`` or ``e2e``);
 a test of ``unit`` or ``ranks`` that starts a job the way ``e2e`` does (marked ``e2e``, ``mpi``
-for ``mpirun`` or ``netns`` for namespace hosts) is marked ``e2e`` instead, so that
+for ``mpirun`` or ``netns`` for namespace hosts) or runs as long (``slow``) is marked ``e2e``
+instead, so that
 ``pytest -m "not e2e"`` is the inner loop and plain ``pytest`` still runs everything. Where the
 ``-m`` expression leaves out every ``e2e`` test, ``tests/e2e`` is not even imported (its modules
 import TensorFlow and the trainer: half a minute of collection saved).
@@ -19,8 +20,9 @@ import pytest
 
 TESTS = Path(__file__).resolve().parent
 TIERS = ("unit", "ranks", "e2e")
-#: Markers that mean a job started as the end-to-end tier starts them (mpirun, namespace hosts).
-E2E_MARKERS = ("e2e", "mpi", "netns")
+#: Markers that mean a job started as the end-to-end tier starts them (mpirun, namespace hosts), or
+#: a run as long as theirs (``slow``: an exhaustive sweep of several minutes).
+E2E_MARKERS = ("e2e", "mpi", "netns", "slow")
 
 # The helper modules (netns, sshhosts, tf_ranks, trainrun) and the rank scripts (scripts.*) are
 # imported by tests of every folder.

@@ -186,6 +186,7 @@ def _check(stages, results, cfgs):
     assert not bad, f"{len(bad)} of {len(results)} runs differ from the reference:\n" + "\n".join(bad[:40])
 
 
+@pytest.mark.slow  # 640 runs per world size, minutes in all: with the e2e tier, out of the inner loop
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("stages", [2, 3, 4])
 def test_async_matches_the_reference(worlds, stages):
