@@ -10,22 +10,17 @@ from ranks.worlds import DEFAULT_TIMEOUT, Worlds
 
 
 @pytest.fixture(scope="session")
-def kept_worlds() -> Iterator[Worlds]:
-    """One :class:`~ranks.worlds.World` per size, started when first asked for, stopped at the end."""
+def worlds() -> Iterator[Worlds]:
+    """``worlds.spawn(fn, nprocs, args=...)``: :func:`ringpipe.launch.spawn` on a world kept for the session."""
     kept = Worlds()
     yield kept
     kept.stop()
 
 
-@pytest.fixture
-def worlds(kept_worlds: Worlds, request: pytest.FixtureRequest) -> Worlds:
-    """``worlds.spawn(fn, nprocs, args=...)``: :func:`ringpipe.launch.spawn` on a world kept for the session.
-
-    A check's timeout defaults to a little less than the test's own (``@pytest.mark.timeout``,
-    else ``--timeout``), so that a hung check fails naming the ranks still running, before
-    pytest-timeout ends the test.
-    """
-    marker = request.node.get_closest_marker("timeout")
-    limit = marker.args[0] if marker is not None and marker.args else request.config.getoption("timeout", None)
-    kept_worlds.timeout = max(1.0, float(limit) - 3.0) if limit else DEFAULT_TIMEOUT
-    return kept_worlds
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A check's timeout: a little less than its test's own (``@pytest.mark.timeout``, else
+    ``--timeout``), so that a hung check fails naming the ranks still running before
+    pytest-timeout ends the test. (A hook, not a fixture: hypothesis' tests take none per test.)"""
+    marker = item.get_closest_marker("timeout")
+    limit = marker.args[0] if marker is not None and marker.args else item.config.getoption("timeout", None)
+    Worlds.timeout = max(1.0, float(limit) - 3.0) if limit else DEFAULT_TIMEOUT

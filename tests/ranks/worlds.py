@@ -239,9 +239,11 @@ class World:
 class Worlds:
     """One kept :class:`World` per size, started when a check first needs it."""
 
-    def __init__(self, timeout: float = DEFAULT_TIMEOUT) -> None:
+    #: A check's limit where its call sets none (tests/ranks/conftest.py sets it for each test).
+    timeout: float = DEFAULT_TIMEOUT
+
+    def __init__(self) -> None:
         self.worlds: dict[tuple[int, str], World] = {}
-        self.timeout = timeout  # a check's limit where its call sets none
 
     def world(self, size: int, backend: str = "gloo") -> World:
         key = (size, backend)
