@@ -65,7 +65,7 @@ def check_all(comm: Communicator) -> int:
         for shape in SHAPES:
             for op in ReduceOp:
                 if op is ReduceOp.ADASUM or op is ReduceOp.PRODUCT and dtype in (torch.float16, torch.bfloat16):
-                    continue  # adasum is ringpipe.collectives' own algorithm (tests/test_adasum.py)
+                    continue  # adasum is ringpipe.collectives' own algorithm (tests/ranks/collectives/test_adasum.py)
                 t = rank_tensor(r, shape, dtype)
                 comm.allreduce(t, op)
                 expect(close(t, reference(op, n, shape, dtype)), f"allreduce {op} {dtype} {shape}")

@@ -16,8 +16,8 @@ wrong mitigation formula (weight prediction, Gap Aware's penalty, its statistics
 weights a stash holds) is wrong in the simulator too, and the two agree. Those formulas are
 checked against a reference that shares no code with them: hand-made tensors in the staleness
 tests, and a one-process reference of the whole pipeline written from the papers' formulas,
-which the multi-process runs must match (``tests/test_pipeline_reference.py`` and
-``tests/test_pipeline_async.py``).
+which the multi-process runs must match (``tests/unit/pipeline/test_pipeline_reference.py`` and
+``tests/ranks/pipeline/test_pipeline_async.py``).
 
 **Event order.** Stage ``i`` of ``N`` with ``M`` micro-batches runs
 :func:`async_stage_order`: warm-up forwards ``F0 .. F(N-1-i)``, then ``B(j), F(j+N-i)``
