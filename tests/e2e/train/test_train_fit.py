@@ -36,8 +36,7 @@ JOB = textwrap.dedent('''
     from torch import nn
     import ringpipe.train as rt
 
-    # bound once: after its first call, ringpipe.train.fit names the submodule (the name collides)
-    fit = rt.fit
+    fit = rt.fit  # rt.fit stays the function however often it is called (the module is train/fitting.py)
 
     class Pairs(torch.utils.data.Dataset):  # a map-style dataset of the user's own
         def __init__(self, x, y):
