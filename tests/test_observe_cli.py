@@ -106,7 +106,7 @@ def test_bad_arguments_give_one_line_and_exit_2(args, message):
     assert out.stderr.strip().splitlines() == [out.stderr.strip()]
     assert out.stderr.startswith(message), out.stderr
     if "no such events file" in message:
-        assert "observe.timeline=true" in out.stderr
+        assert "`ringpipe train` of several processes" in out.stderr  # how to get one
 
 
 @pytest.mark.timeout(60)
@@ -143,7 +143,7 @@ def test_help_names_the_train_key_that_writes_events():
     for command in ("doctor", "trace"):
         out = _run(command, "--help", timeout=50)
         assert out.returncode == 0
-        assert "observe.timeline=true" in out.stdout and "observe.events" not in out.stdout
+        assert "observe.profile, on by default" in out.stdout and "observe.events" not in out.stdout
 
 
 # ----------------------------------------------------------------------------- doctor under mpirun
