@@ -9,6 +9,7 @@ Every rank ends when the process that called :func:`spawn` ends.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import pickle
 import signal
@@ -136,6 +137,11 @@ def spawn(
             rank, value = pickle.loads(results.get())
             out[rank] = value
 
+    # torch says "Terminating process N via signal SIGTERM" for each rank it stops after a
+    # failure; WorkerFailed names the rank that failed and why.
+    quiet = logging.getLogger("torch.multiprocessing.spawn")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
     try:
         ctx_ = tmp.start_processes(
             _worker,
@@ -153,6 +159,8 @@ def spawn(
         drain()
         report = out[rank] if isinstance(out[rank], _Report) else ""
         raise WorkerFailed(rank, cause, str(report)) from exc
+    finally:
+        quiet.setLevel(level)
     drain()
     return out
 
