@@ -44,6 +44,15 @@ ENGINE = textwrap.dedent('''
 
     def divide(n):
         return 1 / n
+
+    class PeerDeparted(RuntimeError):
+        pass
+
+    def wait():
+        try:
+            raise RuntimeError("[pair.cc:553] Connection closed by peer")
+        except RuntimeError as error:
+            raise PeerDeparted("rank 0 left the job while rank 1 waited in barrier") from error
 ''')
 
 
@@ -78,6 +87,17 @@ def test_an_error_with_no_frame_of_the_users_shows_where_it_was_raised():
         caught = exc.with_traceback(exc.__traceback__.tb_next)  # as if the user's code were not on the stack
     short = failure_report(caught)
     assert "fake_engine.py" in short and "return 1 / n" in short and "ZeroDivisionError" in short, short
+
+
+def test_a_library_error_that_ringpipe_explains_is_not_shown_twice():
+    engine = _engine()
+    try:
+        engine["wait"]()
+    except RuntimeError as exc:
+        caught = exc.with_traceback(exc.__traceback__.tb_next)  # no frame of the user's
+    short = failure_report(caught)
+    assert short.strip() == "ringpipe.fake_engine.PeerDeparted: rank 0 left the job while rank 1 waited in barrier", short
+    assert "Connection closed by peer" in failure_report(caught, verbose=True)
 
 
 SHAPES = textwrap.dedent('''

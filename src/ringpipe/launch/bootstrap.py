@@ -210,14 +210,20 @@ def _users(filename: str, libraries: tuple[str, ...]) -> bool:
     return not os.path.realpath(filename).startswith(libraries)
 
 
+def _ringpipes(exc: BaseException) -> bool:
+    """Whether ``exc`` is one of ringpipe's own errors (written to say what happened and what to fix)."""
+    return type(exc).__module__.split(".")[0] == "ringpipe"
+
+
 def failure_report(exc: BaseException, verbose: bool = False, hint: str = "") -> str:
     """What a failed rank prints about ``exc``: its message once and the user's own frames.
 
     ``verbose``: Python's whole traceback (less the launch's own frames). Otherwise each exception of the chain (oldest first,
     as Python prints them) with the frames of the user's files only; an exception whose text the
-    next one repeats and which has no frame of the user's is left out; where no frame of the
-    chain is the user's, the innermost frame of the first exception shown stands in, unless that
-    is one of ringpipe's own errors (whose message says what to fix). ``hint``
+    next one repeats, or that one of ringpipe's own errors was raised from, and which has no frame
+    of the user's is left out; where no frame of the chain is the user's, the innermost frame of
+    the first exception shown stands in, unless the last is one of ringpipe's own errors (whose
+    message says what to fix). ``hint``
     (how to see everything) ends the report when frames were left out.
     """
     if verbose:
@@ -236,10 +242,12 @@ def failure_report(exc: BaseException, verbose: bool = False, hint: str = "") ->
         mine = [f for f in frames if _users(f.filename, libraries)]
         hidden = hidden or len(mine) < len(frames)
         wrapper = chain[i + 1] if i + 1 < len(chain) else None
-        if not mine and wrapper is not None and str(e) and str(e) in str(wrapper):
-            continue  # the next exception says the same
+        if not mine and wrapper is not None and (
+                (str(e) and str(e) in str(wrapper))  # the next exception says the same
+                or (wrapper.__cause__ is e and _ringpipes(wrapper))):  # ringpipe's error tells what it means
+            continue
         blocks.append((e, mine, e.__cause__ is not None))
-    if blocks and not any(mine for _, mine, _ in blocks) and not type(blocks[0][0]).__module__.startswith("ringpipe"):
+    if blocks and not any(mine for _, mine, _ in blocks) and not _ringpipes(blocks[-1][0]):
         e, _, cause = blocks[0]  # ringpipe's own errors say what to fix; another exception shows where it was raised
         blocks[0] = (e, traceback.extract_tb(e.__traceback__)[-1:], cause)
     out: list[str] = []
