@@ -15,6 +15,7 @@ import os
 import sys
 from typing import Any
 
+from ringpipe.launch.bootstrap import VERBOSE
 from ringpipe.launch.options import (
     LaunchOptions,
     LaunchUsageError,
@@ -24,6 +25,7 @@ from ringpipe.launch.options import (
 )
 from ringpipe.launch.runners import mpirun_command
 from ringpipe.launch.spawn import WorkerFailed, local_rank_zero_first, spawn
+from ringpipe.launch.speaker import label
 
 __all__ = ["spawn", "launch_main", "local_rank_zero_first", "WorkerFailed", "mpirun_command", "add_parser",
            "parse_launch_args", "LaunchOptions", "LaunchUsageError"]
@@ -52,11 +54,13 @@ def launch_main(args: Any) -> int:
     """Run ``ringpipe launch`` with ``args.argv`` (the words after ``launch``) or a parsed LaunchOptions."""
     from ringpipe.launch import mpi_hosts, remote, runners
 
+    if getattr(args, "verbose", False):  # `ringpipe -v launch`: a failed rank's whole traceback
+        os.environ[VERBOSE] = "1"
     try:
         opts = args if isinstance(args, LaunchOptions) else parse_launch_args(list(args.argv))
         validate(opts)
     except LaunchUsageError as exc:
-        print(f"ringpipe launch: {exc}", file=sys.stderr)
+        print(f"{label()}: {exc}", file=sys.stderr)
         return 2
     if os.environ.pop(remote.STDIN_EOF, None):  # one host of a several-host launch: end with the launcher
         opts.host_of_many = True
@@ -67,7 +71,7 @@ def launch_main(args: Any) -> int:
         try:
             return mpi_hosts.run_mpi_hosts(opts) if opts.placement is not None else runners.run_mpi(opts)
         except FileNotFoundError as exc:
-            print(f"ringpipe launch: {exc}", file=sys.stderr)
+            print(f"{label()}: {exc}", file=sys.stderr)
             return 1
     if opts.mode == "mp":
         return runners.run_mp(opts)

@@ -16,6 +16,13 @@ standard library only and starts before torch or ringpipe is imported. In order,
    or a non-zero exit prints the traceback, leaves a failure record for the launcher's report
    and, when the program started MPI, aborts the MPI job as ``python -m mpi4py`` does (MPI's
    finalisation would otherwise wait forever for ranks blocked in a collective).
+
+The traceback a rank prints (:func:`failure_report`) is the user's: the frames of the user's own
+files, and each message once (an exception that only wraps another with the same text, as the
+engine's errors wrap those of its thread, is not repeated); ringpipe's, the libraries' and the
+standard library's frames are left out, and where no frame is the user's the innermost one is
+shown (none for ringpipe's own errors, whose message says what to fix). ``RINGPIPE_LAUNCH_VERBOSE=1`` (``ringpipe -v``, horovodrun's ``--verbose``) prints
+Python's whole traceback instead.
 """
 
 from __future__ import annotations
@@ -30,12 +37,15 @@ import time
 import traceback
 from collections.abc import Mapping, Sequence
 
-__all__ = ["die_with_parent", "rank_environment", "redirect_output", "run_program", "main"]
+__all__ = ["die_with_parent", "rank_environment", "redirect_output", "run_program", "main", "failure_report",
+           "verbose_tracebacks", "VERBOSE"]
 
 #: Directory of the launcher's output pipes and failure records (set by the launcher).
 LAUNCH_DIR = "RINGPIPE_LAUNCH_DIR"
 #: Ranks per host of a several-host launch, in host order ("4,2,2"; set by the launcher).
 PLACEMENT = "RINGPIPE_LAUNCH_PLACEMENT"
+#: Set (to anything but "" or "0") for Python's whole traceback of a failed rank, every frame of every library.
+VERBOSE = "RINGPIPE_LAUNCH_VERBOSE"
 
 
 def die_with_parent(parent: int | None = None, poll_s: float = 0.5) -> None:
@@ -174,6 +184,86 @@ def _user_traceback(exc: BaseException) -> str:
     return "".join(traceback.format_exception(type(exc), exc, tb))
 
 
+def verbose_tracebacks(env: Mapping[str, str] | None = None) -> bool:
+    """Whether a failed rank prints Python's whole traceback (``RINGPIPE_LAUNCH_VERBOSE``)."""
+    return (os.environ if env is None else env).get(VERBOSE, "").strip() not in ("", "0")
+
+
+def _library_folders() -> tuple[str, ...]:
+    """Folders whose files are not the user's: ringpipe's package, the standard library, installed packages."""
+    import site
+    import sysconfig
+
+    folders = {os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}  # the ringpipe package
+    paths = sysconfig.get_paths()
+    folders.update(paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib", "scripts") if paths.get(k))
+    with contextlib.suppress(Exception):  # a virtualenv without site.getsitepackages
+        folders.update(site.getsitepackages())
+    with contextlib.suppress(Exception):
+        folders.add(site.getusersitepackages())
+    return tuple(os.path.join(os.path.realpath(f), "") for f in folders if f)
+
+
+def _users(filename: str, libraries: tuple[str, ...]) -> bool:
+    if filename.startswith("<"):  # <frozen runpy>, <string>, ...
+        return False
+    return not os.path.realpath(filename).startswith(libraries)
+
+
+def _ringpipes(exc: BaseException) -> bool:
+    """Whether ``exc`` is one of ringpipe's own errors (written to say what happened and what to fix)."""
+    return type(exc).__module__.split(".")[0] == "ringpipe"
+
+
+def failure_report(exc: BaseException, verbose: bool = False, hint: str = "") -> str:
+    """What a failed rank prints about ``exc``: its message once and the user's own frames.
+
+    ``verbose``: Python's whole traceback (less the launch's own frames). Otherwise each exception of the chain (oldest first,
+    as Python prints them) with the frames of the user's files only; an exception whose text the
+    next one repeats, or that one of ringpipe's own errors was raised from, and which has no frame
+    of the user's is left out; where no frame of the chain is the user's, the innermost frame of
+    the first exception shown stands in, unless the last is one of ringpipe's own errors (whose
+    message says what to fix). ``hint``
+    (how to see everything) ends the report when frames were left out.
+    """
+    if verbose:
+        return _user_traceback(exc)
+    chain: list[BaseException] = []  # newest first
+    current: BaseException | None = exc
+    while current is not None and all(current is not c for c in chain):
+        chain.append(current)
+        current = current.__cause__ or (None if current.__suppress_context__ else current.__context__)
+    chain.reverse()
+    libraries = _library_folders()
+    blocks: list[tuple[BaseException, list[traceback.FrameSummary], bool]] = []
+    hidden = False
+    for i, e in enumerate(chain):
+        frames = traceback.extract_tb(e.__traceback__)
+        mine = [f for f in frames if _users(f.filename, libraries)]
+        hidden = hidden or len(mine) < len(frames)
+        wrapper = chain[i + 1] if i + 1 < len(chain) else None
+        if not mine and wrapper is not None and (
+                (str(e) and str(e) in str(wrapper))  # the next exception says the same
+                or (wrapper.__cause__ is e and _ringpipes(wrapper))):  # ringpipe's error tells what it means
+            continue
+        blocks.append((e, mine, e.__cause__ is not None))
+    if blocks and not any(mine for _, mine, _ in blocks) and not _ringpipes(blocks[-1][0]):
+        e, _, cause = blocks[0]  # ringpipe's own errors say what to fix; another exception shows where it was raised
+        blocks[0] = (e, traceback.extract_tb(e.__traceback__)[-1:], cause)
+    out: list[str] = []
+    for j, (e, frames, caused) in enumerate(blocks):
+        if j:
+            out.append("\nThe above exception was the direct cause of the following exception:\n\n" if caused
+                       else "\nDuring handling of the above exception, another exception occurred:\n\n")
+        if frames:
+            out.append("Traceback (most recent call last):\n")
+            out.extend(traceback.format_list(frames))
+        out.extend(traceback.format_exception_only(type(e), e))
+    if hidden and hint:
+        out.append(f"({hint})\n")
+    return "".join(out)
+
+
 def _flush() -> None:
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):  # a closed stream
@@ -224,7 +314,8 @@ def run_program(program: Sequence[str]) -> int:
         code = 128 + int(signal.SIGINT)
         _write_record(launch_dir, code, "interrupted")
     except BaseException as exc:  # noqa: BLE001 - the program's uncaught exception: report it
-        sys.stderr.write(_user_traceback(exc))
+        sys.stderr.write(failure_report(exc, verbose_tracebacks(), hint=(
+            f"frames of ringpipe and the libraries left out; {VERBOSE}=1 or the launcher's -v shows them")))
         last = "".join(traceback.format_exception_only(type(exc), exc)).strip().splitlines()
         _write_record(launch_dir, 1, last[-1] if last else type(exc).__name__)
         _departed("exception: " + (last[-1] if last else type(exc).__name__))

@@ -22,6 +22,9 @@ import sys
 from collections.abc import Callable, Sequence
 from types import SimpleNamespace
 
+from ringpipe.launch.bootstrap import VERBOSE
+from ringpipe.launch.speaker import HOROVODRUN, speak_as
+
 __all__ = ["main", "check_build", "translate", "HorovodrunUsageError", "exportable", "mpi_usable"]
 
 
@@ -73,8 +76,9 @@ _UNSUPPORTED = {
     "--jsrun": "jsrun is not supported", "--ray": "Ray is not supported",
 }
 
-# Flags accepted with nothing to do: ringpipe checks the hosts on every launch (no cache to disable)
-# and its gloo and MPI traffic is TCP already.
+# Flags: --gloo and --mpi choose the backend; --verbose (-v) shows a failed rank's whole traceback;
+# the others are accepted with nothing to do: ringpipe checks the hosts on every launch (no cache to
+# disable) and its gloo and MPI traffic is TCP already.
 _FLAGS = {"--gloo", "--mpi", "--verbose", "-v", "--disable-cache", "--tcp"}
 
 # Variables not sent to other hosts: this shell's and this machine's, and another launcher's ranks'.
@@ -170,7 +174,7 @@ def translate(argv: Sequence[str]) -> tuple[list[str], dict[str, str]]:
             # elastic bounds without a discovery script: the hosts are fixed, so the job is -np ranks
             if not eq:
                 i += 1
-            print(f"horovodrun (ringpipe): {name} ignored: without --host-discovery-script the job runs a fixed "
+            print(f"{HOROVODRUN}: {name} ignored: without --host-discovery-script the job runs a fixed "
                   "-np ranks (no rank joins later; a lost rank ends the job)", file=sys.stderr)
             i += 1
             continue
@@ -183,6 +187,8 @@ def translate(argv: Sequence[str]) -> tuple[list[str], dict[str, str]]:
                 if backend and backend != want:
                     raise HorovodrunUsageError("give one of --gloo and --mpi")
                 backend = want
+            elif name in ("--verbose", "-v"):
+                env[VERBOSE] = "1"
             i += 1
             continue
         known = name in _TO_LAUNCH or name in _TO_ENV
@@ -227,9 +233,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args, env = translate(argv)
     except HorovodrunUsageError as exc:
-        print(f"horovodrun (ringpipe): {exc}", file=sys.stderr)
+        print(f"{HOROVODRUN}: {exc}", file=sys.stderr)
         return 2
     os.environ.update(env)
+    speak_as(HOROVODRUN)  # the launcher's own lines carry the name of the command the user ran
     return int(launch_main(SimpleNamespace(argv=args)))
 
 
@@ -245,17 +252,17 @@ def _alias(argv: list[str]) -> int:
         elif tok == "--bin-dir" and rest:
             bin_dir = rest.pop(0)
         else:
-            print(f"horovodrun (ringpipe): {argv[0]} does not take {tok!r} "
+            print(f"{HOROVODRUN}: {argv[0]} does not take {tok!r} "
                   f"(usage: ringpipe-horovodrun {argv[0]}{' [--force]' if argv[0] == '--install-alias' else ''} "
                   "[--bin-dir DIR])", file=sys.stderr)
             return 2
     try:
         if argv[0] == "--install-alias":
-            print(f"horovodrun (ringpipe): wrote {install_alias(bin_dir, force)}")
+            print(f"{HOROVODRUN}: wrote {install_alias(bin_dir, force)}")
         else:
-            print(f"horovodrun (ringpipe): removed {remove_alias(bin_dir)}")
+            print(f"{HOROVODRUN}: removed {remove_alias(bin_dir)}")
     except AliasError as exc:
-        print(f"horovodrun (ringpipe): {exc}", file=sys.stderr)
+        print(f"{HOROVODRUN}: {exc}", file=sys.stderr)
         return 1
     return 0
 

@@ -26,6 +26,7 @@ from ringpipe.launch.hosts import is_local
 from ringpipe.launch.options import LaunchOptions
 from ringpipe.launch.relay import Failure, last_error, lost_peer, report_failures
 from ringpipe.launch.remote import HostProblem, _node0_address, check_hosts, forwarded_env
+from ringpipe.launch.speaker import label
 
 __all__ = ["run_mpi_hosts", "TagJoiner", "mpirun_hosts_command"]
 
@@ -117,8 +118,8 @@ def run_mpi_hosts(opts: LaunchOptions) -> int:
     problems = [p for p in found.values() if isinstance(p, HostProblem)]
     if problems:
         for p in problems:
-            print(f"ringpipe launch: cannot start ranks on host {p.host}: {p.reason}", file=sys.stderr)
-        print("ringpipe launch: nothing was started", file=sys.stderr)
+            print(f"{label()}: cannot start ranks on host {p.host}: {p.reason}", file=sys.stderr)
+        print(f"{label()}: nothing was started", file=sys.stderr)
         return 1
     first = placement.hosts[0][0]
     port = opts.master_port or (found[first] if isinstance(found.get(first), int) else runners.free_port(""))
@@ -126,7 +127,7 @@ def run_mpi_hosts(opts: LaunchOptions) -> int:
     env.update({"RINGPIPE_BACKEND": "mpi", "MASTER_ADDR": _node0_address(placement), "MASTER_PORT": str(port),
                 "PYTHONUNBUFFERED": "1", PLACEMENT: ",".join(str(n) for _, n in placement.hosts)})
     cmd = mpirun_hosts_command(opts, env)
-    print(f"ringpipe launch: {placement.size} MPI ranks on {len(placement.hosts)} hosts ({placement.describe()})",
+    print(f"{label()}: {placement.size} MPI ranks on {len(placement.hosts)} hosts ({placement.describe()})",
           file=sys.stderr, flush=True)
     child_env = {k: v for k, v in os.environ.items() if not k.startswith("RINGPIPE_LAUNCH_")}
     child_env.update(env)
@@ -148,7 +149,7 @@ def run_mpi_hosts(opts: LaunchOptions) -> int:
             proc.wait(timeout=15)
         except subprocess.TimeoutExpired:
             proc.kill()
-        print("ringpipe launch: interrupted by SIGINT; every rank on every host was stopped", file=sys.stderr)
+        print(f"{label()}: interrupted by SIGINT; every rank on every host was stopped", file=sys.stderr)
         return 130
     if code == 0:
         return 0
@@ -164,6 +165,6 @@ def run_mpi_hosts(opts: LaunchOptions) -> int:
         error = last_error(tail)
         failures.append(Failure(rank, status, error, float(rank), lost_peer(tail)))
     if not failures:
-        print(f"ringpipe launch: mpirun exited with code {code}", file=sys.stderr)
+        print(f"{label()}: mpirun exited with code {code}", file=sys.stderr)
         return code
     return report_failures(failures)

@@ -28,6 +28,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from ringpipe.launch.speaker import label
+
 __all__ = ["OutputRelay", "Failure", "order_failures", "report_failures", "PEER_LOST"]
 
 #: Messages of a rank that failed only because another rank went away first.
@@ -239,9 +241,11 @@ def report_failures(failures: list[Failure]) -> int:
             line = f"rank {f.rank} failed with {f.what()}{detail}"
         elif f.lost_peer:
             line = f"rank {f.rank} then failed with {f.what()} after losing its connection to rank {first.rank}"
+        elif f.error and f.error == first.error:  # its report above says it; once here is enough
+            line = f"rank {f.rank} also failed with {f.what()}: the same error"
         else:
             line = f"rank {f.rank} also failed with {f.what()}{detail}"
-        print(f"ringpipe launch: {line}", file=sys.stderr)
-    print("ringpipe launch: the other ranks were stopped", file=sys.stderr)
+        print(f"{label()}: {line}", file=sys.stderr)
+    print(f"{label()}: the other ranks were stopped", file=sys.stderr)
     code = first.code
     return code if code > 0 else 128 - code if code < 0 else 1

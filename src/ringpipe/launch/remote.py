@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from ringpipe.launch.bootstrap import PLACEMENT
 from ringpipe.launch.hosts import Placement, is_local
 from ringpipe.launch.options import LaunchOptions
+from ringpipe.launch.speaker import LAUNCH, label
 
 __all__ = ["run_hosts", "check_hosts", "forwarded_env", "end_on_stdin_eof", "ssh_prefix", "HostProblem"]
 
@@ -164,10 +165,10 @@ class _Lines:
 
     @staticmethod
     def _run(stream: object, out: int, host: str, lock: threading.Lock) -> None:
-        own = b"ringpipe launch: "
+        own = f"{LAUNCH}: ".encode()  # a host's own launcher is ringpipe launch
         for line in iter(stream.readline, b""):  # type: ignore[attr-defined]
             if line.startswith(own):
-                line = b"ringpipe launch: [" + host.encode() + b"] " + line[len(own):]
+                line = f"{label()}: [{host}] ".encode() + line[len(own):]
             if not line.endswith(b"\n"):
                 line += b"\n"
             with lock:
@@ -203,8 +204,8 @@ def run_hosts(opts: LaunchOptions) -> int:
     problems = [p for p in found.values() if isinstance(p, HostProblem)]
     if problems:
         for p in problems:
-            print(f"ringpipe launch: cannot start ranks on host {p.host}: {p.reason}", file=sys.stderr)
-        print("ringpipe launch: nothing was started", file=sys.stderr)
+            print(f"{label()}: cannot start ranks on host {p.host}: {p.reason}", file=sys.stderr)
+        print(f"{label()}: nothing was started", file=sys.stderr)
         return 1
     if opts.master_port:
         port = opts.master_port
@@ -216,7 +217,7 @@ def run_hosts(opts: LaunchOptions) -> int:
         port = free_port("")
     endpoint = f"{_node0_address(placement)}:{port}"
     env = forwarded_env(opts)
-    print(f"ringpipe launch: {placement.size} ranks on {len(hosts)} hosts ({placement.describe()}); "
+    print(f"{label()}: {placement.size} ranks on {len(hosts)} hosts ({placement.describe()}); "
           f"rendezvous at {endpoint}", file=sys.stderr, flush=True)
 
     procs: list[subprocess.Popen[bytes]] = []
@@ -247,7 +248,7 @@ def run_hosts(opts: LaunchOptions) -> int:
         for r in relays:
             r.thread.join(timeout=5)
         sig = int(exc.args[0]) if exc.args and isinstance(exc.args[0], int) else int(signal.SIGINT)
-        print(f"ringpipe launch: interrupted by {signal.Signals(sig).name}; every rank on every host was stopped",
+        print(f"{label()}: interrupted by {signal.Signals(sig).name}; every rank on every host was stopped",
               file=sys.stderr)
         return 128 + sig
     finally:
@@ -263,7 +264,7 @@ def run_hosts(opts: LaunchOptions) -> int:
     first = placement.first_rank(index)
     what = ("the ssh connection was lost (ssh exit status 255)" if code == 255 and hosts[index] in remote
             else f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}")
-    print(f"ringpipe launch: host {host} (ranks {first}-{first + count - 1}) failed first with {what}; "
+    print(f"{label()}: host {host} (ranks {first}-{first + count - 1}) failed first with {what}; "
           "the ranks on every host were stopped", file=sys.stderr)
     return code if code > 0 else 128 - code if code < 0 else 1
 

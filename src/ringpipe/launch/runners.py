@@ -23,6 +23,7 @@ from ringpipe.env import MP_MARKER
 from ringpipe.launch import bootstrap
 from ringpipe.launch.options import LaunchOptions
 from ringpipe.launch.relay import Failure, OutputRelay, last_error, lost_peer, report_failures
+from ringpipe.launch.speaker import label
 
 __all__ = ["mpirun_command", "run_agent", "run_mpi", "run_mp", "free_port", "source_address"]
 
@@ -131,12 +132,12 @@ def run_agent(opts: LaunchOptions) -> int:
         relay.close()
         sig = int(getattr(exc, "sigval", signal.SIGINT))
         if not opts.host_of_many:  # a host stopped by a several-host launcher: that launcher says why
-            print(f"ringpipe launch: interrupted by {signal.Signals(sig).name}; every rank was stopped",
+            print(f"{label()}: interrupted by {signal.Signals(sig).name}; every rank was stopped",
                   file=sys.stderr)
         return 128 + sig
     except Exception as exc:  # noqa: BLE001 - the agent itself failed (rendezvous, ...): say so in one line
         relay.close()
-        print(f"ringpipe launch: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"{label()}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     relay.close()
     return 0
@@ -152,7 +153,7 @@ class _RestartNote(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if "will restart worker group" in str(record.msg) and "attempts left" in str(record.msg):
             self.done += 1
-            print(f"ringpipe launch: a rank failed; restarting every rank (restart {self.done} of "
+            print(f"{label()}: a rank failed; restarting every rank (restart {self.done} of "
                   f"{self.max_restarts})", file=sys.stderr, flush=True)
         return False
 
@@ -273,7 +274,7 @@ def run_mpi(opts: LaunchOptions) -> int:
         except subprocess.TimeoutExpired:
             proc.kill()
         relay.close()
-        print("ringpipe launch: interrupted by SIGINT; every rank was stopped", file=sys.stderr)
+        print(f"{label()}: interrupted by SIGINT; every rank was stopped", file=sys.stderr)
         return 130
     relay.close()
     if code == 0:
@@ -288,7 +289,7 @@ def run_mpi(opts: LaunchOptions) -> int:
     failures = _failures(relay, codes)
     if not failures:
         sys.stderr.write(text)
-        print(f"ringpipe launch: mpirun exited with code {code}", file=sys.stderr)
+        print(f"{label()}: mpirun exited with code {code}", file=sys.stderr)
         return code
     if os.environ.get("RINGPIPE_LAUNCH_VERBOSE"):
         sys.stderr.write(text)
@@ -308,7 +309,7 @@ def _mp_rank(local_rank: int, opts: LaunchOptions, env: dict[str, str], launcher
     sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
     for name in opts.python:  # the interpreter's options cannot change after fork: say so
         if name not in ("-u",):
-            print(f"ringpipe launch: --mode mp ignores the python option {name}", file=sys.stderr)
+            print(f"{label()}: --mode mp ignores the python option {name}", file=sys.stderr)
             break
     code = bootstrap.run_program(opts.program)
     sys.stdout.flush()
@@ -343,7 +344,7 @@ def run_mp(opts: LaunchOptions) -> int:
             if p.is_alive():
                 p.kill()
         relay.close()
-        print("ringpipe launch: interrupted by SIGINT; every rank was stopped", file=sys.stderr)
+        print(f"{label()}: interrupted by SIGINT; every rank was stopped", file=sys.stderr)
         return 130
     except (tmp.ProcessRaisedException, tmp.ProcessExitedException):
         codes = {}

@@ -9,6 +9,7 @@ Every rank ends when the process that called :func:`spawn` ends.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import pickle
 import signal
@@ -22,18 +23,33 @@ import torch.multiprocessing as tmp
 from ringpipe.comm.base import Communicator
 from ringpipe.comm.events import default_log
 from ringpipe.comm.rendezvous import BACKENDS, free_port, init_world, shutdown_world
-from ringpipe.launch.bootstrap import die_with_parent, rank_environment
+from ringpipe.launch.bootstrap import (
+    VERBOSE,
+    die_with_parent,
+    failure_report,
+    rank_environment,
+    verbose_tracebacks,
+)
 from ringpipe.launch.relay import PEER_LOST
 
 __all__ = ["spawn", "local_rank_zero_first", "WorkerFailed"]
 
 
 class WorkerFailed(RuntimeError):
-    """A worker process failed; the message names the rank and the cause."""
+    """A worker process failed; the message names the rank and the cause.
 
-    def __init__(self, rank: int, message: str) -> None:
+    ``report`` is what the rank said about its exception (:func:`~ringpipe.launch.bootstrap.failure_report`:
+    the user's frames, or Python's whole traceback where the rank's environment sets
+    ``RINGPIPE_LAUNCH_VERBOSE``); "" where the rank died without one.
+    """
+
+    def __init__(self, rank: int, message: str, report: str = "") -> None:
         super().__init__(f"rank {rank} failed: {message}")
-        self.rank = rank
+        self.rank, self.report = rank, report
+
+
+class _Report(str):
+    """A failed rank's report, sent in its result's place."""
 
 
 # ----------------------------------------------------------------------------- in-Python spawn
@@ -77,6 +93,11 @@ def _worker(
         # Plain pickle bytes: torch's queue would share tensors through file descriptors that
         # die with this process.
         results.put(pickle.dumps((local_rank, out)))
+    except BaseException as exc:
+        report = failure_report(exc, verbose_tracebacks(), hint=f"frames of ringpipe and the libraries left out; "
+                                f"-v or {VERBOSE}=1 shows them")
+        results.put(pickle.dumps((local_rank, _Report(report))))
+        raise
     finally:
         shutdown_world()
 
@@ -116,6 +137,11 @@ def spawn(
             rank, value = pickle.loads(results.get())
             out[rank] = value
 
+    # torch says "Terminating process N via signal SIGTERM" for each rank it stops after a
+    # failure; WorkerFailed names the rank that failed and why.
+    quiet = logging.getLogger("torch.multiprocessing.spawn")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
     try:
         ctx_ = tmp.start_processes(
             _worker,
@@ -130,7 +156,11 @@ def spawn(
             drain()
     except (tmp.ProcessRaisedException, tmp.ProcessExitedException) as exc:
         rank, cause = _root_cause(ctx_, exc.error_index)
-        raise WorkerFailed(rank, cause) from exc
+        drain()
+        report = out[rank] if isinstance(out[rank], _Report) else ""
+        raise WorkerFailed(rank, cause, str(report)) from exc
+    finally:
+        quiet.setLevel(level)
     drain()
     return out
 

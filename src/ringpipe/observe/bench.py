@@ -103,9 +103,13 @@ def bench_job(comm: Communicator, args: Any, sizes: list[int], algos: list[str] 
         print(_HEAD, flush=True)
 
     comparisons: list[dict[str, Any]] = []
+    table = None
+    if args.collective == "allreduce" and "auto" in check_algorithms("allreduce", algos) and not args.no_probe:
+        table = _probe(comm, args, sizes, dtype, root)
+    probed = {b: (c, t) for b, c, t in table.rows} if table is not None else {}
 
     def show(size_rows: list[dict[str, Any]]) -> None:
-        c = compare(size_rows)
+        c = compare(size_rows, probed.get(max(size_rows[0]["bytes"], 4)) if size_rows else None)
         if c is not None:
             comparisons.append(c)
         if not root:
@@ -115,13 +119,14 @@ def bench_job(comm: Communicator, args: Any, sizes: list[int], algos: list[str] 
         if c is not None:
             print(json.dumps(c) if args.json else format_comparison(c), flush=True)
 
-    if args.collective == "allreduce" and "auto" in check_algorithms("allreduce", algos) and not args.no_probe:
-        _probe(comm, args, sizes, dtype, root)
     rows = run_bench(comm, args.collective, sizes, algos, args.iters, args.warmup, dtype,
                      check=not args.no_check, repeats=args.repeats, on_size=show)
     if root and comparisons and not args.json:
-        print("# against native (ratios: native's median time over the variant's; 'inconclusive': the "
-              "min-max spreads over the rounds overlap)", flush=True)
+        print("# against native, one statistic throughout: 'x native' is the median over the rounds of the variant's "
+              "time over native's in the same round (below 1: faster), 'faster' the rounds it was faster in; a "
+              "verdict needs 2/3 of the rounds and 10 % either way, as auto's probe asks; the probe's columns are the same statistic "
+              "over the probe's own rounds, timed before the sweep, so they differ from the sweep's by the noise "
+              "between the two", flush=True)
         print("\n".join("# " + line for line in format_summary(comparisons).splitlines()), flush=True)
     if root and args.plot:
         plot(rows, args.plot)
@@ -129,8 +134,9 @@ def bench_job(comm: Communicator, args: Any, sizes: list[int], algos: list[str] 
     return 1 if any(r["wrong"] for r in rows) else 0
 
 
-def _probe(comm: Communicator, args: Any, sizes: list[int], dtype: torch.dtype, root: bool) -> None:
-    """Give ``auto`` its measured table: read from ``--auto-table`` when the file exists, else probe (and write it)."""
+def _probe(comm: Communicator, args: Any, sizes: list[int], dtype: torch.dtype, root: bool) -> Any:
+    """Give ``auto`` its measured table: read from ``--auto-table`` when the file exists, else probe (and write it).
+    Returns the table (:class:`ringpipe.collectives.autotune.Table`)."""
     from ringpipe.collectives import autotune
 
     path = args.auto_table
@@ -146,6 +152,7 @@ def _probe(comm: Communicator, args: Any, sizes: list[int], dtype: torch.dtype, 
             how += f", written to {path}"
     if root:
         print(f"ringpipe bench: auto table {how}: {table}", file=sys.stderr, flush=True)
+    return table
 
 
 def _bench_mpirun(args: Any, argv: list[str]) -> int:

@@ -1,18 +1,30 @@
 """What ``ringpipe bench`` prints and draws: rows, per-size comparisons against native, busbw plots.
 
-A comparison claims that one variant is faster or slower than the backend's own collective only
-when their spreads over the interleaved rounds do not overlap (min-max over the rounds); where
-they overlap it says so (``inconclusive``) and gives the ratio of the medians alone. Beside it,
-the *paired* ratio: native's time over the variant's within each round (blocks that ran next to
-each other, so a drift of the machine weighs on both), as median and interquartile range.
+Every comparison against the backend's own collective uses one statistic, the one ``auto``'s probe
+decides by (:func:`ringpipe.collectives.autotune.paired`): in each interleaved round, the variant's
+time over native's (blocks that ran next to each other, so a drift of the machine weighs on both);
+the median of those ratios (``0.46x native's time``: below 1 is faster) and the rounds the variant
+was faster in (``faster in 7/9 rounds``). A verdict is ``faster`` (or ``slower``) when the variant
+was faster (slower) than native in at least :data:`~ringpipe.collectives.autotune.MAJORITY` of the
+rounds, the share the probe asks of a candidate, by at least its margin
+(:data:`~ringpipe.collectives.autotune.MARGIN`); otherwise ``inconclusive``; ``auto`` running native
+is ``native itself`` (the ratio of a collective to itself is the noise of the machine). Where ``auto``'s table
+was probed at the size, the probe's own figures stand beside the sweep's: the same statistic over
+other rounds (the probe's, timed before the sweep), so the two differ by what the machine's noise
+does between them, and the table says which is which.
 """
 
 from __future__ import annotations
 
-import statistics
 from typing import Any
 
-__all__ = ["compare", "format_comparison", "format_row", "format_summary", "format_table", "plot", "plot_figure"]
+from ringpipe.collectives.autotune import MAJORITY, MARGIN, paired
+
+__all__ = ["compare", "format_comparison", "format_row", "format_summary", "format_table", "plot", "plot_figure",
+           "verdict"]
+
+#: auto's verdict when it ran native: the same collective in both rows, whose ratio is the noise.
+SAME = "native itself"
 
 _HEAD = (f"{'size(B)':>11} {'count':>10} {'dtype':>8} {'algorithm':>24} {'min(us)':>10} "
          f"{'median(us)':>10} {'max(us)':>10} {'algbw':>8} {'busbw':>8} {'wrong':>6}")
@@ -34,34 +46,42 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join([_HEAD, *(format_row(r) for r in rows)])
 
 
-def _verdict(row: dict[str, Any], native: dict[str, Any]) -> str:
-    """faster / slower than native when the min-max spreads are apart, else inconclusive."""
-    if row["time_max_us"] < native["time_min_us"]:
+def verdict(ratio: float, wins: int, rounds: int, margin: float = MARGIN, majority: float = MAJORITY) -> str:
+    """The probe's rule (:func:`ringpipe.collectives.autotune.decide`), both ways: ``faster`` when the
+    median ratio is at most ``1 - margin`` and the variant was faster in at least ``majority`` of the
+    rounds; ``slower`` when it is at least ``1 / (1 - margin)`` and it was slower in that many;
+    otherwise ``inconclusive``."""
+    if rounds and ratio <= 1.0 - margin and wins >= majority * rounds - 1e-9:
         return "faster"
-    if row["time_min_us"] > native["time_max_us"]:
+    if rounds and ratio >= 1.0 / (1.0 - margin) and rounds - wins >= majority * rounds - 1e-9:
         return "slower"
     return "inconclusive"
 
 
-def _paired(variant: dict[str, Any], native: dict[str, Any]) -> list[float] | None:
-    """Median, first and third quartile of native / variant time within each round (None without them)."""
-    a, b = native.get("times_us"), variant.get("times_us")
-    if not a or not b or len(a) != len(b) or min(b) <= 0:
-        return None
-    ratios = [n / v for n, v in zip(a, b, strict=True)]
-    q1 = q3 = statistics.median(ratios)
-    if len(ratios) >= 2:
-        q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
-    return [round(statistics.median(ratios), 3), round(q1, 3), round(q3, 3)]
+def _against(variant: dict[str, Any], native: dict[str, Any]) -> tuple[float, int, int]:
+    """(median of variant / native time per round, rounds the variant was faster, rounds)."""
+    mine, theirs = variant.get("times_us"), native.get("times_us")
+    if not mine or not theirs or len(mine) != len(theirs):  # no rounds to pair: the medians, no verdict
+        return variant["time_us"] / max(native["time_us"], 1e-12), 0, 0
+    return paired({"native": list(theirs), "x": list(mine)}, "x")
 
 
-def compare(size_rows: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """Ratios against native for one size's rows (None without a native row and another one).
+def _figures(prefix: str, variant: dict[str, Any], native: dict[str, Any]) -> dict[str, Any]:
+    ratio, wins, rounds = _against(variant, native)
+    return {f"{prefix}_ratio": round(ratio, 3), f"{prefix}_wins": wins, f"{prefix}_rounds": rounds,
+            f"{prefix}_verdict": verdict(ratio, wins, rounds)}
 
-    ``best``: the fastest of ringpipe's own algorithms by median; ``*_ratio``: native's median time
-    over the variant's (above 1: faster than native, as a busbw ratio); ``*_verdict``: faster,
-    slower or inconclusive (the min-max spreads over the rounds overlap); ``*_paired``: the
-    per-round ratios' [median, first quartile, third quartile], when the rows carry ``times_us``.
+
+def compare(size_rows: list[dict[str, Any]], probed: tuple[str, dict[str, list[float]]] | None = None
+            ) -> dict[str, Any] | None:
+    """The comparisons against native for one size's rows (None without a native row and another one).
+
+    ``best``: the one of ringpipe's own algorithms with the smallest median ratio; ``*_ratio``:
+    the median over the rounds of the variant's time over native's in the same round (below 1:
+    faster); ``*_wins`` of ``*_rounds``: the rounds it was faster in; ``*_verdict``: faster, slower
+    or inconclusive (:func:`verdict`). ``probed``: ``auto``'s probe at this size, (its choice, every
+    candidate's time per round), reported as ``probe_*`` for the algorithm auto runs (for native:
+    the best other), from the probe's own rounds.
     """
     by = {r["algorithm"]: r for r in size_rows}
     native = by.get("native")
@@ -71,15 +91,21 @@ def compare(size_rows: list[dict[str, Any]]) -> dict[str, Any] | None:
                            "ranks": native["ranks"], "native_us": native["time_us"]}
     own = [r for r in size_rows if r["algorithm"] not in ("native", "auto")]
     if own:
-        best = min(own, key=lambda r: r["time_us"])
-        out.update(best=best["algorithm"], best_us=best["time_us"],
-                   best_ratio=round(native["time_us"] / best["time_us"], 3),
-                   best_verdict=_verdict(best, native), best_paired=_paired(best, native))
+        best = min(own, key=lambda r: (_against(r, native)[0], r["algorithm"]))
+        out.update(best=best["algorithm"], best_us=best["time_us"], **_figures("best", best, native))
     auto = by.get("auto")
     if auto is not None:
-        out.update(auto_chose=auto.get("chosen", "?"), auto_us=auto["time_us"],
-                   auto_ratio=round(native["time_us"] / auto["time_us"], 3),
-                   auto_verdict=_verdict(auto, native), auto_paired=_paired(auto, native))
+        out.update(auto_chose=auto.get("chosen", "?"), auto_us=auto["time_us"], **_figures("auto", auto, native))
+        if out["auto_chose"] == "native":  # the same collective twice: its ratio is the machine's noise
+            out["auto_verdict"] = SAME
+    if probed is not None:
+        choice, times = probed
+        others = [a for a in times if a != "native" and times[a]]
+        if times.get("native") and others:
+            shown = choice if choice != "native" else min(others, key=lambda a: (paired(times, a)[0], a))
+            ratio, wins, rounds = paired(times, shown)
+            out.update(probe_chose=choice, probe_algorithm=shown, probe_ratio=round(ratio, 3), probe_wins=wins,
+                       probe_rounds=rounds, probe_verdict=verdict(ratio, wins, rounds))
     return out
 
 
@@ -88,37 +114,44 @@ def _size(n: int) -> str:
         f"{n >> 10} KiB" if n >= 1024 and n % 1024 == 0 else f"{n} B"
 
 
-def _pair_text(p: list[float] | None) -> str:
-    return f", paired {p[0]:.2f}x (IQR {p[1]:.2f}-{p[2]:.2f})" if p else ""
+def _figure_text(c: dict[str, Any], prefix: str, which: str = "rounds") -> str:
+    ratio, wins, rounds = c[f"{prefix}_ratio"], c[f"{prefix}_wins"], c[f"{prefix}_rounds"]
+    faster = f", faster in {wins}/{rounds} {which}" if rounds else " (medians: no rounds to pair)"
+    return f"{ratio:.2f}x native's time{faster} [{c[f'{prefix}_verdict']}]"
 
 
 def format_comparison(c: dict[str, Any]) -> str:
-    """One line: best own algorithm / native and auto / native at one size, with the verdicts."""
+    """One line: best own algorithm and auto against native at one size, and the probe's figures there."""
     parts = [f"# {_size(c['bytes'])}:"]
     if "best" in c:
-        parts.append(f"best own ({c['best']}) / native {c['best_ratio']:.2f}x [{c['best_verdict']}"
-                     f"{_pair_text(c.get('best_paired'))}];")
+        parts.append(f"best own ({c['best']}) {_figure_text(c, 'best')};")
     if "auto_chose" in c:
-        parts.append(f"auto ({c['auto_chose']}) / native {c['auto_ratio']:.2f}x [{c['auto_verdict']}"
-                     f"{_pair_text(c.get('auto_paired'))}]")
+        parts.append(f"auto ({c['auto_chose']}) {_figure_text(c, 'auto')};")
+    if "probe_chose" in c:
+        which = c["probe_algorithm"] if c["probe_chose"] != "native" else f"native; best other {c['probe_algorithm']}"
+        parts.append(f"auto's probe ({which}) {_figure_text(c, 'probe', 'of its own rounds, before the sweep')}")
     return " ".join(parts).rstrip(";")
 
 
 def format_summary(comparisons: list[dict[str, Any]]) -> str:
-    """The per-size comparisons as one table (ratios are native time over the variant's, medians)."""
-    head = (f"{'size':>8} {'native us':>10} {'best own':>18} {'best/nat':>8} {'verdict':>12} "
-            f"{'auto chose':>18} {'auto/nat':>8} {'verdict':>12} {'auto/nat paired (IQR)':>22}")
+    """The per-size comparisons as one table, every ratio the same statistic (see the module)."""
+    head = (f"{'size':>8} {'native us':>10} {'best own':>18} {'x native':>8} {'faster':>7} {'verdict':>12} "
+            f"{'auto chose':>18} {'x native':>8} {'faster':>7} {'verdict':>12} {'probe x native':>14} "
+            f"{'faster':>7} {'verdict':>12}")
     lines = [head]
     for c in comparisons:
         lines.append(f"{_size(c['bytes']):>8} {c['native_us']:>10.1f} {c.get('best', '-'):>18} "
-                     f"{c.get('best_ratio', float('nan')):>8.2f} {c.get('best_verdict', '-'):>12} "
-                     f"{c.get('auto_chose', '-'):>18} {c.get('auto_ratio', float('nan')):>8.2f} "
-                     f"{c.get('auto_verdict', '-'):>12} {_iqr(c.get('auto_paired')):>22}")
+                     f"{_cells(c, 'best')} {c.get('auto_chose', '-'):>18} {_cells(c, 'auto')} "
+                     f"{_cells(c, 'probe', 14)}")
     return "\n".join(lines)
 
 
-def _iqr(p: list[float] | None) -> str:
-    return f"{p[0]:.2f} ({p[1]:.2f}-{p[2]:.2f})" if p else "-"
+def _cells(c: dict[str, Any], prefix: str, width: int = 8) -> str:
+    if f"{prefix}_ratio" not in c:
+        return f"{'-':>{width}} {'-':>7} {'-':>12}"
+    rounds = c[f"{prefix}_rounds"]
+    faster = f"{c[f'{prefix}_wins']}/{rounds}" if rounds else "-"
+    return f"{c[f'{prefix}_ratio']:>{width}.2f} {faster:>7} {c[f'{prefix}_verdict']:>12}"
 
 
 def _human_size(n: float) -> str:

@@ -188,7 +188,7 @@ def load_events(path: str | Path) -> JobEvents:
         data = json.loads(path.read_text())
     except FileNotFoundError:
         raise FileNotFoundError(f"{path}: no such events file (write one with ringpipe.observe.save_events "
-                                "or `ringpipe train --set observe.timeline=true`)") from None
+                                "or any `ringpipe train` of several processes)") from None
     except json.JSONDecodeError as exc:
         raise ValueError(f"{path}: not JSON ({exc}); expected a ringpipe events file") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:

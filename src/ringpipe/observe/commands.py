@@ -14,8 +14,9 @@ import torch
 
 from ringpipe.observe.probe import doctor_job
 
-#: Where ``ringpipe train`` writes a run's events (observe.timeline) and how to ask for them.
-_EVENTS_HOWTO = "`ringpipe train --set observe.timeline=true` writes events.json into the run directory"
+#: Where ``ringpipe train`` writes a run's events and how to ask for them.
+_EVENTS_HOWTO = ("`ringpipe train` with several processes writes events.json into the run directory (observe.profile, "
+                 "on by default); a run of one process has no communication to profile")
 
 __all__ = ["add_parser", "doctor_main", "trace_main", "doctor_job", "load_events_arg"]
 
@@ -34,10 +35,11 @@ def _print_report(result: dict[str, Any], nbytes: int, as_json: bool) -> None:
             "findings": [asdict(f) for f in findings],
             "verified": result.get("verified"),
             "phases_s": result.get("phases_s", {}),
+            **({"comm": result["comm"]} if result.get("comm") else {}),
         }
         write_whole_lines(json_text(report, short_lines=under_mpi_launcher()))
         return
-    extra = []
+    extra = [result["comm"]] if result.get("comm") else []
     if result.get("links"):
         probed = all(x.get("latency_us") is not None for x in result["links"])
         extra.append(f"{'link':>12} {'latency us' if probed else 'ring steps':>11} {'GB/s':>8}  hosts")
@@ -143,6 +145,20 @@ def _sniff(path: Path) -> None:
             raise ValueError(f"{path} is a binary file, not an events file (JSON text); {_EVENTS_HOWTO}") from None
 
 
+def _why_no_events(run: Path) -> str:
+    """Why a run directory holds no events, where its summary or config says ("" if they do not)."""
+    try:
+        summary = json.loads((run / "summary.json").read_text())
+    except (OSError, ValueError):
+        return ""
+    if summary.get("world_size") == 1:
+        return " (a run of one process: it made no communication to profile)"
+    config = (run / "config.yaml").read_text() if (run / "config.yaml").is_file() else ""
+    if "profile: false" in config:
+        return " (the run had observe.profile=false)"
+    return " (a run of an earlier ringpipe, which wrote it only with observe.timeline=true)"
+
+
 def load_events_arg(path: str) -> Any:
     """The events of ``path``: an events file, a run directory holding events.json, or a timeline beside its events."""
     from ringpipe.observe.collect import load_events
@@ -150,7 +166,8 @@ def load_events_arg(path: str) -> Any:
     given = Path(path)
     if given.is_dir():
         if not (given / "events.json").is_file():
-            raise IsADirectoryError(f"{path} is a directory without events.json; give the events file ({_EVENTS_HOWTO})")
+            raise IsADirectoryError(f"{path} is a directory without events.json{_why_no_events(given)}; give the "
+                                    f"events file ({_EVENTS_HOWTO})")
         given = given / "events.json"
     if given.is_file():
         _sniff(given)
@@ -188,17 +205,18 @@ def _usage_error(command: str, exc: BaseException | str) -> int:
 def _doctor_events(args: Any) -> int:
     """``ringpipe doctor EVENTS``: the profile and the findings of a recorded run."""
     from ringpipe.observe.doctor import diagnose, run_links
-    from ringpipe.observe.table import format_profile
+    from ringpipe.observe.runreport import window_job
+    from ringpipe.observe.table import comm_line, format_profile
 
     try:
-        job = load_events_arg(args.events)
+        job = window_job(load_events_arg(args.events))  # a training run's steps, as its doctor.txt
     except (ValueError, OSError) as exc:
         return _usage_error("doctor", exc)
     links = run_links(job)  # the run's own collective steps stand in for the probe
     findings = diagnose(job, links)
     if not args.json:
         print(format_profile(job) + "\n", flush=True)
-    _print_report({"job": job, "findings": findings, "links": links}, 0, args.json)
+    _print_report({"job": job, "findings": findings, "links": links, "comm": comm_line(job)}, 0, args.json)
     return _strict(args, findings)
 
 
@@ -313,15 +331,16 @@ def _beside(events: str) -> Path:
 
 
 def trace_main(args: Any) -> int:
+    from ringpipe.observe.runreport import window_job
     from ringpipe.observe.table import format_profile
     from ringpipe.observe.timeline import write_timeline
 
     try:
         job = load_events_arg(args.events)
-        out = write_timeline(args.output or _beside(args.events), job)
+        out = write_timeline(args.output or _beside(args.events), job)  # the whole run, start-up included
     except (ValueError, OSError) as exc:
         return _usage_error("trace", exc)
-    print(format_profile(job), flush=True)
+    print(format_profile(window_job(job)), flush=True)  # a training run's steps, as its comm_profile.txt
     print(f"\ntimeline: {out} (open in chrome://tracing or https://ui.perfetto.dev)", file=sys.stderr)
     return 0
 
@@ -334,13 +353,14 @@ def add_parser(sub: Any) -> None:
             "Without EVENTS: probe the job it runs in (under any launcher, or -n N local processes): "
             "a compute probe per rank, latency and bandwidth of every pair of ranks (ring neighbours "
             "above 8 ranks), ring and native allreduce; then name the rank, host or link at fault. "
-            "With EVENTS (the events.json of a run, or its run directory: `ringpipe train --set "
-            "observe.timeline=true` writes it; or a file of ringpipe.observe.save_events): the "
-            "communication profile and the late ranks of that run."
+            "With EVENTS (the events.json of a run, or its run directory: every `ringpipe train` of "
+            "several processes writes it: observe.profile, on by default; or a file of ringpipe.observe.save_events): the "
+            "communication profile and the late ranks of that run's training steps."
         ),
     )
     d.add_argument("events", nargs="?", default=None,
-                   help="events file (or a run directory holding events.json) to analyse instead of probing")
+                   help="events file (or a run directory holding events.json: observe.profile, on by default) to "
+                   "analyse instead of probing")
     d.add_argument("-n", "--nprocs", type=int, default=None, help="start N local processes (when not under a launcher)")
     d.add_argument("--backend", default=None, help="gloo, nccl or mpi (default: $RINGPIPE_BACKEND or gloo)")
     d.add_argument("--size", default="4M", help="message size of the bandwidth and allreduce probes (default 4M)")
@@ -361,7 +381,7 @@ def add_parser(sub: Any) -> None:
         description="Write EVENTS as a Chrome trace (chrome://tracing, ui.perfetto.dev) and print the MPI-style profile.",
     )
     t.add_argument("events", help="events file or a run directory holding events.json (ringpipe.observe.save_events "
-                   "or `ringpipe train --set observe.timeline=true`)")
+                   "or any `ringpipe train` of several processes: observe.profile, on by default)")
     t.add_argument("-o", "--output", default=None,
                    help="timeline file to write (default: beside the events: timeline.json in a run directory, "
                    "NAME.timeline.json for NAME.json)")

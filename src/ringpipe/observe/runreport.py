@@ -5,7 +5,10 @@ so do ``comm_profile.txt`` and ``doctor.txt``: each rank records its training wi
 event (``train.window``: first step start to last step end, with its step time and the time
 blocked on communication inside the steps), and :func:`window_job` keeps only the events inside
 each rank's window. Start-up (process group, model broadcast) and the final evaluation are
-left out; the profile's "blocked %" of rank 0 is the summary's ``comm_share``.
+left out; the profile's "comm %" of rank 0 is the summary's ``comm_share``. The run's events
+(``events.json``, start-up included, with the window) are written beside them in every run that
+writes the profile, so that ``ringpipe doctor RUN`` and ``ringpipe trace RUN`` read the default
+run; they cut it to the same window.
 """
 
 from __future__ import annotations
@@ -45,10 +48,10 @@ def window_job(job: JobEvents) -> JobEvents:
 
 def write_run_observations(comm: Communicator, run: Path, timeline: bool,
                            steps: Sequence[tuple[int, int, int]] = ()) -> None:
-    """Gather every rank's events; rank 0 writes ``comm_profile.txt``, ``doctor.txt`` and, with
-    ``timeline``, ``events.json`` and ``timeline.json`` into ``run``. Every rank calls it."""
+    """Gather every rank's events; rank 0 writes ``comm_profile.txt``, ``doctor.txt``, ``events.json``
+    and, with ``timeline``, ``timeline.json`` into ``run``. Every rank calls it."""
     from ringpipe.observe.doctor import diagnose, format_report
-    from ringpipe.observe.table import format_profile
+    from ringpipe.observe.table import comm_line, format_profile
     from ringpipe.observe.timeline import write_timeline
 
     record_window(comm, steps)
@@ -57,7 +60,8 @@ def write_run_observations(comm: Communicator, run: Path, timeline: bool,
         return
     steps_job = window_job(job)
     (run / "comm_profile.txt").write_text(format_profile(steps_job) + "\n")
-    (run / "doctor.txt").write_text(format_report(steps_job, diagnose(steps_job)) + "\n")
+    comm = comm_line(steps_job)
+    (run / "doctor.txt").write_text(format_report(steps_job, diagnose(steps_job), [comm] if comm else []) + "\n")
+    save_events(run / "events.json", job)  # for `ringpipe doctor RUN` and `ringpipe trace RUN`, in every run
     if timeline:
-        save_events(run / "events.json", job)
         write_timeline(run / "timeline.json", job)

@@ -3,14 +3,26 @@
 Modelled on the flat profiles of MPI tracing libraries (``mpi_profile.*`` of libmpitrace, mpiP):
 one row per operation with its calls (over all ranks and per rank), average message size, total
 bytes, each rank's *total* time in it (min / average / max over ranks, and the rank with the
-maximum) and the time *per call*; then one row per rank with its communication time and share
-of wall time. For a training run (:mod:`ringpipe.observe.runreport`) the window is the
-training steps, and each rank's row also gives the time its steps were blocked on
-communication: rank 0's share is the summary's ``comm_share``. Algorithm steps and consistency headers
-(``allreduce.step``, ``allreduce.header``) are part of the call that made them and are not
-counted again; overlapping asynchronous operations count once in a rank's communication time.
-ringpipe's own calls (start-up's hostname exchange, announcements, the messages of its
-algorithms: :func:`ringpipe.comm.events.split_internal`) are listed apart, below the program's.
+maximum) and the time *per call*; then one row per rank.
+
+A rank's row gives two different times, named as what they are:
+
+- **comm** (``comm ms``, ``comm %``): the time the rank's training steps were blocked waiting for
+  communication, and its share of the steps' time: what a faster network or more overlap could
+  win back. It is the one communication figure of a training run (docs/observe.md): rank 0's is
+  ``summary.json``'s ``comm_share``, and each epoch's log line gives it for that epoch's steps.
+  It needs a training window (:mod:`ringpipe.observe.runreport`); other events files have none.
+- **in flight** (``in flight ms``, ``in flight %``): the time with at least one of the program's
+  calls in progress (overlapping calls once), whether or not anything waited for it, as a share
+  of the window. Communication overlapped with computation counts here and not in comm.
+
+The window is a training run's steps (from the first step's start to the last step's end; the
+evaluations and checkpoints between epochs fall inside it, start-up and the final evaluation do
+not), else each rank's first to last recorded operation; events are cut to it, so no share
+exceeds 100 %. Algorithm steps and consistency headers (``allreduce.step``,
+``allreduce.header``) are part of the call that made them and are not counted again. ringpipe's
+own calls (start-up's hostname exchange, announcements, the messages of its algorithms:
+:func:`ringpipe.comm.events.split_internal`) are listed apart, below the program's.
 """
 
 from __future__ import annotations
@@ -22,7 +34,7 @@ from ringpipe.observe.collect import JobEvents
 from ringpipe.observe.regions import EXPECTED_OP
 from ringpipe.observe.runreport import WINDOW_OP
 
-__all__ = ["profile", "format_profile", "busy_ns"]
+__all__ = ["profile", "format_profile", "busy_ns", "comm_line"]
 
 
 def _top_level(events: list[Event]) -> list[Event]:
@@ -36,16 +48,22 @@ def _calls(events: list[Event], internal: bool) -> list[Event]:
     return theirs if internal else mine
 
 
-def busy_ns(events: list[Event]) -> int:
-    """Length of the union of the events' intervals (overlapping operations count once)."""
+def busy_ns(events: list[Event], within: tuple[int, int] | None = None) -> int:
+    """Length of the union of the events' intervals (overlapping operations count once), cut to ``within``."""
     total, end = 0, None
+    lo, hi = within if within is not None else (None, None)
     for e in sorted(events, key=lambda e: e.start_ns):
-        if end is None or e.start_ns > end:
-            total += e.end_ns - e.start_ns
-            end = e.end_ns
-        elif e.end_ns > end:
-            total += e.end_ns - end
-            end = e.end_ns
+        a, b = e.start_ns, e.end_ns
+        if lo is not None and hi is not None:
+            a, b = max(a, lo), min(b, hi)
+            if b <= a:
+                continue
+        if end is None or a > end:
+            total += b - a
+            end = b
+        elif b > end:
+            total += b - end
+            end = b
     return total
 
 
@@ -53,14 +71,14 @@ def _window(r: Any) -> Event | None:
     return next((e for e in r.events if e.op == WINDOW_OP), None)
 
 
-def _wall_ns(r: Any) -> int:
-    """A rank's wall time: its training window, else from its first to its last recorded operation."""
+def _span(r: Any) -> tuple[int, int]:
+    """A rank's window: its training window, else from its first to its last recorded operation."""
     win = _window(r)
     if win is not None:
-        return win.end_ns - win.start_ns
+        return win.start_ns, win.end_ns
     if not r.events:
-        return 0
-    return max(e.end_ns for e in r.events) - min(e.start_ns for e in r.events)
+        return 0, 0
+    return min(e.start_ns for e in r.events), max(e.end_ns for e in r.events)
 
 
 def _op_rows(job: JobEvents, internal: bool) -> list[dict[str, Any]]:
@@ -99,23 +117,39 @@ def profile(job: JobEvents) -> dict[str, Any]:
     op_rows, internal_rows = _op_rows(job, False), _op_rows(job, True)
     rank_rows = []
     for r in job.ranks:
-        busy = busy_ns(_top_level(r.events))
-        wall = _wall_ns(r)
+        span = _span(r)
+        wall = span[1] - span[0]
+        busy = busy_ns(_top_level(r.events), span)
         win = _window(r)
         row = {
             "rank": r.rank,
             "host": r.host,
             "wall_ms": wall / 1e6,
-            "comm_ms": busy / 1e6,
-            "comm_share": busy / wall if wall else 0.0,
+            "in_flight_ms": busy / 1e6,
+            "in_flight_share": busy / wall if wall else 0.0,
             "calls": len(_calls(r.events, False)),
         }
         if win is not None:
             step_ns, blocked = int(win.detail.get("step_ns", 0)), int(win.detail.get("blocked_ns", 0))
-            row.update(steps=int(win.detail.get("steps", 0)), step_ms=step_ns / 1e6, blocked_ms=blocked / 1e6,
-                       blocked_share=blocked / step_ns if step_ns else 0.0)
+            row.update(steps=int(win.detail.get("steps", 0)), step_ms=step_ns / 1e6, comm_ms=blocked / 1e6,
+                       comm_share=blocked / step_ns if step_ns else 0.0)
         rank_rows.append(row)
     return {"ops": op_rows, "internal": internal_rows, "ranks": rank_rows, "meta": job.meta}
+
+
+def comm_line(job: JobEvents) -> str:
+    """The run's one communication figure in a sentence ("" for events without a training window)."""
+    rows = [row for row in profile(job)["ranks"] if "steps" in row]
+    if not rows:
+        return ""
+    first = rows[0]
+    lo = min(rows, key=lambda row: row["comm_share"])
+    hi = max(rows, key=lambda row: row["comm_share"])
+    spread = (f" (ranks: {100 * lo['comm_share']:.1f}% on rank {lo['rank']} to {100 * hi['comm_share']:.1f}% on "
+              f"rank {hi['rank']})" if len(rows) > 1 else "")
+    return (f"comm {100 * first['comm_share']:.1f}%: rank {first['rank']}'s {first['steps']} training steps were "
+            f"blocked on communication for {100 * first['comm_share']:.1f}% of their time{spread}; summary.json's "
+            f"comm_share")
 
 
 def format_profile(job: JobEvents) -> str:
@@ -123,8 +157,9 @@ def format_profile(job: JobEvents) -> str:
     p = profile(job)
     hosts = len(set(job.hosts()))
     steps = [row for row in p["ranks"] if "steps" in row]
-    window = (f"window: the {steps[0]['steps']} training steps of each rank (from its first step to its last, as in "
-              "summary.json; start-up and final evaluation left out)" if steps else
+    window = (f"window: the {steps[0]['steps']} training steps of each rank (from its first step's start to its last "
+              "step's end, as in summary.json; the evaluations and checkpoints between epochs fall inside it, "
+              "start-up and the final evaluation do not)" if steps else
               "window: each rank's first to last recorded operation")
     lines = [
         f"Communication profile: {job.size} ranks on {hosts} host{'s' if hosts != 1 else ''}, "
@@ -146,17 +181,25 @@ def format_profile(job: JobEvents) -> str:
         lines += ["", "ringpipe's own calls (not made by the program: start-up, consistency checks, announcements, "
                   "the messages of its algorithms; their time is part of the calls above or beside them):"]
         lines += [op_line(row) for row in p["internal"]]
-    head = f"{'rank':>6}  {'host':<20}{'calls':>8}{'wall ms':>12}{'comm ms':>12}{'comm %':>9}"
+    head = f"{'rank':>6}  {'host':<20}{'calls':>8}{'window ms':>12}{'in flight ms':>14}{'in flight %':>13}"
     if steps:
-        head += f"{'step ms':>12}{'blocked ms':>12}{'blocked %':>11}"
+        head += f"{'step ms':>12}{'comm ms':>12}{'comm %':>9}"
     lines += ["", head]
     for row in p["ranks"]:
         line = (f"{row['rank']:>6}  {row['host']:<20}{row['calls']:>8}{row['wall_ms']:>12.2f}"
-                f"{row['comm_ms']:>12.2f}{100 * row['comm_share']:>8.1f}%")
+                f"{row['in_flight_ms']:>14.2f}{100 * row['in_flight_share']:>12.1f}%")
         if "steps" in row:
-            line += f"{row['step_ms']:>12.2f}{row['blocked_ms']:>12.2f}{100 * row['blocked_share']:>10.1f}%"
+            line += f"{row['step_ms']:>12.2f}{row['comm_ms']:>12.2f}{100 * row['comm_share']:>8.1f}%"
         lines.append(line)
+    lines.append("")
     if steps:
-        lines += ["", "comm ms: time with a communication in flight (overlapping calls once); blocked ms: time the "
-                  "steps waited for communication (summary.json's comm_share is rank 0's blocked %)"]
+        lines += ["comm: the time the training steps were blocked waiting for communication, and its share of the "
+                  "steps' time (what a faster network or more overlap can win back; rank 0's comm % is summary.json's "
+                  "comm_share, the log lines give it per epoch)",
+                  "in flight: the time with a call of the program in progress (overlapping calls once), waited for or "
+                  "overlapped with computation, and its share of the window"]
+    else:
+        lines += ["in flight: the time with a call of the program in progress (overlapping calls once), and its share "
+                  "of the window; no comm %: these events hold no training steps (the time blocked on communication "
+                  "is measured by ringpipe train)"]
     return "\n".join(lines)

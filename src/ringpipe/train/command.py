@@ -147,7 +147,8 @@ def _worker(comm: Any, raw: dict[str, Any], run_dir: str, resume: bool, progress
 # A rank's failure that every rank meets alike (a config or checkpoint problem) needs no rank number.
 _SAME_ON_EVERY_RANK = re.compile(
     r"^rank \d+ failed: (?:ringpipe\.[\w.]+\.)?"
-    r"(?:ConfigError|CheckpointError|NothingToResume|ModeUnavailable|RegistryError|BalanceError): "
+    r"(?:ConfigError|CheckpointError|NothingToResume|ModeUnavailable|RegistryError|BalanceError|FactoryError|"
+    r"DataError|DatasetError|SplitTooSmall): "
 )
 
 
@@ -254,6 +255,7 @@ def _run_train(args: argparse.Namespace) -> int:
                   "or use --backend gloo", file=sys.stderr)
             return 1
 
+    from ringpipe.launch.bootstrap import VERBOSE, failure_report
     from ringpipe.train.registry import RegistryError
 
     try:
@@ -272,11 +274,18 @@ def _run_train(args: argparse.Namespace) -> int:
             with _forward_stop().installed():
                 summary = spawn(_worker, cfg.nprocs, backend=cfg.backend,
                                 args=(raw, str(run_dir), args.resume, progress, verbose, args.overwrite, evaluate),
-                                env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})[0]
+                                env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+                                     **({VERBOSE: "1"} if verbose else {})})[0]
     except KeyboardInterrupt:  # a second Ctrl-C: stop at once, keep the newest checkpoint
         _stop_children()
         return _interrupted(run_dir)
     except (ConfigError, RegistryError, ValueError, RuntimeError, FileNotFoundError) as exc:
+        from ringpipe.launch import WorkerFailed
+
+        report = exc.report if isinstance(exc, WorkerFailed) else failure_report(
+            exc, verbose, hint=f"frames of ringpipe and the libraries left out; -v or {VERBOSE}=1 shows them")
+        if "Traceback (most recent call last)" in report:  # where it was raised: the user's frames, or all with -v
+            sys.stderr.write(report if report.endswith("\n") else report + "\n")
         print(f"ringpipe train: {_error_text(exc)}", file=sys.stderr)
         return 1
     return _finish(summary, run_dir)

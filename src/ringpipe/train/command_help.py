@@ -44,8 +44,9 @@ modes:
 run directory: one run each: a new run needs a new or empty --run-dir (--resume continues the run in it,
   --overwrite replaces it); default runs/<date>-<time>-<mode>-<random>.
   config.yaml (resolved), metrics.jsonl, checkpoints/ (checksummed), curves.png, summary.json;
-  with several processes also comm_profile.txt and doctor.txt (observe.profile), events.json and
-  timeline.json (observe.timeline: a Chrome trace of every rank's communication)
+  with several processes also comm_profile.txt, doctor.txt and events.json (observe.profile: read by
+  `ringpipe doctor RUN` and `ringpipe trace RUN`), timeline.json (observe.timeline: a Chrome trace of
+  every rank's communication)
 
 Ctrl-C stops at the next log window (every step on one process): checkpoint, evaluation, summary
   (stop_reason: interrupt), exit code 130; continue with --resume. A second Ctrl-C stops at once.

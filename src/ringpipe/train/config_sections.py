@@ -350,8 +350,9 @@ class ObserveConfig(_Section):
     """Where the time went, written by rank 0 when the run ends (all ranks' events gathered on one clock).
 
     ``profile``: ``comm_profile.txt`` (MPI-style table of time, calls and bytes per operation and
-    rank) and ``doctor.txt`` (late ranks, placement). ``timeline``: also ``events.json`` and
-    ``timeline.json`` (Chrome trace: chrome://tracing or ui.perfetto.dev).
+    rank), ``doctor.txt`` (late ranks, placement) and ``events.json`` (every rank's calls, read by
+    ``ringpipe doctor RUN`` and ``ringpipe trace RUN``). ``timeline``: also ``timeline.json``
+    (Chrome trace: chrome://tracing or ui.perfetto.dev).
     """
 
     profile: bool = True

@@ -66,12 +66,30 @@ DATASETS: Registry[Callable[[Any], Dataset]] = Registry("dataset")
 
 def load_dataset(cfg: Any) -> Dataset:
     """Load the dataset described by a data config section (a registered name, or the user's
-    ``package.module:function``, see :mod:`ringpipe.train.factories`)."""
-    if cfg.name not in DATASETS and ":" in cfg.name:
-        from ringpipe.train.factories import call_factory, import_factory, section_kwargs
-        from ringpipe.train.userdata import as_dataset
+    ``package.module:function``, see :mod:`ringpipe.train.factories`).
 
-        result = call_factory(import_factory(cfg.name, "data"), section_kwargs(cfg), cfg.name, "data")
+    A factory with a ``train`` parameter, written as torchvision's datasets are
+    (``def dataset(train=True): ...``), is called with ``train=True`` for the train set and, when
+    that returns one dataset, with ``train=False`` for the test set.
+    """
+    if cfg.name not in DATASETS and ":" in cfg.name:
+        from ringpipe.train.factories import (
+            call_factory,
+            import_factory,
+            section_kwargs,
+            takes_parameter,
+        )
+        from ringpipe.train.userdata import as_dataset, is_one_split
+
+        factory, kwargs = import_factory(cfg.name, "data"), section_kwargs(cfg)
+        if takes_parameter(factory, "train") and "train" not in kwargs:
+            result = call_factory(factory, {**kwargs, "train": True}, cfg.name, "data")
+            if is_one_split(result):
+                test = call_factory(factory, {**kwargs, "train": False}, cfg.name, "data")
+                return as_dataset(result, cfg.name, f"data.name={cfg.name!r}", test=test,
+                                  test_what=f"data.name={cfg.name!r} with train=False")
+        else:
+            result = call_factory(factory, kwargs, cfg.name, "data")
         return as_dataset(result, cfg.name, f"data.name={cfg.name!r}")
     if cfg.name == "python":
         raise DatasetError(

@@ -43,7 +43,7 @@ from ringpipe.train.modes import ModeContext, ModeRunner, build_runner
 from ringpipe.train.progress import RunProgress
 from ringpipe.train.reporting import Reporter
 from ringpipe.train.rundir import clear_run_dir
-from ringpipe.train.sampling import ShardStream, eval_indices
+from ringpipe.train.sampling import ShardStream, check_split_sizes, eval_indices
 from ringpipe.train.stop import REPEAT_S, StopRequest
 from ringpipe.train.tally import Tally
 
@@ -104,6 +104,11 @@ class _Run:
         seed_everything(cfg.seed + 1 + comm.rank)
         e = self.runner
         records = len(self.data.train)
+        check_split_sizes(records, e.replicas, f"data {self.data.name!r}")
+        if len(self.data.test) == 0 and comm.rank == 0 and writes:
+            log.warning("data %r has no test set: test loss and accuracy are not measured (reported as NaN); a "
+                        "factory returns (train, test) or {'train': ..., 'test': ...}, or takes a train parameter "
+                        "(called with train=True and train=False)", self.data.name)
         global_batch = cfg.batch_size * e.replicas
         total_steps = cfg.total_steps(records, e.replicas)
         self.progress = RunProgress(records, global_batch, total_steps, min(total_steps, cfg.max_steps or total_steps))

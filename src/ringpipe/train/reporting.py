@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -42,13 +43,14 @@ class Reporter:
         self.show_bar = show_bar
 
     def bar(self) -> Any:
-        """The progress bar of this part of the run (shown on rank 0 only)."""
+        """The progress bar of this part of the run (shown on rank 0 only, and only on a terminal: a
+        redirected log, or a launcher's pipe, gets the log lines without carriage returns)."""
         from tqdm.auto import tqdm
 
         return tqdm(
             total=self.progress.stop_step,
             initial=self.progress.step,
-            disable=not (self.is_root and self.show_bar),
+            disable=not (self.is_root and self.show_bar and _on_terminal(sys.stderr)),
             desc=f"{self.cfg.mode} x{self.comm.size}",
             unit="step",
             dynamic_ncols=True,
@@ -138,6 +140,14 @@ class Reporter:
             **({"best": best.summary()} if best is not None else {}),
             **({"resized": p.resizes} if p.resizes else {}),
         }
+
+
+def _on_terminal(stream: Any) -> bool:
+    """Whether ``stream`` is a terminal (False for a file, a pipe, or a stream without a descriptor)."""
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError, OSError):
+        return False
 
 
 def _label(section: Any) -> str:

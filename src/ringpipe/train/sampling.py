@@ -19,7 +19,25 @@ from typing import Any
 import torch
 from torch.utils.data import DistributedSampler
 
-__all__ = ["ShardStream", "eval_indices"]
+__all__ = ["ShardStream", "eval_indices", "SplitTooSmall", "check_split_sizes"]
+
+
+class SplitTooSmall(ValueError):
+    """A split has too few samples for the run's replicas; raised alike on every rank, before training."""
+
+
+def check_split_sizes(train: int, replicas: int, data: str) -> None:
+    """Refuse a train set with fewer samples than replicas (each replica needs one of its own).
+
+    A test set may be smaller than the replicas (a replica with no test sample evaluates nothing,
+    see :func:`eval_indices`) or absent; ``data`` names the data in the message.
+    """
+    if train < replicas:
+        raise SplitTooSmall(
+            f"{data}: the train set has {train} sample{'s' if train != 1 else ''}, fewer than the run's {replicas} "
+            f"data-parallel replicas (each needs samples of its own): give it at least {replicas} samples, or run "
+            f"fewer replicas"
+        )
 
 
 class ShardStream:
@@ -77,6 +95,7 @@ class ShardStream:
 
 
 def eval_indices(records: int, replicas: int, rank: int, batch_size: int) -> list[torch.Tensor]:
-    """This replica's evaluation batches: samples ``rank, rank + replicas, ...`` (each sample once overall)."""
-    mine = torch.arange(rank, records, replicas)
+    """This replica's evaluation batches: samples ``rank, rank + replicas, ...`` (each sample once overall;
+    none for a replica whose rank is past the last sample)."""
+    mine = torch.arange(rank, max(rank, records), replicas)
     return list(mine.split(batch_size)) if len(mine) else []

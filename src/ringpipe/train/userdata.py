@@ -16,7 +16,7 @@ import torch
 
 from ringpipe.train.datasets import Dataset, Split
 
-__all__ = ["TorchSplit", "as_split", "as_dataset", "DataError"]
+__all__ = ["TorchSplit", "as_split", "as_dataset", "is_one_split", "DataError"]
 
 
 class DataError(TypeError):
@@ -93,10 +93,18 @@ def _empty_like(split: Split | TorchSplit) -> Split:
     return Split(x[:0], y[:0])
 
 
-def as_dataset(obj: Any, name: str, what: str, test: Any = None) -> Dataset:
+def is_one_split(obj: Any) -> bool:
+    """Whether ``obj`` is one set of samples, not a :class:`Dataset`, ``(train, test)`` or ``{"train", ...}``."""
+    if isinstance(obj, Dataset | Mapping):
+        return False
+    return not (isinstance(obj, tuple | list) and len(obj) == 2 and not isinstance(obj[0], torch.Tensor))
+
+
+def as_dataset(obj: Any, name: str, what: str, test: Any = None, test_what: str | None = None) -> Dataset:
     """A :class:`Dataset` from the user's data: a Dataset, ``(train, test)``, ``{"train", "test"}`` or one train set.
 
-    A missing test set evaluates nothing (test loss and accuracy are NaN).
+    A missing test set evaluates nothing (test loss and accuracy are NaN; the trainer says so);
+    a given test set that is empty is an error, as is an empty train set.
     """
     if isinstance(obj, Dataset):
         return obj
@@ -104,10 +112,10 @@ def as_dataset(obj: Any, name: str, what: str, test: Any = None) -> Dataset:
         if "train" not in obj:
             raise DataError(f"{what} returned a mapping without 'train' (keys: {', '.join(map(str, obj))})")
         obj, test = obj["train"], obj.get("test")
-    elif isinstance(obj, tuple | list) and len(obj) == 2 and not isinstance(obj[0], torch.Tensor):
+    elif not is_one_split(obj):
         obj, test = obj
     train = as_split(obj, f"{what} train set")
-    test_split = as_split(test, f"{what} test set") if test is not None else _empty_like(train)
+    test_split = as_split(test, test_what or f"{what} test set") if test is not None else _empty_like(train)
     x, y = train.batch(torch.arange(1))
     kind = "lm" if y.dim() == 2 and not y.dtype.is_floating_point and x.shape[:2] == y.shape[:2] else "classification"
     return Dataset(name, train, test_split, _num_classes(train), tuple(x.shape[1:]), kind=kind)

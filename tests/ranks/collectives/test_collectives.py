@@ -867,8 +867,9 @@ def test_bench_cli_under_torchrun(tmp_path):
     for c in summaries:
         by = {r["algorithm"]: r for r in rows if r["bytes"] == c["bytes"]}
         assert c["auto_chose"] == by["auto"]["chosen"] in C.SUPPORTED["allreduce"]
-        assert c["auto_ratio"] == pytest.approx(by["native"]["time_us"] / by["auto"]["time_us"], rel=1e-2)
-        assert c["auto_verdict"] in ("faster", "slower", "inconclusive")
+        per_round = sorted(a / n for a, n in zip(by["auto"]["times_us"], by["native"]["times_us"], strict=True))
+        assert c["auto_ratio"] == pytest.approx(per_round[1], rel=1e-2)  # the median of 3 rounds
+        assert c["auto_verdict"] in ("faster", "slower", "inconclusive", "native itself")
     assert png.stat().st_size > 1000
 
 

@@ -178,9 +178,9 @@ def test_profile_rows_per_operation_and_rank():
     assert set(ops) == {"allreduce", "send", "recv"}  # steps belong to their call
     assert ops["allreduce"]["calls"] == 2 and ops["allreduce"]["max_rank"] == 1
     assert ops["allreduce"]["max_ms"] == pytest.approx(6.0) and ops["allreduce"]["min_ms"] == pytest.approx(4.0)
-    assert p["ranks"][0]["comm_ms"] == pytest.approx(5.0) and p["ranks"][0]["wall_ms"] == pytest.approx(11.0)
+    assert p["ranks"][0]["in_flight_ms"] == pytest.approx(5.0) and p["ranks"][0]["wall_ms"] == pytest.approx(11.0)
     text = format_profile(_job([r0, r1]))
-    assert "allreduce" in text and "1.0 KiB" in text and "comm %" in text
+    assert "allreduce" in text and "1.0 KiB" in text and "in flight %" in text
 
 
 def _user_and_internal(comm):
