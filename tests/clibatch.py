@@ -23,6 +23,7 @@ DRIVER = r'''
 import json, os, runpy, sys, traceback
 import torch  # noqa: F401 - imported once, before the forks
 import ringpipe.cli  # noqa: F401
+from ringpipe.launch.bootstrap import exit_status
 
 plan = json.loads(open(sys.argv[1]).read())
 results = []
@@ -39,13 +40,7 @@ for i, argv in enumerate(plan["argv"]):
         try:
             runpy.run_module("ringpipe.cli", run_name="__main__", alter_sys=True)
         except SystemExit as exc:
-            if exc.code is None:
-                code = 0
-            elif isinstance(exc.code, int):
-                code = exc.code
-            else:
-                print(exc.code, file=sys.stderr)
-                code = 1
+            code = exit_status(exc)
         except BaseException:
             traceback.print_exc()
             code = 1

@@ -38,7 +38,7 @@ import traceback
 from collections.abc import Mapping, Sequence
 
 __all__ = ["die_with_parent", "rank_environment", "redirect_output", "run_program", "main", "failure_report",
-           "verbose_tracebacks", "VERBOSE"]
+           "verbose_tracebacks", "exit_status", "VERBOSE"]
 
 #: Directory of the launcher's output pipes and failure records (set by the launcher).
 LAUNCH_DIR = "RINGPIPE_LAUNCH_DIR"
@@ -278,6 +278,17 @@ def _departed(how: str) -> None:
         departures.leave(how)
 
 
+def exit_status(exc: SystemExit) -> int:
+    """The status Python's own interpreter exits with for ``exc``: ``None`` is 0, an int is itself,
+    anything else is printed to stderr and gives 1."""
+    if exc.code is None:
+        return 0
+    if isinstance(exc.code, int):
+        return exc.code
+    print(exc.code, file=sys.stderr)
+    return 1
+
+
 def run_program(program: Sequence[str]) -> int:
     """Run ``[script, *args]`` or ``["-m", module, *args]`` as ``__main__``; return its exit status.
 
@@ -300,13 +311,7 @@ def run_program(program: Sequence[str]) -> int:
         else:
             runpy.run_path(program[0], run_name="__main__")
     except SystemExit as exc:
-        if exc.code is None or exc.code == 0:
-            code = 0
-        elif isinstance(exc.code, int):
-            code = exc.code
-        else:
-            print(exc.code, file=sys.stderr)
-            code = 1
+        code = exit_status(exc)
         if code:
             _write_record(launch_dir, code, f"exited with status {code}")
             _departed(f"exited with status {code}")
