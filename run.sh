@@ -52,7 +52,7 @@ setup_tests() {
       || echo "run.sh: could not install OpenSSH; the several-host launch tests will be skipped" >&2
   fi
   local vpy="$VENV/bin/python"
-  if ! "$vpy" -c "import pytest, pytest_timeout, hypothesis" 2>/dev/null; then
+  if ! "$vpy" -c "import pytest, pytest_timeout, hypothesis, transformers" 2>/dev/null; then
     echo "run.sh: installing the test tools (first run only)" >&2
     "$vpy" -m pip install --progress-bar on -e ".[dev]"
   fi
