@@ -77,7 +77,10 @@ cmd="${1:-train}"
 shift || true
 case "$cmd" in
   train) setup; exec "$VENV/bin/ringpipe" train "$@" ;;
-  test) setup; setup_tests; exec "$VENV/bin/python" -m pytest "$@" ;;
+  # The suite starts hundreds of interpreters (ranks, launchers, CLIs): where the environment says
+  # PYTHONDONTWRITEBYTECODE, each would compile ringpipe's modules and pytest would rewrite every
+  # test module again on each run; the compiled files go to __pycache__ (git-ignored).
+  test) setup; setup_tests; unset PYTHONDONTWRITEBYTECODE; exec "$VENV/bin/python" -m pytest "$@" ;;
   setup) setup; setup_tests ;;
   *) echo "usage: ./run.sh train|test|setup [args]" >&2; exit 2 ;;
 esac
