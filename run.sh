@@ -8,6 +8,10 @@ VENV=.venv
 PY=python3
 command -v "$PY" >/dev/null || PY=python
 
+# Whether python can find every named module: located, not imported (importing TensorFlow, tf-keras,
+# transformers and torch to see that they are there took ~25 s before every test run).
+have() { "$VENV/bin/python" -c 'import importlib.util as u, sys; sys.exit(any(u.find_spec(m) is None for m in sys.argv[1:]))' "$@"; }
+
 as_root() { if [ "$(id -u)" = 0 ]; then "$@"; elif command -v sudo >/dev/null; then sudo "$@"; else return 1; fi; }
 
 setup() {
@@ -22,11 +26,11 @@ setup() {
   local vpy="$VENV/bin/python"
   # torch is pinned to the CPU build 2.13.0 when missing; an unpinned torch would pull CUDA wheels.
   # pip shows its progress bars here: downloading torch can take minutes on a first run.
-  if ! "$vpy" -c "import torch" 2>/dev/null; then
+  if ! have torch; then
     echo "run.sh: installing torch 2.13.0 (first run only; a large download)" >&2
     "$vpy" -m pip install --progress-bar on "torch==2.13.0"
   fi
-  if ! "$vpy" -c "import ringpipe, pydantic, tqdm, matplotlib, sklearn, yaml" 2>/dev/null; then
+  if ! have ringpipe pydantic tqdm matplotlib sklearn yaml; then
     echo "run.sh: installing ringpipe and its dependencies into $VENV (first run only)" >&2
     "$vpy" -m pip install --progress-bar on -e .
   fi
@@ -52,22 +56,22 @@ setup_tests() {
       || echo "run.sh: could not install OpenSSH; the several-host launch tests will be skipped" >&2
   fi
   local vpy="$VENV/bin/python"
-  if ! "$vpy" -c "import pytest, pytest_timeout, hypothesis, transformers" 2>/dev/null; then
+  if ! have pytest pytest_timeout hypothesis transformers; then
     echo "run.sh: installing the test tools (first run only)" >&2
     "$vpy" -m pip install --progress-bar on -e ".[dev]"
   fi
-  if command -v mpirun >/dev/null && ! "$vpy" -c "import mpi4py" 2>/dev/null; then
+  if command -v mpirun >/dev/null && ! have mpi4py; then
     echo "run.sh: installing mpi4py (first run only; it compiles against Open MPI)" >&2
     "$vpy" -m pip install --progress-bar on -e ".[mpi]"
   fi
   # TensorFlow's CPU build, pinned (plain `tensorflow` pulls CUDA), so the TensorFlow tests run.
-  if ! "$vpy" -c "import tensorflow" 2>/dev/null; then
+  if ! have tensorflow; then
     echo "run.sh: installing tensorflow-cpu==2.21.0 (first run only)" >&2
     "$vpy" -m pip install --progress-bar on "tensorflow-cpu==2.21.0"
   fi
   # tf-keras (Keras 2, for TF_USE_LEGACY_KERAS=1) without its dependencies: it requires the full
   # `tensorflow`, which pulls CUDA; tensorflow-cpu provides the same modules.
-  if ! "$vpy" -c "import tf_keras" 2>/dev/null; then
+  if ! have tf_keras; then
     echo "run.sh: installing tf-keras==2.21.0 without dependencies (first run only)" >&2
     "$vpy" -m pip install --progress-bar on --no-deps "tf-keras==2.21.0"
   fi
@@ -77,7 +81,10 @@ cmd="${1:-train}"
 shift || true
 case "$cmd" in
   train) setup; exec "$VENV/bin/ringpipe" train "$@" ;;
-  test) setup; setup_tests; exec "$VENV/bin/python" -m pytest "$@" ;;
+  # The suite starts hundreds of interpreters (ranks, launchers, CLIs): where the environment says
+  # PYTHONDONTWRITEBYTECODE, each would compile ringpipe's modules and pytest would rewrite every
+  # test module again on each run; the compiled files go to __pycache__ (git-ignored).
+  test) setup; setup_tests; unset PYTHONDONTWRITEBYTECODE; exec "$VENV/bin/python" -m pytest "$@" ;;
   setup) setup; setup_tests ;;
   *) echo "usage: ./run.sh train|test|setup [args]" >&2; exit 2 ;;
 esac

@@ -3,6 +3,9 @@
 A rank script under ``tests/scripts/`` writes ``rank<R>.json`` into the folder it is given;
 :func:`run_ranks` launches it on ``n`` processes (``ringpipe launch`` over gloo, or ``mpirun``
 over MPI) with TensorFlow kept to one intra-op thread per rank, and reads what every rank wrote.
+:class:`TFJobs` (the session fixture ``tf_jobs`` of ``tests/e2e/tensorflow``) runs the scripts of
+one world size, backend and Keras in one job (``tests/scripts/tf_jobs.py``, table :data:`JOBS`),
+so that each rank imports TensorFlow and torch once for all of them.
 The references are written out plainly (no ringpipe): the mean squared error's gradient of the
 scripts' two-layer model, Keras's SGD update and Horovod's warmup rate.
 """
@@ -26,10 +29,10 @@ ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", OMP_NUM_THREADS="1", TF_NUM_INT
 HAVE_MPI = shutil.which("mpirun") is not None and find_spec("mpi4py") is not None
 
 
-def run_ranks(script: str, n: int, out: Path, *, mpi: bool = False, env: dict[str, str] | None = None,
-              timeout: int = 840) -> list[dict]:
-    """Run ``tests/scripts/<script> OUT`` on ``n`` ranks; every rank's JSON, in rank order."""
-    argv = [sys.executable, str(SCRIPTS / script), str(out)]
+def _launch(argv: list[str], n: int, *, mpi: bool, env: dict[str, str] | None,
+            timeout: int) -> subprocess.CompletedProcess[str]:
+    """``argv`` (a Python program and its arguments) on ``n`` ranks under ``ringpipe launch`` or ``mpirun``."""
+    argv = [sys.executable, *argv]
     env = dict(ENV, **(env or {}))
     if mpi:
         from ringpipe.launch import mpirun_command
@@ -37,9 +40,63 @@ def run_ranks(script: str, n: int, out: Path, *, mpi: bool = False, env: dict[st
         cmd, env["RINGPIPE_BACKEND"] = mpirun_command(n, argv), "mpi"
     else:
         cmd = [sys.executable, "-m", "ringpipe.cli", "launch", "-n", str(n), *argv[1:]]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def run_ranks(script: str, n: int, out: Path, *, mpi: bool = False, env: dict[str, str] | None = None,
+              timeout: int = 840) -> list[dict]:
+    """Run ``tests/scripts/<script> OUT`` on ``n`` ranks; every rank's JSON, in rank order."""
+    proc = _launch([str(SCRIPTS / script), str(out)], n, mpi=mpi, env=env, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(n)]
+
+
+#: The rank scripts that share one job, by (ranks, MPI, tf-keras): the scripts of ``tests/scripts``
+#: that the modules of ``tests/e2e/tensorflow`` launch, folded into one launch per world size,
+#: backend and Keras (each was a launch of its own before). A script's results do not depend on
+#: which scripts ran before it in its job (``tests/scripts/tf_jobs.py`` starts each on a fresh state).
+JOBS: dict[tuple[int, bool, bool], tuple[str, ...]] = {
+    (2, False, False): ("tf_collectives", "tf_train", "tf_conformance", "tf_keras_horovod", "tf_more",
+                        "tf_elastic_run"),
+    (2, False, True): ("tf_conformance_legacy", "tf_keras_horovod", "tf_legacy_keras"),
+    (3, False, False): ("tf_nranks", "tf_features"),
+    (2, True, False): ("tf_more", "tf_elastic_run"),
+    (3, True, False): ("tf_nranks",),
+}
+#: Seconds a job may run: under the 900 s of the test whose fixture launches it.
+JOB_TIMEOUT = 880
+
+
+class TFJobs:
+    """Each :data:`JOBS` entry launched once, the first time a test asks for one of its scripts' results."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.jobs: dict[tuple, tuple[Path, subprocess.CompletedProcess[str]]] = {}
+
+    def results(self, script: str, n: int, *, mpi: bool = False, legacy: bool = False) -> list[dict]:
+        """What ``tests/scripts/<script>`` wrote on each of ``n`` ranks (``legacy``: ``TF_USE_LEGACY_KERAS=1``)."""
+        name = script.removesuffix(".py")
+        key: tuple = (n, mpi, legacy)
+        names = JOBS.get(key, ())
+        if name not in names:  # a script no job lists runs alone
+            key, names = (*key, name), (name,)
+        if key not in self.jobs:
+            out = self.root / "-".join(str(k) for k in key)
+            out.mkdir(parents=True)
+            env = {"TF_USE_LEGACY_KERAS": "1"} if legacy else {}
+            self.jobs[key] = out, _launch([str(SCRIPTS / "tf_jobs.py"), str(out), *names], n, mpi=mpi, env=env,
+                                          timeout=JOB_TIMEOUT)
+        out, proc = self.jobs[key]
+        files = [out / name / f"rank{r}.json" for r in range(n)]
+        said = proc.stdout + proc.stderr
+        # a failed job fails the script it names and those after it (they wrote nothing); a failure
+        # that names no script (the job's exit) fails every script of the job
+        failed = proc.returncode != 0 and (f"tf_jobs: {name} failed" in said or "tf_jobs: " not in said
+                                           or not all(f.exists() for f in files))
+        assert not failed, (f"{name} failed in its job ({', '.join(names)}; exit {proc.returncode}):\n"
+                            + proc.stdout[-4000:] + proc.stderr[-4000:])
+        return [json.loads(f.read_text()) for f in files]
 
 
 def mse_grad(weights, x, y):

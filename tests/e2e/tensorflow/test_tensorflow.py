@@ -19,17 +19,17 @@ tf = pytest.importorskip("tensorflow")
 keras = pytest.importorskip("keras")
 
 from scripts.tf_problem import regression  # noqa: E402
-from tf_ranks import assert_close, horovod_warmup_lr, keras_sgd, mse_grad, run_ranks  # noqa: E402
+from tf_ranks import assert_close, horovod_warmup_lr, keras_sgd, mse_grad  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def collectives(tmp_path_factory):
-    return run_ranks("tf_collectives.py", 2, tmp_path_factory.mktemp("tf_collectives"), timeout=400)
+def collectives(tf_jobs):
+    return tf_jobs.results("tf_collectives.py", 2)
 
 
 @pytest.fixture(scope="module")
-def training(tmp_path_factory):
-    return run_ranks("tf_train.py", 2, tmp_path_factory.mktemp("tf_train"), timeout=400)
+def training(tf_jobs):
+    return tf_jobs.results("tf_train.py", 2)
 
 
 def test_ranks_and_import_do_not_need_tensorflow_in_ringpipe(collectives):

@@ -15,12 +15,6 @@ tf-keras test without tf-keras).
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 
@@ -29,21 +23,12 @@ pytest.importorskip("keras")
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
 
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 N, LR = 2, 0.5
 
 
-def _launch(script, out, **env):
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", OMP_NUM_THREADS="1", TF_NUM_INTRAOP_THREADS="1", **env)
-    cmd = [sys.executable, "-m", "ringpipe.cli", "launch", "-n", str(N), str(SCRIPTS / script), str(out)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=840)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(N)]
-
-
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
-    return _launch("tf_conformance.py", tmp_path_factory.mktemp("tf_conformance"))
+def ranks(tf_jobs):
+    return tf_jobs.results("tf_conformance.py", N)
 
 
 def test_broadcast_callback_keeps_local_variables_and_broadcasts_the_rest(ranks):
@@ -95,9 +80,9 @@ def test_uint16_moves_through_allgather_broadcast_and_alltoall(ranks):
         assert u["alltoall"] == [60000 + 10 * q + 2 * r + k for q in range(N) for k in range(2)]
 
 
-def test_keras2_compute_gradients_returns_the_mean_for_new_and_legacy_optimizers(tmp_path):
+def test_keras2_compute_gradients_returns_the_mean_for_new_and_legacy_optimizers(tf_jobs):
     pytest.importorskip("tf_keras")
-    ranks = _launch("tf_conformance_legacy.py", tmp_path, TF_USE_LEGACY_KERAS="1")
+    ranks = tf_jobs.results("tf_conformance_legacy.py", N, legacy=True)
     assert ranks[0]["keras"].startswith("tf_keras")
     for kind in ("new", "legacy"):
         own = [[np.array(g) for g in res[kind]["own"]] for res in ranks]

@@ -17,7 +17,6 @@ tf = pytest.importorskip("tensorflow")
 
 from ringpipe.core.basics import is_homogeneous_placement  # noqa: E402
 from scripts.tf_problem import bn_rows  # noqa: E402
-from tf_ranks import run_ranks  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
 
@@ -27,9 +26,8 @@ MOMENTUM, EPSILON = 0.9, 1e-3
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tf_features")
-    return run_ranks("tf_features.py", SIZE, out)
+def ranks(tf_jobs):
+    return tf_jobs.results("tf_features.py", SIZE)
 
 
 # ----------------------------------------------------------------------------- SyncBatchNormalization

@@ -32,7 +32,6 @@ import pytest
 
 tf = pytest.importorskip("tensorflow")
 
-from tf_ranks import run_ranks  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
 
@@ -43,14 +42,10 @@ TOTAL = sum(r + 1.0 for r in range(SIZE))  # their sum: 3
 
 
 @pytest.fixture(scope="module", params=["keras3", "tf_keras"])
-def ranks(request, tmp_path_factory):
-    env = {}
-    if request.param == "tf_keras":
-        if find_spec("tf_keras") is None:
-            pytest.skip("tf-keras is not installed (pip install --no-deps tf-keras==2.21.0)")
-        env = {"TF_USE_LEGACY_KERAS": "1"}
-    out = tmp_path_factory.mktemp(f"tf_keras_horovod_{request.param}")
-    got = run_ranks("tf_keras_horovod.py", SIZE, out, env=env)
+def ranks(request, tf_jobs):
+    if request.param == "tf_keras" and find_spec("tf_keras") is None:
+        pytest.skip("tf-keras is not installed (pip install --no-deps tf-keras==2.21.0)")
+    got = tf_jobs.results("tf_keras_horovod.py", SIZE, legacy=request.param == "tf_keras")
     assert [g["keras2"] for g in got] == [request.param == "tf_keras"] * SIZE
     return got
 

@@ -17,7 +17,7 @@ import pytest
 tf = pytest.importorskip("tensorflow")
 
 from scripts.tf_problem import bn_rows, regression  # noqa: E402
-from tf_ranks import assert_close, horovod_warmup_lr, keras_sgd, mse_grad, run_ranks  # noqa: E402
+from tf_ranks import assert_close, horovod_warmup_lr, keras_sgd, mse_grad  # noqa: E402
 
 pytestmark = [
     pytest.mark.skipif(find_spec("tf_keras") is None,
@@ -30,9 +30,8 @@ GLOBAL_BATCH, STEPS, LR, MOMENTUM, SIZE = 8, 4, 0.05, 0.9, 2
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tf_legacy_keras")
-    return run_ranks("tf_legacy_keras.py", SIZE, out, env={"TF_USE_LEGACY_KERAS": "1"})
+def ranks(tf_jobs):
+    return tf_jobs.results("tf_legacy_keras.py", SIZE, legacy=True)
 
 
 # ----------------------------------------------------------------------------- one process on the global batch

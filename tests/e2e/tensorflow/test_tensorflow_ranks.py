@@ -18,15 +18,15 @@ tf = pytest.importorskip("tensorflow")
 keras = pytest.importorskip("keras")
 
 from scripts.tf_problem import regression  # noqa: E402
-from tf_ranks import HAVE_MPI, assert_close, keras_sgd, mse_grad, run_ranks  # noqa: E402
+from tf_ranks import HAVE_MPI, assert_close, keras_sgd, mse_grad  # noqa: E402
 
 needs_mpi = pytest.mark.skipif(not HAVE_MPI, reason="needs mpirun and mpi4py")
 # A module fixture's run (TensorFlow in every process) counts against its first test's time.
 pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
 
 
-def _run(script: str, n: int, out, mpi: bool) -> list[dict]:
-    results = run_ranks(script, n, out, mpi=mpi)
+def _run(tf_jobs, script: str, n: int, mpi: bool) -> list[dict]:
+    results = tf_jobs.results(script, n, mpi=mpi)
     assert [x["rank"] for x in results] == list(range(n)) and {x["size"] for x in results} == {n}
     assert {x["mpi"] for x in results} == {mpi}
     return results
@@ -34,23 +34,23 @@ def _run(script: str, n: int, out, mpi: bool) -> list[dict]:
 
 @pytest.fixture(scope="module", params=[pytest.param(("gloo", 3), id="gloo-3"),
                                         pytest.param(("mpi", 3), id="mpi-3", marks=[needs_mpi, pytest.mark.mpi])])
-def nranks(request, tmp_path_factory):
+def nranks(request, tf_jobs):
     backend, n = request.param
-    return _run("tf_nranks.py", n, tmp_path_factory.mktemp(f"tf_nranks_{backend}"), backend == "mpi")
+    return _run(tf_jobs, "tf_nranks.py", n, backend == "mpi")
 
 
 @pytest.fixture(scope="module", params=[pytest.param(("gloo", 2), id="gloo-2"),
                                         pytest.param(("mpi", 2), id="mpi-2", marks=[needs_mpi, pytest.mark.mpi])])
-def more(request, tmp_path_factory):
+def more(request, tf_jobs):
     backend, n = request.param
-    return _run("tf_more.py", n, tmp_path_factory.mktemp(f"tf_more_{backend}"), backend == "mpi")
+    return _run(tf_jobs, "tf_more.py", n, backend == "mpi")
 
 
 @pytest.fixture(scope="module", params=[pytest.param(("gloo", 2), id="gloo-2"),
                                         pytest.param(("mpi", 2), id="mpi-2", marks=[needs_mpi, pytest.mark.mpi])])
-def elastic_run(request, tmp_path_factory):
+def elastic_run(request, tf_jobs):
     backend, n = request.param
-    return _run("tf_elastic_run.py", n, tmp_path_factory.mktemp(f"tf_elastic_run_{backend}"), backend == "mpi")
+    return _run(tf_jobs, "tf_elastic_run.py", n, backend == "mpi")
 
 
 # ----------------------------------------------------------------------------- one-process references

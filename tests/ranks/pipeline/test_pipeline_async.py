@@ -147,11 +147,16 @@ def _train(comm, stages, cfgs, driver="train_stream"):
             assert t.streaming
             t.drain()
             assert not t.streaming and t.in_flight == 0
-        got = t.model_state_dict()
-        if comm.rank == 0:
-            keys = nn.Sequential(*make_layers()).state_dict()  # W, b of each layer, as the reference
-            out[(name, opt, k, rec)] = torch.cat([got[key].flatten() for key in keys])
+        # this stage's W, b of each layer in order: the ranks' parts, in rank order, are the whole
+        # model's in the order of nn.Sequential(*layers).state_dict(), as the reference gives them
+        # (sent back with the check's result rather than gathered by the ranks after every run)
+        out[(name, opt, k, rec)] = torch.cat([v.detach().flatten() for v in t.module.state_dict().values()])
     return out
+
+
+def _whole(per_rank: list[dict]) -> dict:
+    """Each run's final weights, the stages' parts joined in rank (stage) order."""
+    return {cfg: torch.cat([part[cfg] for part in per_rank]) for cfg in per_rank[0]}
 
 
 def expected(stages, name, opt, k, rec):
@@ -191,7 +196,7 @@ def _check(stages, results, cfgs):
 @pytest.mark.parametrize("stages", [2, 3, 4])
 def test_async_matches_the_reference(worlds, stages):
     cfgs = configs(stages)
-    _check(stages, worlds.spawn(_train, stages, args=(stages, cfgs))[0], cfgs)
+    _check(stages, _whole(worlds.spawn(_train, stages, args=(stages, cfgs))), cfgs)
 
 
 @pytest.mark.timeout(300)
@@ -199,7 +204,7 @@ def test_stream_steps_match_the_reference(worlds):
     """Batch by batch (stream_step, then drain) equals one stream: in flight across batch boundaries."""
     cfgs = [("wp+ws", OPTS["sgd"], 1, False), ("stale", OPTS["adam"], 1, True),
             ("ws+ga", dataclasses.replace(OPTS["sgd"], warmup=WARMUP), 1, False)]
-    _check(3, worlds.spawn(_train, 3, args=(3, cfgs, "stream_step"))[0], cfgs)
+    _check(3, _whole(worlds.spawn(_train, 3, args=(3, cfgs, "stream_step"))), cfgs)
 
 
 @pytest.mark.parametrize(("stages", "micro", "k", "batches"), [(2, 2, 2, 3), (3, 2, 1, 4), (4, 3, 3, 2), (3, 4, 2, 1)])
