@@ -127,13 +127,15 @@ class MicrobatchFootprint:
     backward); ``kept_input``: the input alone (what recomputation holds); ``split_extra``:
     what ringpipe's split backward adds from ``B`` to ``W`` (the gradients of the layer
     outputs); ``split_captured``: layer outputs the split backward keeps from ``F`` that
-    autograd did not save.
+    autograd did not save; ``split_freed``: what the split backward's ``B`` frees (the last
+    stage's loss graph, which the per-layer weight pass does not need).
     """
 
     activations: int
     kept_input: int
     split_extra: int = 0
     split_captured: int = 0
+    split_freed: int = 0
 
 
 def _call(module: nn.Module, inputs: tuple[torch.Tensor, ...]) -> Any:
@@ -198,6 +200,7 @@ def microbatch_footprint(
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = _tensors(_call(module, tuple(leaves)))
             loss = None
+            in_module = len(saved)
             if loss_fn is not None:
                 value = out[0] if len(out) == 1 else tuple(out)
                 loss = loss_fn(value, target)
@@ -214,7 +217,11 @@ def microbatch_footprint(
         extra = _bytes_of(layer_outs)
     else:
         extra = 0 if loss is not None else _bytes_of(out)
-    fp = MicrobatchFootprint(act, _bytes_of(leaves), extra, _bytes_of(captured))
+    freed = 0
+    if layer_outs and loss is not None:  # B drops the loss graph: what only it holds is freed
+        module_keys = {k[0] for k in (_storage_key(t) for t in [*saved[:in_module], *leaves, *out]) if k is not None}
+        freed = _bytes_of([*saved[in_module:], loss], module_keys)
+    fp = MicrobatchFootprint(act, _bytes_of(leaves), extra, _bytes_of(captured), freed)
     return fp, tuple(t.detach() for t in out)
 
 
@@ -270,6 +277,7 @@ def predict_stage(
     optimizer_bytes: int,
     recompute: bool = False,
     stash: str | None = None,
+    batch_input: int = 0,
 ) -> StageMemory:
     """The peak of what a stage holds while it runs ``actions``.
 
@@ -310,7 +318,7 @@ def predict_stage(
         elif a.kind == "B":
             assert f is not None
             if key in split:
-                held[key] = (f.activations + f.split_captured if recompute else held[key]) + f.split_extra
+                held[key] = (f.activations + f.split_captured if recompute else held[key]) + f.split_extra - f.split_freed
             else:
                 held.pop(key, None)
                 grads = True
@@ -325,10 +333,16 @@ def predict_stage(
         else:
             grads = False
             steps += 1
-        total = param_bytes + optimizer_bytes + sum(held.values()) + (param_bytes if grads else 0) + len(users) * param_bytes
+        acts = sum(held.values())
+        if batch_input:
+            live: dict[int, int] = {}
+            for _, mb in held:
+                live[mb // batch_input] = live.get(mb // batch_input, 0) + 1
+            acts += sum((batch_input - n) * fp(0).kept_input for n in live.values())
+        total = param_bytes + optimizer_bytes + acts + (param_bytes if grads else 0) + len(users) * param_bytes
         if total > best.peak:
             best = StageMemory(total, param_bytes, param_bytes if grads else 0, optimizer_bytes,
-                               sum(held.values()), len(users) * param_bytes, len(held))
+                               acts, len(users) * param_bytes, len(held))
     return best
 
 

@@ -124,7 +124,8 @@ def plan_memory(
                 obytes = optimizer_state_bytes(optimizer_factory, params)
                 acts = mode_actions(mode, stages, microbatches, s, chunks, step_every)
                 per_stage.append(predict_stage(acts, {c: fps[c * stages + s] for c in range(k)}, pbytes, obytes,
-                                               recompute=recompute, stash=stash))
+                                               recompute=recompute, stash=stash,
+                                               batch_input=microbatches if s == 0 else 0))
             out.append(ScheduleMemory(mode, per_stage))
         except (ValueError, RuntimeError) as exc:
             out.append(ScheduleMemory(mode, [], str(exc).split(";")[0]))
