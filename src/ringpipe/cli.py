@@ -15,6 +15,8 @@ __all__ = ["main", "build_parser"]
 # are listed from this table, whose names and lines match their parsers (checked by the tests).
 _SUBCOMMANDS = {
     "ringpipe.train.command": {"train": "train a model from a typed config (every mode: single, ddp, dp, pipelines)"},
+    "ringpipe.train.command_plan": {"plan": "predict each pipeline mode's peak memory per stage for a training "
+                                            "config, before running it"},
     "ringpipe.train.fetch": {"data": "get the datasets of the bundled configs (mnist, fashion-mnist, cifar10)"},
     "ringpipe.launch": {"launch": "start N processes of a script on this machine, or on several hosts "
                                   "(-H / --hostfile)"},

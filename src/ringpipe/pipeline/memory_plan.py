@@ -142,10 +142,9 @@ def format_plan(plans: Sequence[ScheduleMemory], budget: int | None = None) -> s
         if p.error:
             rows.append([p.mode, *["-"] * stages, f"cannot run: {p.error}", "", ""])
             continue
-        fits = "" if budget is None or p.peak <= budget else " > budget"
         rows.append([
             p.mode,
-            *[format_bytes(s.peak) + (fits if s.peak == p.peak else "") for s in p.stages],
+            *[format_bytes(s.peak) + (" > budget" if budget is not None and s.peak > budget else "") for s in p.stages],
             ", ".join(f"{format_bytes(s.activations)} ({s.in_flight})" for s in p.stages),
             ", ".join(format_bytes(s.params + s.grads + s.optimizer) for s in p.stages),
             ", ".join(format_bytes(s.stashes) for s in p.stages),
