@@ -72,10 +72,12 @@ def test_split_backward_holds_until_w_and_adds_the_layer_gradients():
 
 
 def test_weight_stashing_keeps_one_copy_per_stale_version():
-    # stage 0 of 2, async 1F1B: F0 (staleness 0), F1 after no step..., B0 S, F2 (stale) ...
+    # stage 0 of 2, async 1F1B: F1, F2 and F3 each see a step before their backward (stale), each
+    # on other weights; F2 runs while F1's stash is still held: two copies at once, never three
     acts = parse("F0 F1 B0 S F2 B1 S F3 B2 S B3 S")
     got = predict_stage(acts, FP, param_bytes=50, optimizer_bytes=0, stash="step")
-    assert got.stashes == 50
+    assert got.stashes == 2 * 50
+    assert predict_stage(acts, FP, param_bytes=50, optimizer_bytes=0).stashes == 0  # stale: no stash
 
 
 def test_sizes_read_in_binary_units():
