@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import logging
 import sys
@@ -87,6 +88,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    if args.command == "doctor":
+        with contextlib.suppress(ModuleNotFoundError):  # the pipeline doctor joins the doctor's analyses
+            importlib.import_module("ringpipe.pipeline.diagnosis")
     return int(args.func(args) or 0)
 
 

@@ -413,9 +413,14 @@ class MemoryMeter:
     ``backward``, ``backward_input`` and ``backward_weight`` and the executor's ``step`` on
     these objects only (their classes are untouched), so the stage runs as before and the
     meter samples after each call. :attr:`peak` holds the parts at the largest total.
+    ``steps``: stop sampling after this many optimizer steps (``None``: never); a schedule
+    repeats from step to step, so its peak is reached in the first steps, and a long run does
+    not pay for a walk of its graphs after every action.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, steps: int | None = None) -> None:
+        self.max_steps = steps
+        self.steps = 0
         self.peak = StageMemory()
         self.samples = 0
         self._runtimes: list[Any] = []
@@ -437,13 +442,20 @@ class MemoryMeter:
             for name in ("forward", "backward", "backward_input", "backward_weight"):
                 if hasattr(rt, name):
                     setattr(rt, name, self._wrap(getattr(rt, name)))
-        executor.step = self._wrap(executor.step)
+        executor.step = self._wrap(executor.step, step=True)
         return self
 
-    def _wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+    @property
+    def active(self) -> bool:
+        """Whether the meter still samples."""
+        return self.max_steps is None or self.steps < self.max_steps
+
+    def _wrap(self, fn: Callable[..., Any], step: bool = False) -> Callable[..., Any]:
         def sampled(*args: Any, **kwargs: Any) -> Any:
             out = fn(*args, **kwargs)
-            self.sample()
+            if self.active:
+                self.sample()
+                self.steps += step
             return out
 
         return sampled

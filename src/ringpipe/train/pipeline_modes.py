@@ -265,7 +265,15 @@ class PipelineRunner(ModeRunner):
             plan = None
         if plan is not None:
             refuse_over_budget(plan, pc.memory_budget)
-        meter = MemoryMeter().attach(t.runtimes, t.executor, t.optimizer, t.policy)
+        import ringpipe.pipeline.diagnosis  # noqa: F401 - registers the pipeline doctor with the run's doctor.txt
+        from ringpipe.pipeline.action_events import record_actions
+
+        record_actions(ctx.comm.log, t.runtimes, t.executor, schedule=t.schedule, stage=t.stage, stages=t.num_stages,
+                       microbatches=pc.microbatches, chunks=t.chunks, balance=list(t.balance),
+                       recompute=pc.recompute, step_every=extra.get("step_every", 1))
+        # after the recorder, so that the passes it times leave out the meter's own sampling
+        meter = MemoryMeter(steps=2 * pc.stages * pc.microbatches + 4).attach(t.runtimes, t.executor, t.optimizer,
+                                                                              t.policy)
         return plan, meter
 
     def summary_extra(self, comm: Any) -> dict[str, Any]:
