@@ -307,6 +307,15 @@ def _per_stage_text(b: PipelineBreakdown) -> str:
     return "; ".join(rows)
 
 
+def _crowded(job: JobEvents) -> str:
+    """Why the job's hosts had no core to spare ("" when they had): a load average above the CPUs."""
+    for r in job.ranks:
+        load, cpus = r.info.get("loadavg"), r.info.get("cpu_count")
+        if load is not None and cpus and load > cpus:
+            return f"host {r.host} ran a load average of {load:.1f} on {cpus} CPUs"
+    return ""
+
+
 def pipeline_findings(job: JobEvents) -> list[Finding]:
     """The pipeline doctor's findings for ``job`` (none when it holds no pipeline run)."""
     b = breakdown(job)
@@ -374,12 +383,20 @@ def pipeline_findings(job: JobEvents) -> list[Finding]:
         if cands and b.predicted / cands[0][2] >= BETTER:
             what_, how, t = cands[0]
             others = ", ".join(f"{c[0]}: {_ms(b.measured * c[2] / b.predicted)}" for c in cands[1:4])
-            found.append(Finding(
-                "fix", f"use {what_} to shrink the schedule's bubble",
-                f"simulated with the measured pass times: step {_ms(b.measured * t / b.predicted)} instead of "
-                f"{_ms(b.measured)} ({b.predicted / t:.2f}x)" + (f"; others: {others}" if others else ""),
-                f"ringpipe train {how}",
-            ))
+            crowded = _crowded(job)
+            evidence = (f"simulated with the measured pass times: step {_ms(b.measured * t / b.predicted)} instead of "
+                        f"{_ms(b.measured)} ({b.predicted / t:.2f}x)" + (f"; others: {others}" if others else ""))
+            if crowded:
+                # a stage's idle time is another process's CPU time there: overlapping more wins nothing
+                found.append(Finding(
+                    "info", f"once every stage has a core of its own: {what_} would shrink the schedule's bubble",
+                    f"{evidence}; not recommended now: {crowded}, so the time a stage waits is spent by other "
+                    "processes and a shorter bubble does not shorten the step",
+                    f"ringpipe train {how}",
+                ))
+            else:
+                found.append(Finding("fix", f"use {what_} to shrink the schedule's bubble", evidence,
+                                     f"ringpipe train {how}"))
     return found
 
 

@@ -110,3 +110,13 @@ def test_a_heavy_stage_is_named_even_when_slow_messages_dominate_the_step():
     found = pipeline_findings(job)
     assert any("stage 1 is the heaviest" in f.what for f in found)
     assert any("longer than their schedule explains" in f.what for f in found)
+
+
+def test_on_a_host_short_of_cores_a_bubble_change_is_mentioned_not_recommended():
+    job = run_events(4, 4, [1.0] * 4, [2.0] * 4)
+    for r in job.ranks:
+        r.info.update(loadavg=9.0, cpu_count=2)
+    found = pipeline_findings(job)
+    assert not any(f.severity == "fix" for f in found)
+    assert any(f.what.startswith("once every stage has a core") and "load average of 9.0 on 2 CPUs" in f.evidence
+               for f in found)
