@@ -7,7 +7,7 @@ or ``pipeline.S`` (a ``.`` in the name keeps them out of the communication table
 the program's own calls). Each ``pipeline.S`` carries what the pipeline doctor
 (:mod:`ringpipe.pipeline.diagnosis`) needs to rebuild the schedule: its name, the stage,
 stages, micro-batches, chunks, the balance (layers per part) and whether the stage recomputes.
-The cost is two clock reads and one append per action.
+The cost is four clock reads and one append per action.
 """
 
 from __future__ import annotations
@@ -28,21 +28,27 @@ SCHEDULE_KEYS = ("schedule", "stage", "stages", "microbatches", "chunks", "balan
 
 def _timed(log: EventLog, op: str, fn: Callable[..., Any], chunk: int, detail: dict[str, Any]) -> Callable[..., Any]:
     def timed(*args: Any, **kwargs: Any) -> Any:
-        t0 = time.perf_counter_ns()
+        t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
         try:
             return fn(*args, **kwargs)
         finally:
             mb = args[0] if args and isinstance(args[0], int) else -1
-            log.record(op, 0, -1, t0, time.perf_counter_ns(), 0, "pipeline", mb=mb, chunk=chunk, **detail)
+            log.record(op, 0, -1, t0, time.perf_counter_ns(), 0, "pipeline", mb=mb, chunk=chunk,
+                       cpu_ns=time.thread_time_ns() - c0, **detail)
 
     return timed
 
 
 def record_actions(log: EventLog, runtimes: Sequence[Any], executor: Any, **schedule: Any) -> None:
     """Record every action of this stage into ``log`` (see the module docstring); ``schedule``: the
-    :data:`SCHEDULE_KEYS` that each step event carries."""
+    :data:`SCHEDULE_KEYS` that each step event carries. Each event also holds the CPU time of the
+    calling thread (``cpu_ns``), and each step the number of torch's intra-op threads
+    (``threads``): with one, a pass's CPU time is its work without the time it waited for a
+    core."""
     for chunk, rt in enumerate(runtimes):
         for name in ("forward", "backward", "backward_input", "backward_weight"):
             if hasattr(rt, name):
                 setattr(rt, name, _timed(log, ACTION_OPS[name], getattr(rt, name), chunk, {}))
-    executor.step = _timed(log, ACTION_OPS["step"], executor.step, 0, schedule)
+    import torch
+
+    executor.step = _timed(log, ACTION_OPS["step"], executor.step, 0, {**schedule, "threads": torch.get_num_threads()})

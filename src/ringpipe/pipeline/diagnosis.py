@@ -2,7 +2,9 @@
 
 From the events of a pipeline run (:mod:`ringpipe.pipeline.action_events`: every forward
 ``F``, backward ``B``, weight pass ``W`` and step ``S`` of every stage, timed) it measures,
-per stage, the median time of each pass per micro-batch, the step period (from one step's end
+per stage, the median time of each pass per micro-batch (the thread's CPU time when torch ran
+one intra-op thread, so that a pass that waited for a core is not taken for a heavy one; the
+wall time otherwise), the step period (from one step's end
 to the next, the first step left out as warm-up) and the stage's busy time per step; the rest
 of the period the stage was idle. It then explains the step time with the schedule's own
 action lists run on an idealised machine (:func:`~ringpipe.pipeline.schedule_checks.list_schedule`,
@@ -140,19 +142,21 @@ def _steps(events: Sequence[Any]) -> tuple[list[list[Any]], dict[str, Any]]:
     return [s for s in steps if s and s[-1].op == "pipeline.S"], info
 
 
-def _stage_times(done: list[list[Any]], info: dict[str, Any], spans: Sequence[float]) -> StageTimes:
+def _stage_times(done: list[list[Any]], info: dict[str, Any], spans: Sequence[float], cpu: bool) -> StageTimes:
+    """``cpu``: pass times are the thread's CPU time (one intra-op thread: the work without the waits for a core)."""
     st = StageTimes(int(info.get("stage", 0)))
     body = done[1:]  # the first step warms up (allocations, first messages)
     passes: dict[tuple[str, int], list[float]] = {}
     for step in body:
         for e in step:
-            passes.setdefault((_OPS[e.op], int(e.detail.get("chunk", 0))), []).append((e.end_ns - e.start_ns) / 1e9)
+            d = e.detail["cpu_ns"] if cpu else e.end_ns - e.start_ns
+            passes.setdefault((_OPS[e.op], int(e.detail.get("chunk", 0))), []).append(d / 1e9)
     for (kind, chunk), ds in passes.items():
         if kind in ("F", "B", "W"):
             {"F": st.forward, "B": st.backward, "W": st.weight}[kind][chunk] = _median(ds)
     st.step = _median(passes.get(("S", 0), []))
     st.period = _median(list(spans))
-    st.busy = _median([sum(e.end_ns - e.start_ns for e in s) / 1e9 for s in body])
+    st.busy = _median([sum(e.detail["cpu_ns"] if cpu else e.end_ns - e.start_ns for e in s) / 1e9 for s in body])
     st.steps = len(body)
     return st
 
@@ -210,7 +214,9 @@ def breakdown(job: JobEvents) -> PipelineBreakdown | None:
               - min(first[s][1][k][0].start_ns for s in range(stages))) / 1e9 for k in range(1, n)]
     ends = [first[0][1][k][-1].end_ns for k in range(n)]
     period = _median([(b - a) / 1e9 for a, b in zip(ends, ends[1:], strict=False)])
-    per_stage = [_stage_times(first[s][1][:n], first[s][2], spans) for s in range(stages)]
+    cpu = all(first[s][2].get("threads") == 1 and all("cpu_ns" in e.detail for step in first[s][1] for e in step)
+              for s in range(stages))
+    per_stage = [_stage_times(first[s][1][:n], first[s][2], spans, cpu) for s in range(stages)]
     schedule, m, chunks = str(info["schedule"]), int(info["microbatches"]), int(info.get("chunks") or 1)
     lists = actions_of(schedule, stages, m, chunks, int(info.get("step_every") or 1))
     mean = _mean_stage(per_stage)
@@ -220,7 +226,7 @@ def breakdown(job: JobEvents) -> PipelineBreakdown | None:
     bal = info.get("balance")
     return PipelineBreakdown(schedule, stages, m, chunks, list(bal) if bal else None, per_stage, measured,
                              statistics.fmean(busy_bal), balanced, predicted,
-                             {"recompute": bool(info.get("recompute")), "period": period})
+                             {"recompute": bool(info.get("recompute")), "period": period, "cpu": cpu})
 
 
 # ----------------------------------------------------------------------------- what to change

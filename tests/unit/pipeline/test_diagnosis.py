@@ -18,11 +18,12 @@ from ringpipe.pipeline.schedules import SCHEDULES
 MS = 1_000_000  # ns
 
 
-def run_events(p, m, forward, backward, *, latency=0.0, steps=6, schedule="1f1b", balance=None, gap=0.0):
-    """Every stage's events for ``steps`` steps; ``forward[s]``/``backward[s]`` in ms per micro-batch."""
+def run_events(p, m, forward, backward, *, latency=0.0, steps=6, schedule="1f1b", balance=None, gap=0.0, cpu=None):
+    """Every stage's events for ``steps`` steps; ``forward[s]``/``backward[s]`` in ms per micro-batch;
+    ``cpu``: ``(forward, backward)`` CPU times per stage, recorded with one intra-op thread."""
     lists = [SCHEDULES[schedule](p, m, s) for s in range(p)]
     info = {"schedule": schedule, "stages": p, "microbatches": m, "chunks": 1,
-            "balance": balance or [2] * p, "recompute": False, "step_every": 1}
+            "balance": balance or [2] * p, "recompute": False, "step_every": 1, "threads": 1}
     events = [[] for _ in range(p)]
     t0 = 0.0
     for _ in range(steps):
@@ -45,6 +46,8 @@ def run_events(p, m, forward, backward, *, latency=0.0, steps=6, schedule="1f1b"
                     free[s] = start + cost
                     done[(a.kind, s, a.mb)] = free[s]
                     detail = {"mb": a.mb, "chunk": 0, **({**info, "stage": s} if a.kind == "S" else {})}
+                    if cpu is not None:
+                        detail["cpu_ns"] = int(MS * {"F": cpu[0][s], "B": cpu[1][s], "S": 0.1}[a.kind])
                     events[s].append(Event(f"pipeline.{a.kind}", 0, -1, int(start * MS), int(free[s] * MS), 0,
                                            "pipeline", detail))
                     pos[s] += 1
@@ -120,3 +123,12 @@ def test_on_a_host_short_of_cores_a_bubble_change_is_mentioned_not_recommended()
     assert not any(f.severity == "fix" for f in found)
     assert any(f.what.startswith("once every stage has a core") and "load average of 9.0 on 2 CPUs" in f.evidence
                for f in found)
+
+
+def test_a_stage_slowed_by_waiting_for_a_core_is_not_called_heavy_when_its_cpu_time_is_equal():
+    # stage 1's passes take twice the wall time (preempted), the same CPU time as stage 0's
+    job = run_events(2, 8, [1.0, 2.0], [2.0, 4.0], balance=[2, 2], cpu=([1.0, 1.0], [2.0, 2.0]))
+    assert breakdown(job).detail["cpu"]
+    assert not any("heaviest" in f.what for f in pipeline_findings(job))
+    assert any("heaviest" in f.what for f in pipeline_findings(
+        run_events(2, 8, [1.0, 2.0], [2.0, 4.0], balance=[2, 2], cpu=([1.0, 2.0], [2.0, 4.0]))))
