@@ -421,6 +421,7 @@ class MemoryMeter:
     def __init__(self, steps: int | None = None) -> None:
         self.max_steps = steps
         self.steps = 0
+        self.error = ""  # why sampling stopped early, if it did
         self.peak = StageMemory()
         self.samples = 0
         self._runtimes: list[Any] = []
@@ -454,7 +455,11 @@ class MemoryMeter:
         def sampled(*args: Any, **kwargs: Any) -> Any:
             out = fn(*args, **kwargs)
             if self.active:
-                self.sample()
+                try:
+                    self.sample()
+                except Exception as exc:  # noqa: BLE001 - a measurement must never stop the training it watches
+                    self.error = f"{type(exc).__name__}: {exc}"
+                    self.max_steps = self.steps  # stop sampling
                 self.steps += step
             return out
 
