@@ -213,10 +213,8 @@ def microbatch_footprint(
     act = _bytes_of(held, params)
     held_keys = {k[0] for k in (_storage_key(t) for t in held) if k is not None}
     captured = [t for t in layer_outs if (k := _storage_key(t)) is not None and k[0] not in held_keys]
-    if layer_outs:
-        extra = _bytes_of(layer_outs)
-    else:
-        extra = 0 if loss is not None else _bytes_of(out)
+    # B to W: the gradient of each layer's output (per-layer pass), else of the stage outputs
+    extra = _bytes_of(layer_outs) if layer_outs else (0 if loss is not None else _bytes_of(out))
     freed = 0
     if layer_outs and loss is not None:  # B drops the loss graph: what only it holds is freed
         module_keys = {k[0] for k in (_storage_key(t) for t in [*saved[:in_module], *leaves, *out]) if k is not None}

@@ -53,10 +53,10 @@ def refuse_over_budget(plan: ScheduleMemory, budget: str | int | None) -> None:
 def memory_summary(comm: Communicator, stage: int, meter: MemoryMeter | None,
                    plan: ScheduleMemory | None) -> dict[str, Any]:
     """Per stage (one entry per rank), the predicted and the measured peak with their parts (every rank calls)."""
-    mine = {"rank": comm.rank, "stage": stage,
-            "measured": meter.peak.as_dict() if meter is not None else None,
-            "predicted": plan.stages[stage].as_dict() if plan is not None and not plan.error else None}
-    ranks = comm.allgather_object(mine) if comm.size > 1 else [mine]
+    mine: dict[str, Any] = {"rank": comm.rank, "stage": stage,
+                            "measured": meter.peak.as_dict() if meter is not None else None,
+                            "predicted": plan.stages[stage].as_dict() if plan is not None and not plan.error else None}
+    ranks: list[dict[str, Any]] = comm.allgather_object(mine) if comm.size > 1 else [mine]
     for r in ranks:
         m, p = r["measured"], r["predicted"]
         if m and p and m["peak"]:
