@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import logging
 import sys
@@ -15,6 +16,8 @@ __all__ = ["main", "build_parser"]
 # are listed from this table, whose names and lines match their parsers (checked by the tests).
 _SUBCOMMANDS = {
     "ringpipe.train.command": {"train": "train a model from a typed config (every mode: single, ddp, dp, pipelines)"},
+    "ringpipe.train.command_plan": {"plan": "predict each pipeline mode's peak memory per stage for a training "
+                                            "config, before running it"},
     "ringpipe.train.fetch": {"data": "get the datasets of the bundled configs (mnist, fashion-mnist, cifar10)"},
     "ringpipe.launch": {"launch": "start N processes of a script on this machine, or on several hosts "
                                   "(-H / --hostfile)"},
@@ -85,6 +88,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    if args.command == "doctor":
+        with contextlib.suppress(ModuleNotFoundError):  # the pipeline doctor joins the doctor's analyses
+            importlib.import_module("ringpipe.pipeline.diagnosis")
     return int(args.func(args) or 0)
 
 

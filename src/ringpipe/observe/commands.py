@@ -217,7 +217,31 @@ def _doctor_events(args: Any) -> int:
     if not args.json:
         print(format_profile(job) + "\n", flush=True)
     _print_report({"job": job, "findings": findings, "links": links, "comm": comm_line(job)}, 0, args.json)
+    if args.verify:
+        return _verify_change(args, findings) or _strict(args, findings)
     return _strict(args, findings)
+
+
+def _verify_change(args: Any, findings: list[Any]) -> int:
+    """``--verify N`` on a run directory: its recommended training change measured (2 on a usage error)."""
+    from ringpipe.observe.verify_run import training_change, verify_training_change
+
+    change = training_change([f.fix for f in findings])
+    if change is None:
+        print("verify: no finding recommends a change of the training run to measure", flush=True)
+        return 0
+    run = Path(args.events)
+    run = run if run.is_dir() else run.parent
+    print(f"verify: running {run}/config.yaml {args.verify} time(s) as it was and with "
+          f"`ringpipe train {' '.join(change)}` ...", flush=True)
+    try:
+        v = verify_training_change(run, change, args.verify)
+    except (OSError, RuntimeError) as exc:
+        return _usage_error("doctor --verify", exc)
+    print(f"verify: {v['change']}: {v['after_ms']:.1f} ms per step against {v['before_ms']:.1f} ms as it was "
+          f"({v['before_ms'] / max(v['after_ms'], 1e-9):.2f}x; faster in {v['faster']} of {v['runs']} pairs of "
+          f"{v['steps']}-step runs)", flush=True)
+    return 0
 
 
 def _strict(args: Any, findings: list[Any]) -> int:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import statistics
 from collections import Counter, defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ringpipe.comm.events import human_bytes
@@ -34,7 +34,7 @@ from ringpipe.observe.links import link_findings, ring_links, run_links, slow_ho
 from ringpipe.observe.placement import busy_hosts, placement
 from ringpipe.observe.regions import EXPECTED_OP
 
-__all__ = ["Finding", "diagnose", "late_ranks", "placement", "link_findings", "ring_links", "step_links",
+__all__ = ["ANALYZERS", "Finding", "diagnose", "register_analyzer", "late_ranks", "placement", "link_findings", "ring_links", "step_links",
            "run_links", "compute_findings", "recommend", "format_report", "COLLECTIVE_OPS", "ALGORITHMS"]
 
 COLLECTIVE_OPS = ("allreduce", "iallreduce", "allgather", "broadcast", "reduce", "reduce_scatter", "alltoall", "barrier")
@@ -309,6 +309,18 @@ def recommend(job: JobEvents, allreduce_ms: Mapping[str, float], nbytes: int, li
 # ----------------------------------------------------------------------------- the diagnosis
 
 
+#: More analyses of a job's events, registered by the layers above (the pipeline doctor,
+#: :mod:`ringpipe.pipeline.diagnosis`); each returns its findings, or none when the job is not its kind.
+ANALYZERS: list[Callable[[JobEvents], list[Finding]]] = []
+
+
+def register_analyzer(fn: Callable[[JobEvents], list[Finding]]) -> Callable[[JobEvents], list[Finding]]:
+    """Add ``fn`` to the analyses :func:`diagnose` runs (once, however often it is registered)."""
+    if fn not in ANALYZERS:
+        ANALYZERS.append(fn)
+    return fn
+
+
 def diagnose(job: JobEvents, links: list[dict[str, Any]] | None = None,
              allreduce_ms: Mapping[str, float] | None = None, nbytes: int = 0,
              verified: Mapping[str, Any] | None = None, lateness: bool = True) -> list[Finding]:
@@ -325,7 +337,8 @@ def diagnose(job: JobEvents, links: list[dict[str, Any]] | None = None,
     late = late_ranks(job) if lateness else []
     found = (where + compute_findings(job)
              + link_findings(job, links, busy_hosts=busy_hosts(where), late=[f.rank for f in late if f.rank is not None])
-             + late + recommend(job, allreduce_ms or {}, nbytes, links, verified))
+             + late + recommend(job, allreduce_ms or {}, nbytes, links, verified)
+             + [f for analyze in ANALYZERS for f in analyze(job)])
     rank = {"problem": 0, "fix": 1}
     return sorted(found, key=lambda f: rank.get(f.severity, 2))
 

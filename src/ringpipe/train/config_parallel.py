@@ -113,6 +113,11 @@ class PipelineConfig(_Section):
         description="mode interleaved only: model chunks per rank (default 2); the model is cut into "
         "stages x chunks parts, rank r holds parts r, r+stages, ...; microbatches must be a multiple of stages",
     )
+    memory_budget: str | None = Field(
+        default=None,
+        description="bytes a stage may hold (e.g. 2G, 512M): a mode whose predicted peak per stage "
+        "(`ringpipe plan`) exceeds it is refused before training, with the figures",
+    )
 
     @field_validator("mitigations", mode="before")
     @classmethod

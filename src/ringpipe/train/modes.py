@@ -152,6 +152,10 @@ class ModeRunner(ABC):
     @abstractmethod
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
+    def summary_extra(self, comm: Any) -> dict[str, Any]:
+        """Entries this mode adds to ``summary.json`` (every rank calls it; it may gather). None by default."""
+        return {}
+
     def close(self) -> None:  # noqa: B027 - optional hook, most runners hold nothing to release
         """Release communication resources (background threads, hooks)."""
 

@@ -197,6 +197,7 @@ class PipelineRunner(ModeRunner):
         self.streams = mode == "async"
         self.batches = 0  # batches trained (the loop's step), to drain at the loop's epoch ends
         self.records = len(ctx.data.train)
+        self.memory_plan, self.memory_meter = self._memory(ctx, mode, pc, chunks, extra)
         self.global_batch = ctx.cfg.batch_size * replicas
         self.total_batches = ctx.cfg.total_steps(self.records, replicas)
 
@@ -244,6 +245,41 @@ class PipelineRunner(ModeRunner):
             t.microbatches = m
         t.last_metrics = metrics
         return self._tally(loss, y)
+
+    def _memory(self, ctx: ModeContext, mode: str, pc: PipelineConfig, chunks: int,
+                extra: dict[str, Any]) -> tuple[Any, Any]:
+        """The predicted peak per stage of this run (refused over ``pipeline.memory_budget``) and the meter."""
+        from ringpipe.pipeline.memory import MemoryMeter
+        from ringpipe.train.pipeline_memory import plan_for, refuse_over_budget
+
+        t = self.trainer
+        try:
+            plan = plan_for(ctx.build_model, ctx.data.train, ctx.cfg.batch_size, pc.microbatches, pc.stages,
+                            list(t.balance), self.loss, lambda ps: ctx.optimizer(ps, self.replicas)[0], [mode],
+                            chunks=chunks, recompute=pc.recompute, step_every=extra.get("step_every", 1),
+                            mitigations=pc.mitigations)[0]
+        except Exception as exc:  # noqa: BLE001 - a prediction must never stop a run it cannot model
+            if pc.memory_budget is not None:
+                raise ConfigError(f"pipeline.memory_budget={pc.memory_budget}: cannot predict this run's memory "
+                                  f"({exc}); remove the budget") from None
+            plan = None
+        if plan is not None:
+            refuse_over_budget(plan, pc.memory_budget)
+        import ringpipe.pipeline.diagnosis  # noqa: F401 - registers the pipeline doctor with the run's doctor.txt
+        from ringpipe.pipeline.action_events import record_actions
+
+        record_actions(ctx.comm.log, t.runtimes, t.executor, schedule=t.schedule, stage=t.stage, stages=t.num_stages,
+                       microbatches=pc.microbatches, chunks=t.chunks, balance=list(t.balance),
+                       recompute=pc.recompute, step_every=extra.get("step_every", 1))
+        # after the recorder, so that the passes it times leave out the meter's own sampling
+        meter = MemoryMeter(steps=2 * pc.stages * pc.microbatches + 4).attach(t.runtimes, t.executor, t.optimizer,
+                                                                              t.policy)
+        return plan, meter
+
+    def summary_extra(self, comm: Any) -> dict[str, Any]:
+        from ringpipe.train.pipeline_memory import memory_summary
+
+        return memory_summary(comm, self.trainer.stage, self.memory_meter, self.memory_plan)
 
     def close(self) -> None:
         for handle in self.hooks:  # the user's layers are left as they were given

@@ -139,6 +139,7 @@ class Reporter:
             "stop_reason": p.stop_reason,
             **({"best": best.summary()} if best is not None else {}),
             **({"resized": p.resizes} if p.resizes else {}),
+            **e.summary_extra(self.comm),
         }
 
 

@@ -1,0 +1,177 @@
+"""How often the pipeline doctor names the right cause, and whether the change it recommends is faster.
+
+    python benchmarks/pipeline_doctor.py --trials 10          # 2, 3 and 4 stages
+    python benchmarks/pipeline_doctor.py --quick              # seconds: 2 stages, 1 trial
+
+Each trial trains an MLP of equal blocks (``--width``, 2 blocks per stage and a small head on the
+last, batches of 128) with ``PipelineTrainer``
+on real gloo ranks, the stages' passes recorded (:mod:`ringpipe.pipeline.action_events`) and read by
+:func:`ringpipe.pipeline.diagnosis.pipeline_findings`, in three cases:
+
+- ``balanced``: 1F1B, ``m = 2 p`` micro-batches, the blocks split evenly; expected: a finding
+  names the schedule's own bubble, the predicted bubble is within 5 points of the paper's
+  ``(p - 1) / (m + p - 1)``, and no imbalance is named.
+- ``heavy``: stage 1 gets twice the blocks of the others; expected: imbalance named for stage 1,
+  a ``pipeline.balance`` recommended.
+- ``few``: ``m = p / 2`` (at least 1) micro-batches; expected: more micro-batches or interleaving
+  recommended.
+
+A recommended change (a ``fix``: on a host whose load exceeds its CPUs the bubble changes are only
+mentioned, as they cannot help there) is then run (the verification) and its median step time
+compared with the trial's. A false accusation: an imbalance named in ``balanced`` or ``few``. Steps are timed as the
+doctor does (a step's span over the stages, the first step left out). The machine's other load
+changes the step times (a 2-core machine with other jobs: see the load line); counts of named
+causes are what the table claims.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import sys
+
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from lib import report  # noqa: E402
+
+from ringpipe.comm.events import EventLog  # noqa: E402
+from ringpipe.launch import spawn  # noqa: E402
+from ringpipe.observe.collect import collect_events  # noqa: E402
+from ringpipe.pipeline import PipelineTrainer  # noqa: E402
+from ringpipe.pipeline.action_events import record_actions  # noqa: E402
+from ringpipe.pipeline.diagnosis import breakdown, pipeline_findings  # noqa: E402
+
+
+def blocks(n: int, width: int) -> nn.Sequential:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(n):
+        layers.append(nn.Sequential(nn.Linear(width, width), nn.ReLU()))
+    layers.append(nn.Linear(width, 10))
+    return nn.Sequential(*layers)
+
+
+def train_once(comm, p: int, m: int, balance: list[int], schedule: str, width: int, steps: int, chunks=None):
+    n = sum(balance)
+    layers = blocks(n - 1, width)  # the last layer is the small head (its stage has one layer more)
+    log = EventLog()
+    t = PipelineTrainer(comm, layers, balance=balance, schedule=schedule, microbatches=m, chunks=chunks,
+                        optimizer_factory=lambda ps: torch.optim.SGD(ps, lr=0.01),
+                        loss_fn=nn.functional.cross_entropy)
+    record_actions(log, t.runtimes, t.executor, schedule=t.schedule, stage=t.stage, stages=t.num_stages,
+                   microbatches=m, chunks=t.chunks, balance=list(t.balance), recompute=False, step_every=1)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(128, width, generator=g), torch.randint(0, 10, (128,), generator=g)
+    for _ in range(steps):
+        t.train_step(x if t.is_first else None, y if t.is_last else None)
+    job = collect_events(comm, log)
+    if job is None:
+        return None
+    b = breakdown(job)
+    found = pipeline_findings(job)
+    return {"measured": b.measured if b else None, "bubble": b.bubble if b else None,
+            "idle": b.measured_idle if b else None,
+            "findings": [(f.severity, f.what, f.evidence, f.fix) for f in found]}
+
+
+def apply(fix: str, p: int, m: int, balance: list[int]) -> dict | None:
+    """The recommended change as trainer arguments (None: nothing this script can run)."""
+    got = re.search(r"pipeline\.balance=\[([0-9,]+)\]", fix)
+    if got:
+        return {"m": m, "balance": [int(v) for v in got.group(1).split(",")], "schedule": "1f1b"}
+    got = re.search(r"pipeline\.microbatches=(\d+)", fix)
+    if got:
+        return {"m": int(got.group(1)), "balance": balance, "schedule": "1f1b"}
+    if "--mode interleaved" in fix:
+        n = sum(balance)
+        parts = 2 * p
+        return {"m": m, "balance": [n // parts + (1 if i < n % parts else 0) for i in range(parts)],
+                "schedule": "interleaved_1f1b", "chunks": 2}
+    got = re.search(r"--mode (zb_h1|zb_h2)", fix)
+    if got:
+        return {"m": m, "balance": balance, "schedule": got.group(1)}
+    return None
+
+
+def worker(comm, cases, trials: int, width: int, steps: int):
+    p = comm.size
+    out = []
+    for trial in range(trials):
+        for case, m, balance in cases:
+            res = train_once(comm, p, m, balance, "1f1b", width, steps)
+            verify = None
+            if res is not None:
+                fix = next((f[3] for f in res["findings"] if f[0] == "fix" or "pipeline.balance=" in f[3]), "")
+                change = apply(fix, p, m, balance)
+            else:
+                change = None
+            change = comm.allgather_object(change)[0]
+            if change is not None:
+                v = train_once(comm, p, change["m"], change["balance"], change["schedule"], width, steps,
+                               change.get("chunks"))
+                verify = v["measured"] if v else None
+            if res is not None:
+                out.append({"trial": trial, "case": case, "m": m, "balance": balance, **res, "verify": verify,
+                            "change": change})
+    return out
+
+
+def score(row: dict, p: int) -> tuple[bool, bool]:
+    """(the expected cause named, a false accusation)."""
+    whats = [f[1] for f in row["findings"]]
+    fixes = [f for f in row["findings"] if f[0] == "fix" or f[1].startswith("once every stage has a core")]
+    imbalance = any("heaviest" in w for w, f in zip(whats, row["findings"], strict=True) if f[0] == "problem")
+    if row["case"] == "balanced":
+        paper = (p - 1) / (row["m"] + p - 1)
+        named = any(w.startswith("the schedule's own bubble") for w in whats) and abs(row["bubble"] - paper) <= 0.05
+        return named, imbalance
+    if row["case"] == "heavy":
+        return imbalance and any("pipeline.balance=" in f[3] for f in row["findings"]), False
+    return any("micro-batches" in f[1] or "interleaving" in f[1] for f in fixes), imbalance
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--trials", type=int, default=10)
+    ap.add_argument("--stages", default="2,3,4")
+    ap.add_argument("--width", type=int, default=768)
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    stage_counts = [2] if args.quick else [int(s) for s in args.stages.split(",")]
+    trials = 1 if args.quick else args.trials
+    steps = 6 if args.quick else args.steps
+    report.header("pipeline_doctor")
+    rows = []
+    for p in stage_counts:
+        even = [2] * (p - 1) + [3]  # 2 blocks per stage, the last also the head
+        heavy = list(even)
+        heavy[1] += 2
+        cases = [("balanced", 2 * p, even), ("heavy", 2 * p, heavy), ("few", max(1, p // 2), even)]
+        got = spawn(worker, p, args=(cases, trials, args.width, steps), env={"OMP_NUM_THREADS": "1"})[0]
+        for case, m, _ in cases:
+            mine = [r for r in got if r["case"] == case]
+            scores = [score(r, p) for r in mine]
+            faster = [r for r in mine if r["verify"] is not None and r["measured"]]
+            ratio = [r["measured"] / r["verify"] for r in faster]
+            paper = (p - 1) / (m + p - 1)
+            rows.append([p, case, m, len(mine), sum(s[0] for s in scores), sum(s[1] for s in scores),
+                         f"{100 * statistics.median(r['bubble'] for r in mine):.1f}%",
+                         f"{100 * paper:.1f}%",
+                         f"{100 * statistics.median(r['idle'] for r in mine):.1f}%",
+                         f"{1e3 * statistics.median(r['measured'] for r in mine):.1f}",
+                         f"{statistics.median(ratio):.2f}x ({sum(x > 1 for x in ratio)}/{len(ratio)} faster)"
+                         if ratio else "-"])
+    print(report.table(["stages", "case", "m", "trials", "cause named", "false accusations",
+                        "predicted bubble (median)", "paper (p-1)/(m+p-1)", "measured idle (median)",
+                        "step ms (median)", "recommended change, verified (speed-up)"], rows,
+                       [True, False, True, True, True, True, True, True, True, True, False]))
+    report.footer()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,409 @@
+"""The pipeline doctor: where a pipeline step's time goes, and the change its own figures favour.
+
+From the events of a pipeline run (:mod:`ringpipe.pipeline.action_events`: every forward
+``F``, backward ``B``, weight pass ``W`` and step ``S`` of every stage, timed) it measures,
+per stage, the median time of each pass per micro-batch (the thread's CPU time when torch ran
+one intra-op thread, so that a pass that waited for a core is not taken for a heavy one; the
+wall time otherwise), the step period (from one step's end
+to the next, the first step left out as warm-up) and the stage's busy time per step; the rest
+of the period the stage was idle. It then explains the step time with the schedule's own
+action lists run on an idealised machine (:func:`~ringpipe.pipeline.schedule_checks.list_schedule`,
+as :func:`~ringpipe.pipeline.bubble.simulate_timing` does), in three parts:
+
+- **the schedule's bubble**: the idle time of the schedule when every stage takes the mean of
+  the measured pass times (what the schedule costs even on a perfect split);
+- **imbalance**: how much longer the step gets with each stage's own measured pass times;
+- **transport and other**: the measured step time the simulation does not explain (messages
+  between stages, a stage late for other reasons, the training loop's own work).
+
+Findings name the largest part and the change that the same simulation says helps most:
+more micro-batches (pass times assumed proportional to the micro-batch size), interleaving
+with 2 chunks per rank, a zero-bubble schedule (``zb_h1``/``zb_h2``; with an unsplit backward
+the weight pass is taken as half of it, the paper's equal-passes assumption), or another
+``pipeline.balance`` (layers moved off the heaviest stage, each layer's cost taken as its
+stage's mean), each with its predicted step time.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ringpipe.observe.collect import JobEvents
+from ringpipe.observe.doctor import register_analyzer
+from ringpipe.observe.finding import Finding
+from ringpipe.pipeline.action_events import ACTION_OPS
+from ringpipe.pipeline.actions import Action, ScheduleError
+from ringpipe.pipeline.partition import balance_by_size
+from ringpipe.pipeline.schedule_checks import list_schedule
+from ringpipe.pipeline.schedules import SCHEDULES, async_1f1b
+from ringpipe.pipeline.schedules_interleaved import interleaved_1f1b
+
+__all__ = ["StageTimes", "PipelineBreakdown", "breakdown", "pipeline_findings", "step_time", "actions_of"]
+
+#: A part of the step this large (share of the measured step time) is named as a problem.
+PROBLEM_SHARE = 0.10
+#: A change is recommended when it is predicted this much faster.
+BETTER = 1.10
+_OPS = {v: v.removeprefix("pipeline.") for v in ACTION_OPS.values()}
+
+
+@dataclass
+class StageTimes:
+    """One stage's medians (seconds): per pass per micro-batch (per chunk), the step, the period, busy time."""
+
+    stage: int
+    forward: dict[int, float] = field(default_factory=dict)
+    backward: dict[int, float] = field(default_factory=dict)
+    weight: dict[int, float] = field(default_factory=dict)
+    step: float = 0.0
+    period: float = 0.0
+    busy: float = 0.0
+    steps: int = 0
+
+    @property
+    def idle(self) -> float:
+        return max(0.0, self.period - self.busy)
+
+
+@dataclass
+class PipelineBreakdown:
+    """A pipeline run's step explained: measured, the schedule's bubble, imbalance, the rest (seconds per step)."""
+
+    schedule: str
+    stages: int
+    microbatches: int
+    chunks: int
+    balance: list[int] | None
+    per_stage: list[StageTimes]
+    measured: float  # the median step period over stages
+    ideal: float  # mean busy time per stage with balanced passes
+    balanced: float  # simulated step time, every stage at the mean pass times
+    predicted: float  # simulated step time, each stage at its own pass times
+    detail: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def measured_idle(self) -> float:
+        """The stages' mean idle share of the measured step."""
+        return statistics.fmean(s.idle for s in self.per_stage) / self.measured if self.measured else 0.0
+
+    @property
+    def bubble(self) -> float:
+        """The schedule's own bubble: its idle share with balanced stages."""
+        return 1.0 - self.ideal / self.balanced if self.balanced else 0.0
+
+    @property
+    def imbalance(self) -> float:
+        """Share of the measured step added by unequal stages."""
+        return max(0.0, self.predicted - self.balanced) / self.measured if self.measured else 0.0
+
+    @property
+    def transport(self) -> float:
+        """Share of the measured step the simulation does not explain."""
+        return max(0.0, self.measured - self.predicted) / self.measured if self.measured else 0.0
+
+
+def actions_of(schedule: str, stages: int, microbatches: int, chunks: int = 1, step_every: int = 1) -> list[list[Action]]:
+    """Every stage's action list of one step of ``schedule``."""
+    if schedule == "interleaved_1f1b":
+        return [interleaved_1f1b(stages, microbatches, s, chunks) for s in range(stages)]
+    if schedule == "async_1f1b":
+        return [async_1f1b(stages, microbatches, s, step_every) for s in range(stages)]
+    return [SCHEDULES[schedule](stages, microbatches, s) for s in range(stages)]
+
+
+Costs = Callable[[int, Action], float]
+
+
+def step_time(per_stage: Sequence[Sequence[Action]], cost: Costs) -> tuple[float, list[float]]:
+    """(makespan, busy time per stage) of the lists under ``cost``."""
+    spans = list_schedule(per_stage, cost)
+    makespan = max((rank[-1][2] for rank in spans if rank), default=0.0)
+    busy = [sum(cost(s, a) for a in acts) for s, acts in enumerate(per_stage)]
+    return makespan, busy
+
+
+def _median(values: Sequence[float]) -> float:
+    return statistics.median(values) if values else 0.0
+
+
+def _steps(events: Sequence[Any]) -> tuple[list[list[Any]], dict[str, Any]]:
+    """A rank's actions cut into steps (each ends with its ``S``), and the schedule the steps carry."""
+    acts = sorted((e for e in events if e.op in _OPS), key=lambda e: e.start_ns)
+    info: dict[str, Any] = {}
+    steps: list[list[Any]] = [[]]
+    for e in acts:
+        steps[-1].append(e)
+        if e.op == "pipeline.S":
+            info = {k: v for k, v in e.detail.items() if k not in ("mb", "chunk")}
+            steps.append([])
+    return [s for s in steps if s and s[-1].op == "pipeline.S"], info
+
+
+def _stage_times(done: list[list[Any]], info: dict[str, Any], spans: Sequence[float], cpu: bool) -> StageTimes:
+    """``cpu``: pass times are the thread's CPU time (one intra-op thread: the work without the waits for a core)."""
+    st = StageTimes(int(info.get("stage", 0)))
+    body = done[1:]  # the first step warms up (allocations, first messages)
+    passes: dict[tuple[str, int], list[float]] = {}
+    for step in body:
+        for e in step:
+            d = e.detail["cpu_ns"] if cpu else e.end_ns - e.start_ns
+            passes.setdefault((_OPS[e.op], int(e.detail.get("chunk", 0))), []).append(d / 1e9)
+    for (kind, chunk), ds in passes.items():
+        if kind in ("F", "B", "W"):
+            {"F": st.forward, "B": st.backward, "W": st.weight}[kind][chunk] = _median(ds)
+    st.step = _median(passes.get(("S", 0), []))
+    st.period = _median(list(spans))
+    st.busy = _median([sum(e.detail["cpu_ns"] if cpu else e.end_ns - e.start_ns for e in s) / 1e9 for s in body])
+    st.steps = len(body)
+    return st
+
+
+def _costs(per_stage: Sequence[StageTimes], scale: float = 1.0, split_w: bool = False) -> Costs:
+    """Measured pass times as a cost function; ``scale`` multiplies the passes; ``split_w``: an unsplit
+    backward is cut in two equal ``B`` and ``W`` (the stage's ``W`` is then half its ``B``)."""
+
+    def cost(s: int, a: Action) -> float:
+        st = per_stage[s]
+        if a.kind == "S":
+            return st.step
+        table = {"F": st.forward, "B": st.backward, "W": st.weight}[a.kind]
+        if a.kind == "W" and not st.weight:
+            return scale * st.backward.get(a.chunk, 0.0) / 2
+        if a.kind == "B" and split_w and not st.weight:
+            return scale * table.get(a.chunk, 0.0) / 2
+        return scale * table.get(a.chunk, 0.0)
+
+    return cost
+
+
+def _mean_stage(per_stage: Sequence[StageTimes]) -> list[StageTimes]:
+    mean = StageTimes(-1)
+    for name in ("forward", "backward", "weight"):
+        chunks = {c for st in per_stage for c in getattr(st, name)}
+        setattr(mean, name, {c: statistics.fmean(getattr(st, name).get(c, 0.0) for st in per_stage) for c in chunks})
+    mean.step = statistics.fmean(st.step for st in per_stage)
+    return [mean] * len(per_stage)
+
+
+def breakdown(job: JobEvents) -> PipelineBreakdown | None:
+    """The step of the pipeline run in ``job`` explained (None: no pipeline events, too few steps, or an
+    asynchronous run, whose stream has no step to explain).
+
+    A step's measured time is its span over the stages: from the first action any stage starts
+    for it to the last stage's step (so the loop's work between steps, data loading and
+    logging, is left out and reported as ``between steps``).
+    """
+    ranks = [(r, *_steps(r.events)) for r in job.ranks]
+    ranks = [(r, done, info) for r, done, info in ranks if info and len(done) >= 3]
+    if not ranks:
+        return None
+    info = ranks[0][2]
+    if info.get("schedule") == "async_1f1b":
+        return None
+    stages = int(info["stages"])
+    first: dict[int, tuple[Any, list[list[Any]], dict[str, Any]]] = {}
+    for entry in ranks:  # replicas of a stage: the first one seen
+        first.setdefault(int(entry[2].get("stage", 0)), entry)
+    if sorted(first) != list(range(stages)):
+        return None
+    n = min(len(first[s][1]) for s in range(stages))
+    spans = [(max(first[s][1][k][-1].end_ns for s in range(stages))
+              - min(first[s][1][k][0].start_ns for s in range(stages))) / 1e9 for k in range(1, n)]
+    ends = [first[0][1][k][-1].end_ns for k in range(n)]
+    period = _median([(b - a) / 1e9 for a, b in zip(ends, ends[1:], strict=False)])
+    cpu = all(first[s][2].get("threads") == 1 and all("cpu_ns" in e.detail for step in first[s][1] for e in step)
+              for s in range(stages))
+    per_stage = [_stage_times(first[s][1][:n], first[s][2], spans, cpu) for s in range(stages)]
+    schedule, m, chunks = str(info["schedule"]), int(info["microbatches"]), int(info.get("chunks") or 1)
+    lists = actions_of(schedule, stages, m, chunks, int(info.get("step_every") or 1))
+    mean = _mean_stage(per_stage)
+    balanced, busy_bal = step_time(lists, _costs(mean))
+    predicted, _ = step_time(lists, _costs(per_stage))
+    measured = _median(spans)
+    bal = info.get("balance")
+    return PipelineBreakdown(schedule, stages, m, chunks, list(bal) if bal else None, per_stage, measured,
+                             statistics.fmean(busy_bal), balanced, predicted,
+                             {"recompute": bool(info.get("recompute")), "period": period, "cpu": cpu})
+
+
+# ----------------------------------------------------------------------------- what to change
+
+
+def _ms(seconds: float) -> str:
+    return f"{1e3 * seconds:.1f} ms"
+
+
+def _candidates(b: PipelineBreakdown) -> list[tuple[str, str, float]]:
+    """(change, how to ask for it, predicted step time) for each alternative to the run's schedule."""
+    out: list[tuple[str, str, float]] = []
+    p, m = b.stages, b.microbatches
+    split = b.schedule in ("zb_h1", "zb_h2")
+
+    def at(schedule: str, m2: int, chunks: int = 1, scale: float = 1.0) -> float:
+        try:
+            lists = actions_of(schedule, p, m2, chunks)
+        except ScheduleError:
+            return float("inf")
+        costs = _costs(b.per_stage, scale=scale * b.chunks / chunks, split_w=schedule in ("zb_h1", "zb_h2"))
+        return step_time(lists, costs)[0]
+
+    if b.chunks != 1:  # a chunk's pass is 1/chunks of a stage's: compare as whole stages
+        return out
+    for k in (2, 4):
+        # the same batch in k times as many micro-batches, each pass k times shorter
+        out.append((f"{k * m} micro-batches instead of {m}", f"--set pipeline.microbatches={k * m}",
+                    at(b.schedule, k * m, scale=1 / k)))
+    if b.schedule != "async_1f1b" and m % p == 0:
+        out.append(("interleaving with 2 chunks per rank", "--mode interleaved --set pipeline.chunks=2",
+                    _interleaved(b)))
+    if not split and b.schedule in ("gpipe", "1f1b", "seq"):
+        out.append(("the zero-bubble schedule zb_h1", "--mode zb_h1", at("zb_h1", m)))
+        out.append(("the zero-bubble schedule zb_h2", "--mode zb_h2", at("zb_h2", m)))
+    elif b.schedule == "zb_h1":
+        out.append(("the zero-bubble schedule zb_h2", "--mode zb_h2", at("zb_h2", m)))
+    return out
+
+
+def _interleaved(b: PipelineBreakdown) -> float:
+    """Each rank's passes cut into 2 chunks of half the time each."""
+    try:
+        lists = actions_of("interleaved_1f1b", b.stages, b.microbatches, 2)
+    except ScheduleError:
+        return float("inf")
+    half = _costs(b.per_stage, scale=0.5)
+    return step_time(lists, lambda s, a: half(s, Action(a.kind, a.mb, 0)) if a.kind != "S" else b.per_stage[s].step)[0]
+
+
+def _rebalance(b: PipelineBreakdown) -> tuple[list[int], float] | None:
+    """A split moving layers off the heaviest stage, and its predicted step time (layers' costs: their stage's mean)."""
+    if b.balance is None or b.chunks != 1 or len(b.balance) != b.stages:
+        return None
+    kinds = ("forward", "backward", "weight")
+    layer_costs: list[dict[str, float]] = []
+    for st, n in zip(b.per_stage, b.balance, strict=True):
+        layer_costs += [{k: getattr(st, k).get(0, 0.0) / n for k in kinds}] * n
+    total = [sum(c.values()) for c in layer_costs]
+    new = balance_by_size(total, b.stages)
+    if new == b.balance:
+        return None
+    per_stage, start = [], 0
+    for s, n in enumerate(new):
+        st = StageTimes(s, step=b.per_stage[s].step)
+        for k in kinds:
+            v = sum(c[k] for c in layer_costs[start:start + n])
+            if v:
+                getattr(st, k)[0] = v
+        per_stage.append(st)
+        start += n
+    lists = actions_of(b.schedule, b.stages, b.microbatches)
+    return new, step_time(lists, _costs(per_stage))[0]
+
+
+def _per_stage_text(b: PipelineBreakdown) -> str:
+    rows = []
+    for st in b.per_stage:
+        f = sum(st.forward.values())
+        bw = sum(st.backward.values())
+        w = f", W {_ms(sum(st.weight.values()))}" if st.weight else ""
+        rows.append(f"stage {st.stage}: F {_ms(f)}, B {_ms(bw)}{w} per micro-batch, step {_ms(st.step)}, "
+                    f"busy {_ms(st.busy)}, idle {_ms(st.idle)} ({100 * st.idle / b.measured:.0f}%)")
+    return "; ".join(rows)
+
+
+def _crowded(job: JobEvents) -> str:
+    """Why the job's hosts had no core to spare ("" when they had): a load average above the CPUs."""
+    for r in job.ranks:
+        load, cpus = r.info.get("loadavg"), r.info.get("cpu_count")
+        if load is not None and cpus and load > cpus:
+            return f"host {r.host} ran a load average of {load:.1f} on {cpus} CPUs"
+    return ""
+
+
+def pipeline_findings(job: JobEvents) -> list[Finding]:
+    """The pipeline doctor's findings for ``job`` (none when it holds no pipeline run)."""
+    b = breakdown(job)
+    if b is None:
+        return []
+    name = f"{b.schedule} on {b.stages} stages with {b.microbatches} micro-batches"
+    parts = (f"the schedule's own bubble {100 * b.bubble:.1f}% (predicted for {name} from the measured pass "
+             f"times, stages balanced), imbalance between stages {100 * b.imbalance:.1f}%, transport and other "
+             f"{100 * b.transport:.1f}%")
+    found: list[Finding] = []
+    head = (f"pipeline stages idle {100 * b.measured_idle:.1f}% of the step ({_ms(b.measured)} per step, "
+            f"{b.per_stage[0].steps} steps)")
+    between = max(0.0, b.detail.get("period", 0.0) - b.measured)
+    evidence = (f"{parts}. {_per_stage_text(b)}; simulated step {_ms(b.predicted)} (balanced {_ms(b.balanced)}); "
+                f"between steps (the loop's own work, outside the pipeline) {_ms(between)}")
+    largest = max(("bubble", b.bubble), ("imbalance", b.imbalance), ("transport", b.transport), key=lambda x: x[1])
+    what = {"bubble": f"{head}: mostly the schedule's own bubble",
+            "imbalance": f"{head}: mostly imbalance between stages",
+            "transport": f"{head}: mostly time outside the passes (transport and other)"}[largest[0]]
+    if largest[1] < PROBLEM_SHARE:
+        what = f"{head}: no part above {100 * PROBLEM_SHARE:.0f}% of the step"
+    found.append(Finding("info", what, evidence))
+
+    if b.bubble >= PROBLEM_SHARE:
+        found.append(Finding(
+            "problem", f"the schedule's own bubble: {name} leaves each stage idle {100 * b.bubble:.1f}% of the step",
+            f"predicted from the schedule's action lists with the measured pass times and balanced stages "
+            f"(the measured idle share, {100 * b.measured_idle:.1f}%, also holds imbalance and transport); this "
+            "idle time is the schedule's fill and drain, not a fault: fewer of it needs more micro-batches per "
+            "batch, interleaving or a zero-bubble schedule",
+            "see the recommended change below, if any ([fix])",
+        ))
+    # judged on the simulation (the passes alone), so that a noisy step does not hide a heavy stage
+    skew = (b.predicted - b.balanced) / b.predicted if b.predicted else 0.0
+    if skew >= PROBLEM_SHARE / 2:
+        heavy = max(b.per_stage, key=lambda st: st.busy)
+        mean_busy = statistics.fmean(st.busy for st in b.per_stage)
+        fix = "give the heaviest stage fewer layers (pipeline.balance) or use pipeline.partition=time"
+        rebal = _rebalance(b)
+        gain = ""
+        if rebal is not None:
+            new, t = rebal
+            fix = f"ringpipe train --set pipeline.balance=[{','.join(map(str, new))}] (now {b.balance})"
+            gain = f"; predicted step {_ms(b.measured * t / b.predicted)} instead of {_ms(b.measured)} ({b.predicted / t:.2f}x)"
+        found.append(Finding(
+            "problem" if skew >= PROBLEM_SHARE else "info",
+            f"pipeline stage {heavy.stage} is the heaviest: the others wait for it",
+            f"stage {heavy.stage} is busy {_ms(heavy.busy)} per step against a mean of {_ms(mean_busy)}; with the "
+            f"measured passes the step takes {_ms(b.predicted)} against {_ms(b.balanced)} with balanced stages "
+            f"({100 * skew:.1f}% longer){gain}",
+            fix,
+        ))
+    if b.transport >= PROBLEM_SHARE:
+        found.append(Finding(
+            "problem",
+            "pipeline stages wait longer than their schedule explains",
+            f"measured step {_ms(b.measured)}, simulated from the measured passes {_ms(b.predicted)}: "
+            f"{_ms(b.measured - b.predicted)} per step ({100 * b.transport:.1f}%) is spent in messages between "
+            "stages, a stage late for other reasons (a busy CPU, data loading) or the loop's own work",
+            "check the links between the stages' hosts (ringpipe doctor -n N --probe) and the CPU load; "
+            "larger micro-batches send fewer, larger messages",
+        ))
+    if b.bubble >= PROBLEM_SHARE / 2:
+        cands = sorted((c for c in _candidates(b) if c[2] > 0), key=lambda c: c[2])
+        if cands and b.predicted / cands[0][2] >= BETTER:
+            what_, how, t = cands[0]
+            others = ", ".join(f"{c[0]}: {_ms(b.measured * c[2] / b.predicted)}" for c in cands[1:4])
+            crowded = _crowded(job)
+            evidence = (f"simulated with the measured pass times: step {_ms(b.measured * t / b.predicted)} instead of "
+                        f"{_ms(b.measured)} ({b.predicted / t:.2f}x)" + (f"; others: {others}" if others else ""))
+            if crowded:
+                # a stage's idle time is another process's CPU time there: overlapping more wins nothing
+                found.append(Finding(
+                    "info", f"once every stage has a core of its own: {what_} would shrink the schedule's bubble",
+                    f"{evidence}; not recommended now: {crowded}, so the time a stage waits is spent by other "
+                    "processes and a shorter bubble does not shorten the step",
+                    f"ringpipe train {how}",
+                ))
+            else:
+                found.append(Finding("fix", f"use {what_} to shrink the schedule's bubble", evidence,
+                                     f"ringpipe train {how}"))
+    return found
+
+
+register_analyzer(pipeline_findings)

@@ -1,0 +1,134 @@
+"""The pipeline doctor on synthetic runs: the bubble named as the schedule's, imbalance, too few micro-batches, transport.
+
+The events are made here, as a run would record them: every stage runs its action list in
+order, an action starting when the stage is free and its inputs are there (the forward of
+the previous stage, the backward of the next one, each message taking ``latency``), each step
+after the slowest stage's previous step. Pass times are chosen per stage. The oracle for the
+schedule's own bubble is the paper's ``(p - 1) / (m + p - 1)`` for 1F1B with equal stages.
+"""
+
+import pytest
+
+from ringpipe.comm.events import Event
+from ringpipe.observe.collect import JobEvents, RankEvents
+from ringpipe.observe.doctor import diagnose
+from ringpipe.pipeline.diagnosis import breakdown, pipeline_findings
+from ringpipe.pipeline.schedules import SCHEDULES
+
+MS = 1_000_000  # ns
+
+
+def run_events(p, m, forward, backward, *, latency=0.0, steps=6, schedule="1f1b", balance=None, gap=0.0, cpu=None):
+    """Every stage's events for ``steps`` steps; ``forward[s]``/``backward[s]`` in ms per micro-batch;
+    ``cpu``: ``(forward, backward)`` CPU times per stage, recorded with one intra-op thread."""
+    lists = [SCHEDULES[schedule](p, m, s) for s in range(p)]
+    info = {"schedule": schedule, "stages": p, "microbatches": m, "chunks": 1,
+            "balance": balance or [2] * p, "recompute": False, "step_every": 1, "threads": 1}
+    events = [[] for _ in range(p)]
+    t0 = 0.0
+    for _ in range(steps):
+        done, free, pos = {}, [t0] * p, [0] * p
+        while any(pos[s] < len(lists[s]) for s in range(p)):
+            for s in range(p):
+                while pos[s] < len(lists[s]):
+                    a = lists[s][pos[s]]
+                    need = []
+                    if a.kind == "F" and s > 0:
+                        need.append(("F", s - 1, a.mb, latency))
+                    if a.kind == "B":
+                        need.append(("F", s, a.mb, 0.0))
+                        if s < p - 1:
+                            need.append(("B", s + 1, a.mb, latency))
+                    if any((k, g, mb) not in done for k, g, mb, _ in need):
+                        break
+                    start = max([free[s], *(done[(k, g, mb)] + lat for k, g, mb, lat in need)])
+                    cost = {"F": forward[s], "B": backward[s], "S": 0.1}[a.kind]
+                    free[s] = start + cost
+                    done[(a.kind, s, a.mb)] = free[s]
+                    detail = {"mb": a.mb, "chunk": 0, **({**info, "stage": s} if a.kind == "S" else {})}
+                    if cpu is not None:
+                        detail["cpu_ns"] = int(MS * {"F": cpu[0][s], "B": cpu[1][s], "S": 0.1}[a.kind])
+                    events[s].append(Event(f"pipeline.{a.kind}", 0, -1, int(start * MS), int(free[s] * MS), 0,
+                                           "pipeline", detail))
+                    pos[s] += 1
+        t0 = max(free) + gap
+    return JobEvents([RankEvents(s, "h", events[s]) for s in range(p)], {"size": p})
+
+
+@pytest.mark.parametrize("p", [2, 3, 4])
+def test_a_balanced_split_is_named_the_schedules_bubble_at_the_papers_fraction(p):
+    m = 8
+    job = run_events(p, m, [1.0] * p, [2.0] * p)
+    b = breakdown(job)
+    paper = (p - 1) / (m + p - 1)
+    assert abs(b.measured_idle - paper) < 0.05
+    assert abs(b.bubble - b.measured_idle) < 0.05
+    found = pipeline_findings(job)
+    assert "mostly the schedule's own bubble" in found[0].what
+    named = next(f for f in found if f.what.startswith("the schedule's own bubble"))
+    assert named.severity == "problem" and f"idle {100 * b.bubble:.1f}% of the step" in named.what
+    assert not any("heaviest" in f.what or "longer than" in f.what for f in pipeline_findings(job))
+
+
+def test_one_stage_twice_as_heavy_is_named_and_a_better_split_recommended():
+    job = run_events(3, 8, [1.0, 2.0, 1.0], [2.0, 4.0, 2.0], balance=[2, 2, 2])
+    found = pipeline_findings(job)
+    heavy = next(f for f in found if "heaviest" in f.what)
+    assert heavy.severity == "problem" and "stage 1" in heavy.what
+    assert "pipeline.balance=" in heavy.fix and "[2, 2, 2]" in heavy.fix
+    new = [int(x) for x in heavy.fix.split("pipeline.balance=[")[1].split("]")[0].split(",")]
+    assert sum(new) == 6 and new[1] < 2
+    assert "x)" in heavy.evidence  # the predicted gain
+
+
+def test_too_few_micro_batches_for_the_stages_get_more_or_interleaving():
+    job = run_events(4, 4, [1.0] * 4, [2.0] * 4)
+    b = breakdown(job)
+    assert b.bubble > 0.3  # 3 / 7 idle
+    fix = next(f for f in pipeline_findings(job) if f.severity == "fix")
+    assert "micro-batches" in fix.what or "interleaving" in fix.what
+    assert "microbatches=" in fix.fix or "interleaved" in fix.fix
+
+
+def test_slow_messages_are_named_transport_not_bubble():
+    job = run_events(2, 8, [1.0, 1.0], [2.0, 2.0], latency=2.0)
+    found = pipeline_findings(job)
+    assert any("longer than their schedule explains" in f.what for f in found)
+    assert "transport" in found[0].what
+
+
+def test_a_run_without_pipeline_events_gets_no_pipeline_finding():
+    job = JobEvents([RankEvents(0, "h", [Event("allreduce", 4, -1, 0, MS, 0, "world")])], {"size": 1})
+    assert pipeline_findings(job) == [] and breakdown(job) is None
+
+
+def test_the_doctor_reports_the_pipeline_bubble_instead_of_no_problem():
+    job = run_events(2, 2, [1.0, 1.0], [2.0, 2.0])
+    found = diagnose(job)
+    assert any(f.what.startswith("the schedule's own bubble") and f.severity == "problem" for f in found)
+
+
+def test_a_heavy_stage_is_named_even_when_slow_messages_dominate_the_step():
+    job = run_events(2, 8, [1.0, 2.0], [2.0, 4.0], latency=6.0, balance=[2, 2])
+    found = pipeline_findings(job)
+    assert any("stage 1 is the heaviest" in f.what for f in found)
+    assert any("longer than their schedule explains" in f.what for f in found)
+
+
+def test_on_a_host_short_of_cores_a_bubble_change_is_mentioned_not_recommended():
+    job = run_events(4, 4, [1.0] * 4, [2.0] * 4)
+    for r in job.ranks:
+        r.info.update(loadavg=9.0, cpu_count=2)
+    found = pipeline_findings(job)
+    assert not any(f.severity == "fix" for f in found)
+    assert any(f.what.startswith("once every stage has a core") and "load average of 9.0 on 2 CPUs" in f.evidence
+               for f in found)
+
+
+def test_a_stage_slowed_by_waiting_for_a_core_is_not_called_heavy_when_its_cpu_time_is_equal():
+    # stage 1's passes take twice the wall time (preempted), the same CPU time as stage 0's
+    job = run_events(2, 8, [1.0, 2.0], [2.0, 4.0], balance=[2, 2], cpu=([1.0, 1.0], [2.0, 2.0]))
+    assert breakdown(job).detail["cpu"]
+    assert not any("heaviest" in f.what for f in pipeline_findings(job))
+    assert any("heaviest" in f.what for f in pipeline_findings(
+        run_events(2, 8, [1.0, 2.0], [2.0, 4.0], balance=[2, 2], cpu=([1.0, 2.0], [2.0, 4.0]))))
