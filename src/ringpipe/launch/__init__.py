@@ -7,13 +7,19 @@ that end with their launcher (:mod:`~ringpipe.launch.bootstrap`), whole lines pr
 rank and one report naming the rank that failed first (:mod:`~ringpipe.launch.relay`). With
 ``-H``/``--hostfile`` naming other hosts, one command starts every host's ranks over ssh
 (:mod:`~ringpipe.launch.remote`; :mod:`~ringpipe.launch.hosts` reads the host lists).
+
+The launcher process imports torch only on the paths that run torch's code in it: the elastic
+agent (the default mode) and ``--mode mp``'s ``torch.multiprocessing``. ``mpirun`` launches,
+several-host launches, usage errors and help start without it, and :func:`spawn`,
+:func:`local_rank_zero_first` and :class:`WorkerFailed` (torch's side) are imported on first use.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ringpipe.launch.bootstrap import VERBOSE
 from ringpipe.launch.options import (
@@ -24,11 +30,26 @@ from ringpipe.launch.options import (
     validate,
 )
 from ringpipe.launch.runners import mpirun_command
-from ringpipe.launch.spawn import WorkerFailed, local_rank_zero_first, spawn
 from ringpipe.launch.speaker import label
+
+if TYPE_CHECKING:  # at run time __getattr__ imports them (ringpipe.launch.spawning imports torch)
+    from ringpipe.launch.spawning import WorkerFailed, local_rank_zero_first, spawn
 
 __all__ = ["spawn", "launch_main", "local_rank_zero_first", "WorkerFailed", "mpirun_command", "add_parser",
            "parse_launch_args", "LaunchOptions", "LaunchUsageError"]
+
+#: names imported on first use, and their module (named apart from the function ``spawn``, so
+#: that importing the module never rebinds this package's ``spawn``)
+_LAZY = {"spawn": "ringpipe.launch.spawning", "local_rank_zero_first": "ringpipe.launch.spawning",
+         "WorkerFailed": "ringpipe.launch.spawning"}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'ringpipe.launch' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value
 
 
 def add_parser(sub: Any) -> None:
