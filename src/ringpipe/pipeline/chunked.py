@@ -36,7 +36,8 @@ from ringpipe.pipeline.executor import InputFn, RunResult
 from ringpipe.pipeline.recompute import microbatch_seed
 from ringpipe.pipeline.replicas import average_gradients
 from ringpipe.pipeline.schedules import Action
-from ringpipe.pipeline.stage import StageError, StageRuntime, as_tensors
+from ringpipe.pipeline.model_io import batch_to
+from ringpipe.pipeline.stage import StageError, StageRuntime
 
 __all__ = ["ChunkedExecutor", "TaggedComm", "TAG_STRIDE"]
 
@@ -118,13 +119,13 @@ class ChunkedExecutor:
         self.steps_taken += 1
 
     def _input(self, c: int, mb: int, inputs: InputFn | None, run_length: Callable[[int], int] | None,
-               more: bool) -> tuple[tuple[torch.Tensor, ...], int]:
+               more: bool) -> tuple[Any, int]:
         ch = self.act_in[c]
         if ch is not None:
             return ch.get(prefetch_next=more)
         if inputs is None:
             raise ValueError(f"stage {self.stage} holds the first part of the model and needs inputs")
-        x = tuple(t.to(self.device) for t in as_tensors(inputs(mb), self.stage, "input"))
+        x = batch_to(inputs(mb), self.device)
         return x, (max(1, run_length(mb)) if run_length is not None else 1)
 
     def run(

@@ -37,7 +37,8 @@ from ringpipe.pipeline.channel import (
 from ringpipe.pipeline.recompute import microbatch_seed
 from ringpipe.pipeline.replicas import average_gradients
 from ringpipe.pipeline.schedules import Action
-from ringpipe.pipeline.stage import StageError, StageRuntime, as_tensors
+from ringpipe.pipeline.model_io import batch_to
+from ringpipe.pipeline.stage import StageError, StageRuntime
 
 __all__ = ["PipelineExecutor", "RunResult", "staleness_of"]
 
@@ -190,8 +191,7 @@ class PipelineExecutor:
                     if self.act_in is None:
                         if inputs is None:
                             raise ValueError(f"stage {self.stage} is the first stage and needs inputs")
-                        x = as_tensors(inputs(mb), self.stage, "input")
-                        x = tuple(t.to(self.device) for t in x)
+                        x = batch_to(inputs(mb), self.device)
                         run = max(1, run_length(mb)) if run_length is not None else 1
                     else:
                         x, run = self.act_in.get(prefetch_next=f_pos < len(fwd_order))
@@ -258,7 +258,7 @@ class PipelineExecutor:
             for mb in range(num_microbatches):
                 if self.act_in is None:
                     assert inputs is not None, "the first stage needs inputs"
-                    x = tuple(t.to(self.device) for t in as_tensors(inputs(mb), self.stage, "input"))
+                    x = batch_to(inputs(mb), self.device)
                     run = max(1, run_length(mb)) if run_length is not None else 1
                 else:
                     x, run = self.act_in.get(prefetch_next=mb + 1 < num_microbatches)
