@@ -34,7 +34,7 @@ from ringpipe.pipeline.channel import (
 )
 from ringpipe.pipeline.executor import InputFn, RunResult
 from ringpipe.pipeline.recompute import microbatch_seed
-from ringpipe.pipeline.replicas import average_gradients
+from ringpipe.pipeline.replicas import average_gradients, sum_tied_gradients
 from ringpipe.pipeline.schedules import Action
 from ringpipe.pipeline.model_io import batch_to
 from ringpipe.pipeline.stage import StageError, StageRuntime
@@ -76,10 +76,12 @@ class ChunkedExecutor:
         replica_comm: Communicator | None = None,
         seed: int | None = None,
         device: torch.device | None = None,
+        tied: Sequence[tuple[Sequence[torch.nn.Parameter], Communicator]] = (),
     ) -> None:
         self.comm, self.runtimes, self.optimizer = comm, list(runtimes), optimizer
         self.scheduler, self.replica_comm, self.seed = scheduler, replica_comm, seed
         self.device = device or torch.device("cpu")
+        self.tied = list(tied)
         self.num_stages, self.stage, self.chunks = num_stages, stage, len(self.runtimes)
         self.total = num_stages * self.chunks
         self.params = [p for rt in self.runtimes for p in rt.module.parameters() if p.requires_grad]
@@ -110,6 +112,7 @@ class ChunkedExecutor:
         return sum(rt.in_flight for rt in self.runtimes)
 
     def step(self) -> None:
+        sum_tied_gradients(self.tied)
         if self.replica_comm is not None:
             average_gradients(self.params, self.replica_comm)
         self.optimizer.step()

@@ -35,7 +35,7 @@ from ringpipe.pipeline.channel import (
     Meta,
 )
 from ringpipe.pipeline.recompute import microbatch_seed
-from ringpipe.pipeline.replicas import average_gradients
+from ringpipe.pipeline.replicas import average_gradients, sum_tied_gradients
 from ringpipe.pipeline.schedules import Action
 from ringpipe.pipeline.model_io import batch_to
 from ringpipe.pipeline.stage import StageError, StageRuntime
@@ -110,6 +110,7 @@ class PipelineExecutor:
         replica_comm: Communicator | None = None,
         seed: int | None = None,
         device: torch.device | None = None,
+        tied: Sequence[tuple[Sequence[torch.nn.Parameter], Communicator]] = (),
     ) -> None:
         self.comm = comm
         self.rt = runtime
@@ -118,6 +119,7 @@ class PipelineExecutor:
         self.replica_comm = replica_comm
         self.seed = seed
         self.device = device or torch.device("cpu")
+        self.tied = list(tied)
         self.stage = runtime.stage
         self.params = [p for p in runtime.module.parameters() if p.requires_grad]
         self.act_in = ActivationReceiver(comm, prev_rank, self.device) if prev_rank is not None else None
@@ -133,6 +135,7 @@ class PipelineExecutor:
 
     def step(self) -> None:
         """Average over replicas, then the policy hooks around optimizer (and scheduler) step."""
+        sum_tied_gradients(self.tied)
         if self.replica_comm is not None:
             average_gradients(self.params, self.replica_comm)
         self.rt.policy.before_step()

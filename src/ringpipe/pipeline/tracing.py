@@ -101,6 +101,9 @@ class TracedStage(nn.Module):
     choose the graph; both read the same parameters (registered once, under the train graph).
     """
 
+    #: a stage runtime calls it with its boundary value whole (a mapping is not keyword arguments)
+    takes_boundary = True
+
     def __init__(self, train_graph: fx.GraphModule, eval_graph: fx.GraphModule, index: int, out_spec: Any,
                  in_spec: Any, input_names: list[str] | None, boundary: list[str]) -> None:
         super().__init__()
@@ -138,6 +141,14 @@ class TracedStage(nn.Module):
         return tuple(out)
 
 
+def _plain(name: str) -> str:
+    """A stage's parameter name without the containers a pipeline wraps it in (``0.``, ``graph_module.``)."""
+    parts = name.split(".")
+    while parts and (parts[0].isdigit() or parts[0] == "graph_module"):
+        parts = parts[1:]
+    return ".".join(parts)
+
+
 def tied_parameters(stages: Sequence[nn.Module], model: nn.Module | None = None) -> dict[str, list[int]]:
     """Parameters held by more than one stage: a name -> the stages holding it, in stage order.
 
@@ -149,7 +160,7 @@ def tied_parameters(stages: Sequence[nn.Module], model: nn.Module | None = None)
         for name, p in stage.named_parameters():
             if s not in holders.setdefault(id(p), []):
                 holders[id(p)].append(s)
-            names.setdefault(id(p), name)
+            names.setdefault(id(p), _plain(name))
     return {names[k]: v for k, v in holders.items() if len(v) > 1}
 
 
