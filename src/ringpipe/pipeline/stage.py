@@ -129,7 +129,8 @@ def _call(module: nn.Module, value: Any) -> Any:
     """A stage called with its input value: a traced stage takes it whole; a mapping are keyword
     arguments; a one-element tuple its element; anything else one argument (a tuple of several
     tensors is passed as that tuple, as stages of an ``nn.Sequential`` take it)."""
-    if getattr(module, "takes_boundary", False):
+    first = module[0] if isinstance(module, nn.Sequential) and len(module) else module
+    if getattr(first, "takes_boundary", False):  # a traced stage, alone or first in a partition's Sequential
         return module(value)
     if isinstance(value, Mapping):
         return module(**value)
