@@ -87,8 +87,10 @@ def _modules_of(node: fx.Node) -> list[str]:
     return [path for path, _ in stack.values()]
 
 
-def _top(path: str) -> str:
-    return path.split(".")[0]
+def _mutates(node: fx.Node) -> bool:
+    """Whether an ATen operation writes into one of its arguments (``relu_``, ``add_``, ``copy_``)."""
+    schema = getattr(node.target, "_schema", None)
+    return bool(schema is not None and schema.is_mutable)
 
 
 class TracedStage(nn.Module):
@@ -283,10 +285,14 @@ def _cut(gm: fx.GraphModule, points: list[str]) -> list[tuple[fx.GraphModule, li
         if pos is None:
             raise SplitError(f"split point {p!r} is a module that the traced forward never runs; split at a module it calls")
         begins.append(pos)
-    if any(b >= a for a, b in zip(begins[1:], begins, strict=False)):
+    for (a, pa), (b, pb) in zip(zip(begins, points, strict=True), zip(begins[1:], points[1:], strict=True), strict=False):
+        if a == b:
+            raise SplitError(f"split points {pa!r} and {pb!r} begin at the same operation: the stage between them "
+                             "would be empty; drop one of them")
+    if any(b > a for a, b in zip(begins[1:], begins, strict=False)):
         order = [p for _, p in sorted(zip(begins, points, strict=True))]
-        raise SplitError(f"split points {points} are not in the order the model runs them ({order}), "
-                         "or two begin at the same operation; list them in call order")
+        raise SplitError(f"split points {points} are not in the order the model runs them ({order}); "
+                         "list them in call order")
     # stage of every node: how many split points begin at or before it (inputs: stage 0)
     stage_of: dict[fx.Node, int] = {}
     s = 0
@@ -319,9 +325,17 @@ def _cut(gm: fx.GraphModule, points: list[str]) -> list[tuple[fx.GraphModule, li
     for k in range(last + 1):
         g = fx.Graph()
         env: dict[fx.Node, fx.Node] = {}
-        for n in (n for n in nodes if n.op == "placeholder") if k == 0 else boundaries[k]:
+        inputs = [n for n in nodes if n.op == "placeholder"] if k == 0 else boundaries[k]
+        for n in inputs:
             env[n] = g.placeholder(n.name)
             env[n].meta = dict(n.meta)
+        # an in-place operation on a boundary input (ReLU(inplace=True) where the stage begins) works on a
+        # copy: the received tensor is a gradient leaf, kept for recomputation, and may be relayed on unchanged
+        given = set(inputs)
+        written = {a for n in nodes if n.op == "call_function" and stage_of[n] == k and _mutates(n)
+                   for a in n.args if isinstance(a, fx.Node) and a in given}
+        for n in (n for n in inputs if n in written):
+            env[n] = g.call_function(torch.ops.aten.clone.default, (env[n],))
         for n in nodes:
             if n.op == "call_function" and stage_of[n] == k:
                 for a in n.all_input_nodes:
