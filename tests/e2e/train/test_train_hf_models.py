@@ -1,4 +1,4 @@
-"""``ringpipe train`` on a Hugging Face GPT-2 from a model factory: mode single and mode 1f1b split by name.
+"""``ringpipe train`` on Hugging Face models: a GPT-2 factory in mode single and 1f1b split by name; BERT's mapping batches.
 
 The factory (``examples/hf_models.py:gpt2``) returns a ``GPT2LMHeadModel``, whose output is a
 ``ModelOutput`` and whose LM head is tied to its token embedding. Mode ``single`` is the
@@ -12,10 +12,11 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from trainrun import sets, train
 
-pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers")
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 BASE = ["epochs=1", "batch_size=16", "max_steps=4", "log_every=1", "optimizer.scale_lr=false",
@@ -39,3 +40,51 @@ def test_gpt2_factory_trains_single_and_split_1f1b_alike(tmp_path, monkeypatch, 
     assert summary["world_size"] == 2 and summary["steps"] == ref["steps"] == 4
     assert _losses(metrics) == pytest.approx(_losses(ref_metrics), rel=1e-4, abs=1e-5)
     assert summary["test_loss"] == pytest.approx(ref["test_loss"], rel=1e-4, abs=1e-5)
+
+
+class _Tokens:
+    """A map-style dataset of ({input_ids, attention_mask}, label) items, as a tokenizer gives them."""
+
+    def __init__(self, n=24, seq=8, vocab=50):
+        g = torch.Generator().manual_seed(4)
+        self.ids = torch.randint(1, vocab, (n, seq), generator=g)
+        self.mask = torch.ones(n, seq, dtype=torch.long)
+        for i, k in enumerate(torch.randint(3, seq + 1, (n,), generator=g).tolist()):
+            self.mask[i, k:] = 0
+        self.y = torch.randint(0, 3, (n,), generator=g)
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "attention_mask": self.mask[i]}, int(self.y[i])
+
+
+@pytest.mark.timeout(300)
+def test_bert_with_mapping_batches_in_mode_single(tmp_path):
+    """A dataset of mapping inputs collates to keyword arguments; the ModelOutput's logits meet the loss."""
+    import ringpipe.train as rt
+
+    def make():
+        torch.manual_seed(0)
+        cfg = transformers.BertConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
+                                      intermediate_size=64, vocab_size=50, max_position_embeddings=16, num_labels=3,
+                                      hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, pad_token_id=0)
+        return transformers.BertForSequenceClassification(cfg)
+
+    data = _Tokens()
+    model = make()
+    rt.fit(model, data, data, loss=torch.nn.functional.cross_entropy,
+           optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+           config={"mode": "single", "epochs": 3, "batch_size": len(data), "log_every": 1, "seed": 0,
+                   "optimizer": {"lr": 0.1, "scale_lr": False}, "schedule": {"name": "constant"}},
+           run_dir=tmp_path / "run")
+    ref = make()  # the plain loop: full-batch steps (the sampler's order does not change a full batch's mean)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for _ in range(3):
+        out = ref(input_ids=data.ids, attention_mask=data.mask)
+        torch.nn.functional.cross_entropy(out.logits, data.y).backward()
+        opt.step()
+        opt.zero_grad()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
