@@ -35,7 +35,8 @@ from ringpipe.pipeline.channel import (
     Meta,
 )
 from ringpipe.pipeline.recompute import microbatch_seed
-from ringpipe.pipeline.replicas import average_gradients, sum_tied_gradients
+from ringpipe.pipeline.policy import WeightPolicy
+from ringpipe.pipeline.replicas import average_gradients, share_first_tied_gradients, sum_tied_gradients
 from ringpipe.pipeline.schedules import Action
 from ringpipe.pipeline.model_io import batch_to
 from ringpipe.pipeline.stage import StageError, StageRuntime
@@ -139,6 +140,8 @@ class PipelineExecutor:
         if self.replica_comm is not None:
             average_gradients(self.params, self.replica_comm)
         self.rt.policy.before_step()
+        if self.tied and type(self.rt.policy) is not WeightPolicy:  # a mitigation may have rescaled them
+            share_first_tied_gradients(self.tied)
         self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()

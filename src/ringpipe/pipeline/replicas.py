@@ -17,7 +17,7 @@ import torch
 from ringpipe.comm.base import Communicator
 from ringpipe.core.engine import Engine
 
-__all__ = ["PipelineGrid", "make_grid", "replica_group", "average_gradients", "tied_groups", "sum_tied_gradients"]
+__all__ = ["PipelineGrid", "make_grid", "replica_group", "average_gradients", "tied_groups", "sum_tied_gradients", "share_first_tied_gradients"]
 
 
 @dataclass(frozen=True)
@@ -149,3 +149,24 @@ def tied_groups(
             if sub is not None and grid.stage in key and replica == grid.replica:
                 out.append((by_stages[key], sub))
     return out
+
+
+def share_first_tied_gradients(tied: Sequence[tuple[Sequence[torch.nn.Parameter], Communicator]]) -> None:
+    """Give every holder of a tied weight the gradient of its first (lowest) stage.
+
+    Called after a weight policy's ``before_step`` in the asynchronous pipeline: Gap Aware
+    rescales a stage's gradient by that stage's own statistics (and not on the last stage), so
+    the holders would step their copies apart; they all take the first holder's, the most
+    stale stage's, gradient instead. Every holder has a gradient here (after
+    :func:`sum_tied_gradients`).
+    """
+    for params, comm in tied:
+        if comm.size == 1 or not params:
+            continue
+        flat = torch.cat([p.grad.reshape(-1) for p in params])  # type: ignore[union-attr]
+        Engine.of(comm).run(lambda c=comm, f=flat: c.broadcast(f, 0), name="pipeline-tied-grads")
+        offset = 0
+        for p in params:
+            assert p.grad is not None
+            p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
