@@ -2,8 +2,9 @@
 
 The factory (``examples/hf_models.py:gpt2``) returns a ``GPT2LMHeadModel``, whose output is a
 ``ModelOutput`` and whose LM head is tied to its token embedding. Mode ``single`` is the
-reference (a plain torch loop); ``1f1b`` on 2 ranks, cut at ``transformer.h.2``, must give the
-same loss at every logged step (dropout 0, so the split does not change the random masks).
+reference (a plain torch loop); ``1f1b`` on 2 ranks, cut at ``transformer.h.2``, and ``dp`` on 2
+ranks must give the same loss at every logged step (dropout 0, so neither the split nor the
+sharding changes the random masks).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ def _losses(records):
 
 
 @pytest.mark.timeout(300)
-def test_gpt2_factory_trains_single_and_split_1f1b_alike(tmp_path, monkeypatch, capsys):
+def test_gpt2_factory_trains_alike_in_single_1f1b_split_and_dp(tmp_path, monkeypatch, capsys):
     monkeypatch.syspath_prepend(str(EXAMPLES))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(EXAMPLES), os.environ.get("PYTHONPATH", "")]))
     rc, ref, ref_metrics = train(tmp_path / "single", *sets([*BASE, "mode=single"]))
@@ -40,6 +41,11 @@ def test_gpt2_factory_trains_single_and_split_1f1b_alike(tmp_path, monkeypatch, 
     assert summary["world_size"] == 2 and summary["steps"] == ref["steps"] == 4
     assert _losses(metrics) == pytest.approx(_losses(ref_metrics), rel=1e-4, abs=1e-5)
     assert summary["test_loss"] == pytest.approx(ref["test_loss"], rel=1e-4, abs=1e-5)
+    # data parallel on 2 ranks, 8 samples each: the same global batches of 16 as single
+    rc, summary, metrics = train(tmp_path / "dp", *sets([*BASE, "mode=dp", "nprocs=2", "batch_size=8"]))
+    assert rc == 0, capsys.readouterr().err
+    assert summary["global_batch"] == 16 and summary["steps"] == ref["steps"]
+    assert _losses(metrics) == pytest.approx(_losses(ref_metrics), rel=1e-4, abs=1e-5)
 
 
 class _Tokens:
