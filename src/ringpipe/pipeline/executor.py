@@ -35,7 +35,6 @@ from ringpipe.pipeline.channel import (
     Meta,
 )
 from ringpipe.pipeline.recompute import microbatch_seed
-from ringpipe.pipeline.policy import WeightPolicy
 from ringpipe.pipeline.replicas import average_gradients, share_first_tied_gradients, sum_tied_gradients
 from ringpipe.pipeline.schedules import Action
 from ringpipe.pipeline.model_io import batch_to
@@ -112,6 +111,7 @@ class PipelineExecutor:
         seed: int | None = None,
         device: torch.device | None = None,
         tied: Sequence[tuple[Sequence[torch.nn.Parameter], Communicator]] = (),
+        tied_after_policy: bool = False,
     ) -> None:
         self.comm = comm
         self.rt = runtime
@@ -121,6 +121,9 @@ class PipelineExecutor:
         self.seed = seed
         self.device = device or torch.device("cpu")
         self.tied = list(tied)
+        #: asynchronous schedules: after the policy's before_step, the holders of a tied weight take the
+        #: first holder's gradient (decided alike on every holder, whatever each stage's policy is)
+        self.tied_after_policy = tied_after_policy
         self.stage = runtime.stage
         self.params = [p for p in runtime.module.parameters() if p.requires_grad]
         self.act_in = ActivationReceiver(comm, prev_rank, self.device) if prev_rank is not None else None
@@ -140,7 +143,7 @@ class PipelineExecutor:
         if self.replica_comm is not None:
             average_gradients(self.params, self.replica_comm)
         self.rt.policy.before_step()
-        if self.tied and type(self.rt.policy) is not WeightPolicy:  # a mitigation may have rescaled them
+        if self.tied and self.tied_after_policy:  # a mitigation may have rescaled them, differently per stage
             share_first_tied_gradients(self.tied)
         self.optimizer.step()
         if self.scheduler is not None:

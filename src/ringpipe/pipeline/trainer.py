@@ -218,11 +218,12 @@ class PipelineTrainer:
             )]
             self.executor = PipelineExecutor(
                 comm, self.runtimes[0], self.optimizer, self.grid.prev_rank, self.grid.next_rank,
-                self.scheduler, self.replica_comm, seed, device, tied=self.tied,
+                self.scheduler, self.replica_comm, seed, device, tied=self.tied, tied_after_policy=self.is_async,
             )
         self.runtime = self.runtimes[0]
         self.last_metrics: dict[str, float] = {}
         self._warned_uneven = False
+        self._warned_tied_stream = False
         self._streamed = 0  # micro-batches fed into the open stream (0: no stream open)
 
     def _split_traced(self, model: Any, split_points: Sequence[str] | None, balance: Any, sample: Any,
@@ -435,6 +436,15 @@ class PipelineTrainer:
                 f"stream_step needs schedule 'async_1f1b'; schedule {self.schedule!r} flushes every batch: "
                 "use train_step"
             )
+        if self.tied:
+            # A tied weight's holders pair their k-th steps; in an open stream the first stage's k-th step
+            # falls into the next window, after whatever collective the caller runs between batches
+            # (logging, evaluation), which would deadlock. So each batch fills and drains, as train_step.
+            if not self._warned_tied_stream:
+                log.warning("stage %d: weights tied across stages (%s): stream_step runs each batch as "
+                            "train_step (the pipeline drains at every batch)", self.stage, ", ".join(self.tied_names))
+                self._warned_tied_stream = True
+            return self.train_step(inputs, targets)
         m, k = self.microbatches, self.step_every
         if m % k:
             raise ValueError(
