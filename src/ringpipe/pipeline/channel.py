@@ -1,11 +1,14 @@
 """Point-to-point channels between neighbour stages: activations forward, gradients backward.
 
-Activations carry their own description: a small header (dtypes, shapes, and for how many
-micro-batches they hold) goes before the payload of the first micro-batch and again only
+Activations are any structure of tensors and constants (:mod:`ringpipe.pipeline.values`) and
+carry their own description: a small header (dtypes, shapes, which tensors take a gradient
+back, and for how many micro-batches they hold) followed by the structure (nesting and
+constants, as JSON bytes) goes before the payload of the first micro-batch and again only
 when a new run of shapes starts (a smaller last batch). The number of micro-batches a header
 covers comes from the first stage, which knows how it split its batch; a later stage passes it
 on, so its receiver knows exactly which message is a header without asking. Gradients need no
-header: they have the shapes of the activations the stage sent.
+header: they have the shapes of the differentiable activations the stage sent, and only those
+travel back (masks, ids and tensors that do not require grad go forward only).
 
 All sends are ``isend`` and complete in the background; receives can be posted ahead
 (``prefetch``) so a transfer overlaps the computation of the previous micro-batch.
@@ -16,15 +19,18 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from ringpipe.comm.base import Communicator, Work
+from ringpipe.pipeline.values import Packed, decode_structure, encode_structure
 
 __all__ = ["Meta", "ActivationSender", "ActivationReceiver", "GradSender", "GradReceiver", "ChannelError"]
 
-HEADER_LEN = 64
+HEADER_LEN = 256
 TAG_HEADER = 11
+TAG_STRUCTURE = 12
 TAG_ACT = 100
 TAG_GRAD = 300
 _MAGIC = 0x5249  # "RI"
@@ -43,28 +49,32 @@ class ChannelError(RuntimeError):
 
 @dataclass(frozen=True)
 class Meta:
-    """Dtypes and shapes of the tensors of one micro-batch's message."""
+    """Dtypes, shapes, gradient flags and structure of one micro-batch's message."""
 
     dtypes: tuple[torch.dtype, ...]
     shapes: tuple[tuple[int, ...], ...]
+    grads: tuple[bool, ...] = ()
+    structure: Any = None
 
     @classmethod
-    def of(cls, tensors: Sequence[torch.Tensor]) -> Meta:
-        return cls(tuple(t.dtype for t in tensors), tuple(tuple(t.shape) for t in tensors))
+    def of(cls, packed: Packed) -> Meta:
+        ts = packed.tensors
+        return cls(tuple(t.dtype for t in ts), tuple(tuple(t.shape) for t in ts), packed.grads, packed.structure)
 
-    def floating(self) -> Meta:
-        keep = [i for i, d in enumerate(self.dtypes) if d.is_floating_point]
-        return Meta(tuple(self.dtypes[i] for i in keep), tuple(self.shapes[i] for i in keep))
+    def differentiable(self) -> Meta:
+        """The tensors a gradient comes back for."""
+        keep = [i for i, g in enumerate(self.grads) if g]
+        return Meta(tuple(self.dtypes[i] for i in keep), tuple(self.shapes[i] for i in keep), tuple(True for _ in keep))
 
     def empty(self, device: torch.device) -> tuple[torch.Tensor, ...]:
         return tuple(torch.empty(s, dtype=d, device=device) for d, s in zip(self.dtypes, self.shapes, strict=True))
 
-    def encode(self, run: int, device: torch.device) -> torch.Tensor:
-        vals = [_MAGIC, run, len(self.dtypes)]
-        for d, s in zip(self.dtypes, self.shapes, strict=True):
+    def encode(self, run: int, structure_len: int, device: torch.device) -> torch.Tensor:
+        vals = [_MAGIC, run, len(self.dtypes), structure_len]
+        for d, s, g in zip(self.dtypes, self.shapes, self.grads, strict=True):
             if d not in _CODE:
                 raise ChannelError(f"cannot send tensors of dtype {d} between stages; use one of {_DTYPES}")
-            vals += [_CODE[d], len(s), *s]
+            vals += [_CODE[d], int(g), len(s), *s]
         if len(vals) > HEADER_LEN:
             raise ChannelError(
                 f"stage output description needs {len(vals)} numbers, more than {HEADER_LEN}: "
@@ -75,18 +85,20 @@ class Meta:
         return out
 
     @classmethod
-    def decode(cls, header: torch.Tensor) -> tuple[Meta, int]:
+    def decode(cls, header: torch.Tensor) -> tuple[Meta, int, int]:
+        """``(meta without structure, run, length of the structure message)``."""
         vals = [int(v) for v in header.cpu()]
         if vals[0] != _MAGIC:
             raise ChannelError(f"expected a shape header from the previous stage, got {vals[:4]}...")
-        run, n, i = vals[1], vals[2], 3
-        dtypes, shapes = [], []
+        run, n, structure_len, i = vals[1], vals[2], vals[3], 4
+        dtypes, shapes, grads = [], [], []
         for _ in range(n):
-            code, nd = vals[i], vals[i + 1]
+            code, g, nd = vals[i], vals[i + 1], vals[i + 2]
             dtypes.append(_DTYPES[code])
-            shapes.append(tuple(vals[i + 2 : i + 2 + nd]))
-            i += 2 + nd
-        return cls(tuple(dtypes), tuple(shapes)), run
+            grads.append(bool(g))
+            shapes.append(tuple(vals[i + 3 : i + 3 + nd]))
+            i += 3 + nd
+        return cls(tuple(dtypes), tuple(shapes), tuple(grads)), run, structure_len
 
 
 class _Sends:
@@ -127,17 +139,21 @@ class ActivationSender:
         self.meta: Meta | None = None
         self.sends = _Sends()
 
-    def send(self, tensors: Sequence[torch.Tensor], run: int) -> None:
+    def send(self, packed: Packed, run: int) -> None:
         """Send one micro-batch; ``run`` >= 1 micro-batches from this one have the same input shapes."""
-        tensors = [t.contiguous() for t in tensors]
-        meta = Meta.of(tensors)
+        tensors = [t.contiguous() for t in packed.tensors]
+        meta = Meta.of(packed)
         if self.remaining == 0:
             self.meta, self.remaining = meta, max(1, run)
-            self.sends.add(self.comm.isend(meta.encode(self.remaining, tensors[0].device), self.peer, TAG_HEADER))
+            structure = torch.frombuffer(bytearray(encode_structure(packed.structure)), dtype=torch.uint8)
+            device = tensors[0].device if tensors else torch.device("cpu")
+            self.sends.add(self.comm.isend(meta.encode(self.remaining, structure.numel(), device), self.peer, TAG_HEADER))
+            self.sends.add(self.comm.isend(structure.to(device), self.peer, TAG_STRUCTURE))
         elif meta != self.meta:
             raise ChannelError(
                 f"stage {self.stage} output changed from {self.meta} to {meta} while its input shapes "
-                "stayed the same; a stage's output shapes must depend only on its input shapes"
+                "stayed the same; a stage's output shapes, structure and constants must depend only on its "
+                "input shapes"
             )
         self.remaining -= 1
         for i, t in enumerate(tensors):
@@ -175,23 +191,27 @@ class ActivationReceiver:
         bufs = self.meta.empty(self.device)
         self._payload = [self.comm.irecv(b, self.peer, TAG_ACT + i) for i, b in enumerate(bufs)]
 
-    def get(self, prefetch_next: bool = False) -> tuple[tuple[torch.Tensor, ...], int]:
-        """The next micro-batch's tensors and the length of the run of shapes from it on."""
+    def get(self, prefetch_next: bool = False) -> tuple[Packed, int]:
+        """The next micro-batch's value and the length of the run of shapes from it on."""
         self.prefetch()
         if self._header is not None:
             buf, work = self._header
             work.wait()
             self._header = None
-            self.meta, self.remaining = Meta.decode(buf)
+            meta, self.remaining, structure_len = Meta.decode(buf)
+            data = torch.empty(structure_len, dtype=torch.uint8, device=self.device)
+            self.comm.irecv(data, self.peer, TAG_STRUCTURE).wait()
+            structure = decode_structure(bytes(data.cpu().numpy().tobytes()))
+            self.meta = Meta(meta.dtypes, meta.shapes, meta.grads, structure)
             self._post_payload()
-        assert self._payload is not None
+        assert self._payload is not None and self.meta is not None
         tensors = tuple(w.wait() for w in self._payload)
         self._payload = None
         run = self.remaining
         self.remaining -= 1
         if prefetch_next:
             self.prefetch()
-        return tensors, run
+        return Packed(tensors, self.meta.structure, self.meta.grads), run
 
     def reset(self) -> None:
         if self._header is not None or self._payload is not None:
@@ -200,7 +220,7 @@ class ActivationReceiver:
 
 
 class GradSender:
-    """Sends the gradients of a stage's floating-point inputs to the previous stage."""
+    """Sends the gradients of a stage's differentiable inputs to the previous stage."""
 
     def __init__(self, comm: Communicator, peer: int) -> None:
         self.comm, self.peer = comm, peer
@@ -224,7 +244,7 @@ class GradReceiver:
     def prefetch(self, mb: int, meta: Meta) -> None:
         if self._posted is not None:
             return
-        bufs = meta.floating().empty(self.device)
+        bufs = meta.differentiable().empty(self.device)
         self._posted = (mb, [self.comm.irecv(b, self.peer, TAG_GRAD + i) for i, b in enumerate(bufs)])
 
     def get(self, mb: int, meta: Meta) -> tuple[torch.Tensor, ...]:

@@ -34,9 +34,10 @@ from ringpipe.pipeline.channel import (
 )
 from ringpipe.pipeline.executor import InputFn, RunResult
 from ringpipe.pipeline.recompute import microbatch_seed
-from ringpipe.pipeline.replicas import average_gradients
+from ringpipe.pipeline.replicas import average_gradients, sum_tied_gradients
 from ringpipe.pipeline.schedules import Action
-from ringpipe.pipeline.stage import StageError, StageRuntime, as_tensors
+from ringpipe.pipeline.model_io import batch_to
+from ringpipe.pipeline.stage import StageError, StageRuntime
 
 __all__ = ["ChunkedExecutor", "TaggedComm", "TAG_STRIDE"]
 
@@ -75,10 +76,12 @@ class ChunkedExecutor:
         replica_comm: Communicator | None = None,
         seed: int | None = None,
         device: torch.device | None = None,
+        tied: Sequence[tuple[Sequence[torch.nn.Parameter], Communicator]] = (),
     ) -> None:
         self.comm, self.runtimes, self.optimizer = comm, list(runtimes), optimizer
         self.scheduler, self.replica_comm, self.seed = scheduler, replica_comm, seed
         self.device = device or torch.device("cpu")
+        self.tied = list(tied)
         self.num_stages, self.stage, self.chunks = num_stages, stage, len(self.runtimes)
         self.total = num_stages * self.chunks
         self.params = [p for rt in self.runtimes for p in rt.module.parameters() if p.requires_grad]
@@ -109,6 +112,7 @@ class ChunkedExecutor:
         return sum(rt.in_flight for rt in self.runtimes)
 
     def step(self) -> None:
+        sum_tied_gradients(self.tied)
         if self.replica_comm is not None:
             average_gradients(self.params, self.replica_comm)
         self.optimizer.step()
@@ -118,13 +122,13 @@ class ChunkedExecutor:
         self.steps_taken += 1
 
     def _input(self, c: int, mb: int, inputs: InputFn | None, run_length: Callable[[int], int] | None,
-               more: bool) -> tuple[tuple[torch.Tensor, ...], int]:
+               more: bool) -> tuple[Any, int]:
         ch = self.act_in[c]
         if ch is not None:
             return ch.get(prefetch_next=more)
         if inputs is None:
             raise ValueError(f"stage {self.stage} holds the first part of the model and needs inputs")
-        x = tuple(t.to(self.device) for t in as_tensors(inputs(mb), self.stage, "input"))
+        x = batch_to(inputs(mb), self.device)
         return x, (max(1, run_length(mb)) if run_length is not None else 1)
 
     def run(

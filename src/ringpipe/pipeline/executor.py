@@ -35,9 +35,10 @@ from ringpipe.pipeline.channel import (
     Meta,
 )
 from ringpipe.pipeline.recompute import microbatch_seed
-from ringpipe.pipeline.replicas import average_gradients
+from ringpipe.pipeline.replicas import average_gradients, share_first_tied_gradients, sum_tied_gradients
 from ringpipe.pipeline.schedules import Action
-from ringpipe.pipeline.stage import StageError, StageRuntime, as_tensors
+from ringpipe.pipeline.model_io import batch_to
+from ringpipe.pipeline.stage import StageError, StageRuntime
 
 __all__ = ["PipelineExecutor", "RunResult", "staleness_of"]
 
@@ -109,6 +110,8 @@ class PipelineExecutor:
         replica_comm: Communicator | None = None,
         seed: int | None = None,
         device: torch.device | None = None,
+        tied: Sequence[tuple[Sequence[torch.nn.Parameter], Communicator]] = (),
+        tied_after_policy: bool = False,
     ) -> None:
         self.comm = comm
         self.rt = runtime
@@ -117,6 +120,10 @@ class PipelineExecutor:
         self.replica_comm = replica_comm
         self.seed = seed
         self.device = device or torch.device("cpu")
+        self.tied = list(tied)
+        #: asynchronous schedules: after the policy's before_step, the holders of a tied weight take the
+        #: first holder's gradient (decided alike on every holder, whatever each stage's policy is)
+        self.tied_after_policy = tied_after_policy
         self.stage = runtime.stage
         self.params = [p for p in runtime.module.parameters() if p.requires_grad]
         self.act_in = ActivationReceiver(comm, prev_rank, self.device) if prev_rank is not None else None
@@ -132,9 +139,12 @@ class PipelineExecutor:
 
     def step(self) -> None:
         """Average over replicas, then the policy hooks around optimizer (and scheduler) step."""
+        sum_tied_gradients(self.tied)
         if self.replica_comm is not None:
             average_gradients(self.params, self.replica_comm)
         self.rt.policy.before_step()
+        if self.tied and self.tied_after_policy:  # a mitigation may have rescaled them, differently per stage
+            share_first_tied_gradients(self.tied)
         self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()
@@ -190,8 +200,7 @@ class PipelineExecutor:
                     if self.act_in is None:
                         if inputs is None:
                             raise ValueError(f"stage {self.stage} is the first stage and needs inputs")
-                        x = as_tensors(inputs(mb), self.stage, "input")
-                        x = tuple(t.to(self.device) for t in x)
+                        x = batch_to(inputs(mb), self.device)
                         run = max(1, run_length(mb)) if run_length is not None else 1
                     else:
                         x, run = self.act_in.get(prefetch_next=f_pos < len(fwd_order))
@@ -258,7 +267,7 @@ class PipelineExecutor:
             for mb in range(num_microbatches):
                 if self.act_in is None:
                     assert inputs is not None, "the first stage needs inputs"
-                    x = tuple(t.to(self.device) for t in as_tensors(inputs(mb), self.stage, "input"))
+                    x = batch_to(inputs(mb), self.device)
                     run = max(1, run_length(mb)) if run_length is not None else 1
                 else:
                     x, run = self.act_in.get(prefetch_next=mb + 1 < num_microbatches)

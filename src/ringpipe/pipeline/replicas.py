@@ -17,7 +17,7 @@ import torch
 from ringpipe.comm.base import Communicator
 from ringpipe.core.engine import Engine
 
-__all__ = ["PipelineGrid", "make_grid", "replica_group", "average_gradients"]
+__all__ = ["PipelineGrid", "make_grid", "replica_group", "average_gradients", "tied_groups", "sum_tied_gradients", "share_first_tied_gradients"]
 
 
 @dataclass(frozen=True)
@@ -100,3 +100,73 @@ def average_gradients(params: Sequence[torch.nn.Parameter], comm: Communicator) 
         else:
             p.grad.copy_(part)
         offset += g.numel()
+
+
+def sum_tied_gradients(tied: Sequence[tuple[Sequence[torch.nn.Parameter], Communicator]]) -> None:
+    """Sum the gradients of weights tied across stages over the ranks holding a copy.
+
+    ``tied``: for each group of stages sharing weights, this rank's copies of them and the
+    communicator of the ranks holding them (one pipeline replica). After the sum every copy
+    steps with the gradient one module holding the weight once would have (the sum of its uses),
+    so the copies stay equal. Missing gradients count as zeros.
+    """
+    for params, comm in tied:
+        if comm.size == 1 or not params:
+            continue
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        Engine.of(comm).run(lambda c=comm, f=flat: c.allreduce(f, "sum"), name="pipeline-tied-grads")
+        offset = 0
+        for p, g in zip(params, grads, strict=True):
+            part = flat[offset : offset + g.numel()].view_as(g)
+            if p.grad is None:
+                p.grad = part.clone()
+            else:
+                p.grad.copy_(part)
+            offset += g.numel()
+
+
+def tied_groups(
+    comm: Communicator,
+    grid: PipelineGrid,
+    holders: Sequence[tuple[torch.nn.Parameter, Sequence[int]]],
+) -> list[tuple[list[torch.nn.Parameter], Communicator]]:
+    """The groups :func:`sum_tied_gradients` reduces over. Collective over ``comm`` (every rank, same ``holders``).
+
+    ``holders``: each tied weight (this rank's object, which every rank builds alike) and the
+    stages holding a copy. Weights held by the same stages share one communicator per replica.
+    """
+    by_stages: dict[tuple[int, ...], list[torch.nn.Parameter]] = {}
+    for param, stages in holders:
+        key = tuple(sorted(set(stages)))
+        if len(key) > 1:
+            by_stages.setdefault(key, []).append(param)
+    out = []
+    for key in sorted(by_stages):
+        for replica in range(grid.replicas):
+            ranks = [grid.rank_of(s, replica) for s in key]
+            sub = comm.split(ranks, name=f"{comm.name}/tied{'-'.join(map(str, key))}r{replica}")
+            if sub is not None and grid.stage in key and replica == grid.replica:
+                out.append((by_stages[key], sub))
+    return out
+
+
+def share_first_tied_gradients(tied: Sequence[tuple[Sequence[torch.nn.Parameter], Communicator]]) -> None:
+    """Give every holder of a tied weight the gradient of its first (lowest) stage.
+
+    Called after a weight policy's ``before_step`` in the asynchronous pipeline: Gap Aware
+    rescales a stage's gradient by that stage's own statistics (and not on the last stage), so
+    the holders would step their copies apart; they all take the first holder's, the most
+    stale stage's, gradient instead. Every holder has a gradient here (after
+    :func:`sum_tied_gradients`).
+    """
+    for params, comm in tied:
+        if comm.size == 1 or not params:
+            continue
+        flat = torch.cat([p.grad.reshape(-1) for p in params])  # type: ignore[union-attr]
+        Engine.of(comm).run(lambda c=comm, f=flat: c.broadcast(f, 0), name="pipeline-tied-grads")
+        offset = 0
+        for p in params:
+            assert p.grad is not None
+            p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()

@@ -92,7 +92,7 @@ class SplitStageRuntime(StageRuntime):
         return outs
 
     def backward_input(self, mb: int, grad_outputs: tuple[torch.Tensor, ...] | None = None) -> tuple[torch.Tensor, ...]:
-        """``B``: the gradients of micro-batch ``mb``'s floating-point inputs; what ``W`` needs is kept."""
+        """``B``: the gradients of micro-batch ``mb``'s differentiable inputs; what ``W`` needs is kept."""
         rec = self._records.pop(mb, None)
         captured = self._outputs.pop(mb, None)
         if rec is None:
@@ -113,12 +113,9 @@ class SplitStageRuntime(StageRuntime):
         else:
             if grad_outputs is None:
                 raise StageError(f"stage {self.stage}: backward of micro-batch {mb} needs output gradients")
-            pairs = [
-                (o, g) for o, g in zip([o for o in outputs if o.is_floating_point()], grad_outputs, strict=True)
-                if o.requires_grad
-            ]
+            pairs = [(o, g) for o, g in zip(outputs, grad_outputs, strict=True) if o.requires_grad]
             roots, grads = [o for o, _ in pairs], [g for _, g in pairs]
-        wanted = [t for t in leaves if t.is_floating_point() and t.requires_grad]
+        wanted = [t for t in leaves if t.requires_grad]
         layer_outs = self._layer_outputs(captured)
         live = bool(roots) and any(r.requires_grad for r in roots)
         got: tuple[torch.Tensor | None, ...] = ()
@@ -136,7 +133,7 @@ class SplitStageRuntime(StageRuntime):
         by_leaf = {id(t): g for t, g in zip(wanted, got, strict=False)}
         return tuple(
             (by_leaf.get(id(t)) if by_leaf.get(id(t)) is not None else torch.zeros_like(t))  # type: ignore[misc]
-            for t in leaves if t.is_floating_point()
+            for t in leaves if t.requires_grad
         )
 
     def backward_weight(self, mb: int) -> None:

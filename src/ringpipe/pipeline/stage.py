@@ -9,17 +9,19 @@ around every forward and backward, and the replay of a recomputed forward happen
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from ringpipe.pipeline.model_io import logits_of
 from ringpipe.pipeline.policy import WeightPolicy
 from ringpipe.pipeline.recompute import RngState, disable_border_inplace, frozen_buffers, seeded
+from ringpipe.pipeline.values import BoundaryError, Packed, pack, unpack
 
-__all__ = ["StageError", "StageRuntime", "as_tensors", "live_weights", "renew_buffers"]
+__all__ = ["StageError", "StageRuntime", "as_tensors", "stage_input", "loss_input", "live_weights", "renew_buffers"]
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 MetricsFn = Callable[[Any, Any], dict[str, float]]
@@ -29,17 +31,44 @@ class StageError(RuntimeError):
     """A stage produced something the pipeline cannot carry, or was driven out of order."""
 
 
-def as_tensors(value: Any, stage: int, what: str = "output") -> tuple[torch.Tensor, ...]:
-    """``value`` as a tuple of tensors, or a :class:`StageError` naming the stage and the type."""
-    if isinstance(value, torch.Tensor):
-        return (value,)
-    if isinstance(value, tuple | list) and value and all(isinstance(t, torch.Tensor) for t in value):
-        return tuple(value)
-    kinds = [type(v).__name__ for v in value] if isinstance(value, tuple | list) else type(value).__name__
-    raise StageError(
-        f"stage {stage} {what} is {kinds}; a stage must return a tensor or a tuple of tensors "
-        "(wrap other values in tensors or move them into the next stage)"
-    )
+def as_tensors(value: Any, stage: int, what: str = "output") -> Packed:
+    """``value`` packed for the wire (:func:`ringpipe.pipeline.values.pack`), or a :class:`StageError`."""
+    try:
+        return pack(value, f"stage {stage} {what}")
+    except BoundaryError as exc:
+        raise StageError(str(exc)) from None
+
+
+def stage_input(value: Any, requires_grad: bool) -> tuple[Any, tuple[torch.Tensor, ...]]:
+    """A received value rebuilt on fresh leaves: ``(value, leaves)``.
+
+    Each tensor is detached from the buffer it arrived in (an in-place operation of the stage
+    then cannot reach a tensor kept for recomputation or relayed on); with ``requires_grad`` the
+    tensors marked differentiable become leaves that collect the input gradient. A value that is
+    not :class:`Packed` is the first stage's data (used as it is, with no leaves), or a value given
+    to a later stage directly, whose floating-point tensors all count as differentiable.
+    """
+    if not isinstance(value, Packed):
+        if not requires_grad:
+            return value, ()
+        packed = pack(value, "a stage input")  # given directly (not received): floating tensors take gradients
+        value = Packed(packed.tensors, packed.structure, tuple(t.is_floating_point() for t in packed.tensors))
+    leaves = []
+    for t, g in zip(value.tensors, value.grads, strict=True):
+        leaf = t.detach()
+        if requires_grad and g:
+            leaf.requires_grad_(True)
+        leaves.append(leaf)
+    return unpack(value.structure, leaves), tuple(leaves)
+
+
+def loss_input(value: Any) -> Any:
+    """What the loss function gets from the last stage's output: its logits when it has them (a ModelOutput)."""
+    if isinstance(value, Mapping) or hasattr(value, "logits"):
+        return logits_of(value)
+    if isinstance(value, tuple | list) and len(value) == 1:
+        return value[0]
+    return value
 
 
 def _modified(tensor: torch.Tensor, version: int) -> RuntimeError:
@@ -96,8 +125,18 @@ def live_weights(params: nn.Module | Iterable[torch.Tensor]) -> Any:
     return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
 
-def _call(module: nn.Module, inputs: tuple[torch.Tensor, ...]) -> Any:
-    return module(inputs[0]) if len(inputs) == 1 else module(inputs)
+def _call(module: nn.Module, value: Any) -> Any:
+    """A stage called with its input value: a traced stage takes it whole; a mapping are keyword
+    arguments; a one-element tuple its element; anything else one argument (a tuple of several
+    tensors is passed as that tuple, as stages of an ``nn.Sequential`` take it)."""
+    first = module[0] if isinstance(module, nn.Sequential) and len(module) else module
+    if getattr(first, "takes_boundary", False):  # a traced stage, alone or first in a partition's Sequential
+        return module(value)
+    if isinstance(value, Mapping):
+        return module(**value)
+    if isinstance(value, tuple | list) and len(value) == 1:
+        return module(value[0])
+    return module(value)
 
 
 def renew_buffers(module: nn.Module | Sequence[nn.Module]) -> None:
@@ -121,13 +160,15 @@ def renew_buffers(module: nn.Module | Sequence[nn.Module]) -> None:
 @dataclass
 class _Record:
     inputs: tuple[torch.Tensor, ...]  # leaves (with grad) or kept inputs (recompute)
-    outputs: tuple[torch.Tensor, ...] | None = None  # graph outputs (no recompute)
+    value: Any = None  # the input value (on ``inputs``); recompute: the received Packed or data
+    outputs: tuple[torch.Tensor, ...] | None = None  # differentiable graph outputs (no recompute)
     loss: torch.Tensor | None = None  # last stage, no recompute
     target: Any = None  # last stage, recompute
     weight: float = 1.0
     rng: RngState | None = None
     seed: int | None = None
     versions: tuple[int, ...] = ()
+    grads: tuple[bool, ...] = ()  # recompute: which outputs were sent as differentiable
 
 
 class StageRuntime:
@@ -183,52 +224,47 @@ class StageRuntime:
 
     # ------------------------------------------------------------------ forward
 
-    def _leaves(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        out = []
-        for t in inputs:
-            leaf = t.detach()
-            if not self.is_first and leaf.is_floating_point():
-                leaf.requires_grad_(True)
-            out.append(leaf)
-        return tuple(out)
-
     def forward(
         self,
         mb: int,
-        inputs: tuple[torch.Tensor, ...],
+        inputs: Any,
         staleness: int = 0,
         target: Any = None,
         weight: float = 1.0,
         seed: int | None = None,
-    ) -> tuple[tuple[torch.Tensor, ...], float | None, dict[str, float]]:
-        """Run micro-batch ``mb``; returns (outputs to send, loss value on the last stage, metrics)."""
+    ) -> tuple[Packed, float | None, dict[str, float]]:
+        """Run micro-batch ``mb`` on ``inputs`` (a received :class:`Packed`, or the first stage's data).
+
+        Returns (the output packed to send, loss value on the last stage, metrics).
+        """
         if mb in self._records:
             raise StageError(f"stage {self.stage}: micro-batch {mb} forwarded twice without backward")
         self.policy.before_forward(mb, staleness)
         try:
             rec = _Record(inputs=(), weight=weight, seed=seed)
             if self.recompute:
-                kept = tuple(t.detach() for t in inputs)
+                value, kept = stage_input(inputs, False)
+                rec.value = inputs if isinstance(inputs, Packed) else value
                 rec.inputs, rec.versions = kept, tuple(t._version for t in kept)
                 rec.rng = RngState.capture(self.device) if seed is None else None
                 with torch.no_grad(), seeded(seed, self.device):
-                    out = as_tensors(_call(self.module, kept), self.stage)
+                    raw = _call(self.module, value)
                 if tuple(t._version for t in kept) != rec.versions:
                     raise StageError(
                         f"stage {self.stage}: an in-place operation modified the stage input kept for "
                         "recomputation; make the first operation of the stage out of place"
                     )
             else:
-                rec.inputs = self._leaves(inputs)
+                value, rec.inputs = stage_input(inputs, not self.is_first)
                 renew_buffers(self._submodules)
                 live = live_weights(self._params) if self.live else contextlib.nullcontext()
                 with seeded(seed, self.device), live:
-                    out = as_tensors(_call(self.module, rec.inputs), self.stage)
-                rec.outputs = out
+                    raw = _call(self.module, value)
             loss_val, metrics = None, {}
             if self.is_last:
                 assert self.loss_fn is not None
-                value = out[0] if len(out) == 1 else out
+                out = Packed((), None, ())
+                value = loss_input(raw)
                 loss = self.loss_fn(value, target)
                 loss_val = float(loss.detach())
                 if self.metrics_fn is not None:
@@ -238,29 +274,36 @@ class StageRuntime:
                     rec.target = target
                 else:
                     rec.loss = loss * weight
-                    rec.outputs = None
+            else:
+                out = as_tensors(raw, self.stage)
+                if self.recompute:  # computed without a graph: every floating-point output takes a gradient back
+                    out = Packed(out.tensors, out.structure, tuple(t.is_floating_point() for t in out.tensors))
+                    rec.grads = out.grads
+                else:
+                    rec.outputs = tuple(t for t, g in zip(out.tensors, out.grads, strict=True) if g)
             self._records[mb] = rec
         finally:
             self.policy.after_forward(mb)
-        return tuple(t.detach() for t in out), loss_val, metrics
+        return out.detached(), loss_val, metrics
 
     @torch.no_grad()
-    def evaluate(self, inputs: tuple[torch.Tensor, ...], target: Any = None) -> tuple[tuple[torch.Tensor, ...], float | None, dict[str, float]]:
+    def evaluate(self, inputs: Any, target: Any = None) -> tuple[Packed, float | None, dict[str, float]]:
         """Forward without any bookkeeping (evaluation); loss and metrics on the last stage."""
-        out = as_tensors(_call(self.module, tuple(t.detach() for t in inputs)), self.stage)
+        value, _ = stage_input(inputs, False)
+        raw = _call(self.module, value)
         if not self.is_last:
-            return out, None, {}
+            return as_tensors(raw, self.stage), None, {}
         assert self.loss_fn is not None
-        value = out[0] if len(out) == 1 else out
+        value = loss_input(raw)
         metrics = dict(self.metrics_fn(value, target)) if self.metrics_fn is not None else {}
-        return out, float(self.loss_fn(value, target)), metrics
+        return Packed((), None, ()), float(self.loss_fn(value, target)), metrics
 
     # ------------------------------------------------------------------ backward
 
     def backward(self, mb: int, grad_outputs: tuple[torch.Tensor, ...] | None = None) -> tuple[torch.Tensor, ...]:
-        """Back-propagate micro-batch ``mb``; returns the gradients of its floating-point inputs.
+        """Back-propagate micro-batch ``mb``; returns the gradients of its differentiable inputs.
 
-        ``grad_outputs`` (one per floating-point output, in order) is required except on the
+        ``grad_outputs`` (one per differentiable output, in order) is required except on the
         last stage. Gradients of inputs that did not receive one are zeros.
         """
         rec = self._records.pop(mb, None)
@@ -275,33 +318,31 @@ class StageRuntime:
             else:
                 if grad_outputs is None:
                     raise StageError(f"stage {self.stage}: backward of micro-batch {mb} needs output gradients")
-                pairs = [
-                    (o, g) for o, g in zip([o for o in outputs if o.is_floating_point()], grad_outputs, strict=True)
-                    if o.requires_grad
-                ]
+                pairs = [(o, g) for o, g in zip(outputs, grad_outputs, strict=True) if o.requires_grad]
                 if pairs:
                     torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         finally:
             self.policy.after_backward(mb)
         if self.is_first:
             return ()
-        return tuple(
-            (t.grad if t.grad is not None else torch.zeros_like(t)) for t in leaves if t.is_floating_point()
-        )
+        return tuple((t.grad if t.grad is not None else torch.zeros_like(t)) for t in leaves if t.requires_grad)
 
     def _graph(self, rec: _Record) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...], torch.Tensor | None]:
         """``(input leaves, outputs, loss)`` of a micro-batch's graph: the kept one, or its replay (recompute)."""
         if not self.recompute:
             return rec.inputs, rec.outputs or (), rec.loss
-        leaves = self._leaves(rec.inputs)
+        value, leaves = stage_input(rec.value, not self.is_first)
         rng_ctx = rec.rng.replay() if rec.rng is not None else seeded(rec.seed, self.device)
         with torch.enable_grad(), frozen_buffers(self.module), rng_ctx:
-            outputs = as_tensors(_call(self.module, leaves), self.stage)
+            raw = _call(self.module, value)
             loss: torch.Tensor | None = None
+            outputs: tuple[torch.Tensor, ...] = ()
             if self.is_last:
                 assert self.loss_fn is not None
-                value = outputs[0] if len(outputs) == 1 else outputs
-                loss = self.loss_fn(value, rec.target) * rec.weight
+                loss = self.loss_fn(loss_input(raw), rec.target) * rec.weight
+            else:
+                out = as_tensors(raw, self.stage)
+                outputs = tuple(t for t, g in zip(out.tensors, rec.grads, strict=True) if g)
         return leaves, outputs, loss
 
     def clear(self) -> None:

@@ -39,7 +39,7 @@ from ringpipe.pipeline.executor import PipelineExecutor, RunResult
 from ringpipe.pipeline.microbatches import _batch_size, _run_lengths, split_microbatches
 from ringpipe.pipeline.partition import as_layers, partition
 from ringpipe.pipeline.policy import WeightPolicy
-from ringpipe.pipeline.replicas import make_grid, replica_group
+from ringpipe.pipeline.replicas import make_grid, replica_group, tied_groups
 from ringpipe.pipeline.schedules import (
     ASYNC_SCHEDULES,
     Action,
@@ -51,6 +51,7 @@ from ringpipe.pipeline.schedules import (
 from ringpipe.pipeline.schedules_interleaved import interleaved_1f1b
 from ringpipe.pipeline.split_backward import SplitStageRuntime
 from ringpipe.pipeline.stage import LossFn, MetricsFn, StageRuntime
+from ringpipe.pipeline.tracing import split_model, tied_parameters
 
 __all__ = ["PipelineTrainer", "split_microbatches", "SCHEDULE_ALIASES", "CHUNKED_SCHEDULES"]
 
@@ -106,6 +107,7 @@ class PipelineTrainer:
         loss_on: str = "last",
         device: torch.device | None = None,
         chunks: int | None = None,
+        split_points: Sequence[str] | None = None,
     ) -> None:
         self.comm = comm
         self.schedule = SCHEDULE_ALIASES.get(schedule, schedule)
@@ -139,9 +141,16 @@ class PipelineTrainer:
                 f"(schedule {self.schedule!r} holds one); chunks must be >= 1"
             )
         self.chunks = chunks
-        all_layers = as_layers(layers)
-        explicit = isinstance(balance, Sequence) and not isinstance(balance, str)
-        num_parts = len(balance) if explicit else chunks * (comm.size // max(1, replicas))  # type: ignore[arg-type]
+        self.traced = split_points is not None or (isinstance(layers, nn.Module) and not isinstance(layers, nn.Sequential))
+        self.split_points: list[str] | None = None
+        if self.traced:
+            parts, num_parts, num_stages = self._split_traced(layers, split_points, balance, sample, comm.size, replicas)
+            all_layers = parts
+            self.balance = [1] * num_parts
+        else:
+            all_layers = as_layers(layers)
+            explicit = isinstance(balance, Sequence) and not isinstance(balance, str)
+            num_parts = len(balance) if explicit else chunks * (comm.size // max(1, replicas))  # type: ignore[arg-type]
         if num_parts % chunks:
             raise ValueError(
                 f"balance {list(balance)} has {num_parts} entries, not a multiple of chunks={chunks}: "  # type: ignore[arg-type]
@@ -159,7 +168,15 @@ class PipelineTrainer:
         if chunks > 1:
             interleaved_1f1b(num_stages, microbatches, 0, chunks)  # refuses a count of micro-batches it cannot run
         self.grid = make_grid(comm.size, comm.rank, num_stages, replicas)
-        parts, self.balance = partition(all_layers, num_parts, balance, sample)
+        if not self.traced:
+            parts, self.balance = partition(all_layers, num_parts, balance, sample)
+        # weights held by several parts (GPT-2's embedding and LM head): one object per rank, its holders' stages
+        holders: dict[int, tuple[nn.Parameter, set[int]]] = {}
+        for g, part in enumerate(parts):
+            for p in part.parameters():
+                holders.setdefault(id(p), (p, set()))[1].add(g % num_stages)
+        #: tied weights held by several stages: a name -> the parts holding it
+        self.tied_names = self._tied if self.traced else tied_parameters(parts)
         self.stage = self.grid.stage
         self.num_stages = num_stages
         self.is_first = self.stage == 0
@@ -179,6 +196,8 @@ class PipelineTrainer:
         self.scheduler = scheduler_factory(self.optimizer) if scheduler_factory is not None else None
         self.policy = self._make_policy(mitigations, recompute, mitigation_options or {})
         self.replica_comm = replica_group(comm, self.grid)
+        self.tied = tied_groups(comm, self.grid, [(p, sorted(st)) for p, st in holders.values() if len(st) > 1])
+        del holders
         self.executor: PipelineExecutor | ChunkedExecutor
         if self.chunked:
             runtime_cls = SplitStageRuntime if self.schedule in SPLIT_BACKWARD_SCHEDULES else StageRuntime
@@ -190,6 +209,7 @@ class PipelineTrainer:
             self.executor = ChunkedExecutor(
                 comm, self.runtimes, self.optimizer, num_stages, self.stage,
                 lambda s: self.grid.rank_of(s, self.grid.replica), self.scheduler, self.replica_comm, seed, device,
+                tied=self.tied,
             )
         else:
             self.runtimes = [StageRuntime(
@@ -198,12 +218,35 @@ class PipelineTrainer:
             )]
             self.executor = PipelineExecutor(
                 comm, self.runtimes[0], self.optimizer, self.grid.prev_rank, self.grid.next_rank,
-                self.scheduler, self.replica_comm, seed, device,
+                self.scheduler, self.replica_comm, seed, device, tied=self.tied, tied_after_policy=self.is_async,
             )
         self.runtime = self.runtimes[0]
         self.last_metrics: dict[str, float] = {}
         self._warned_uneven = False
+        self._warned_tied_stream = False
         self._streamed = 0  # micro-batches fed into the open stream (0: no stream open)
+
+    def _split_traced(self, model: Any, split_points: Sequence[str] | None, balance: Any, sample: Any,
+                      world: int, replicas: int) -> tuple[list[nn.Module], int, int]:
+        """Stages of a model split by tracing (:func:`~ringpipe.pipeline.tracing.split_model`); same on every rank."""
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"split_points need the model as one nn.Module, got a {type(model).__name__}")
+        if balance not in (None, "params"):
+            raise ValueError(
+                f"balance {balance!r} applies to a list of layers; a traced {type(model).__name__} is split at "
+                "split_points, or balanced by parameters without them"
+            )
+        if sample is None:
+            raise ValueError(
+                f"splitting a {type(model).__name__} traces it on a sample batch: pass sample= (a batch input as "
+                "the model is called with, at least 2 samples), or pass a list of stage modules"
+            )
+        parts_wanted = None if split_points is not None else self.chunks * (world // max(1, replicas))
+        split = split_model(model, sample, split_points, parts_wanted)
+        self.split_points = split.split_points
+        self._tied = split.tied
+        num_parts = len(split.stages)
+        return list(split.stages), num_parts, num_parts // self.chunks
 
     def _make_policy(self, mitigations: Any, recompute: bool, options: dict[str, Any]) -> WeightPolicy:
         if isinstance(mitigations, WeightPolicy):
@@ -393,6 +436,15 @@ class PipelineTrainer:
                 f"stream_step needs schedule 'async_1f1b'; schedule {self.schedule!r} flushes every batch: "
                 "use train_step"
             )
+        if self.tied:
+            # A tied weight's holders pair their k-th steps; in an open stream the first stage's k-th step
+            # falls into the next window, after whatever collective the caller runs between batches
+            # (logging, evaluation), which would deadlock. So each batch fills and drains, as train_step.
+            if not self._warned_tied_stream:
+                log.warning("stage %d: weights tied across stages (%s): stream_step runs each batch as "
+                            "train_step (the pipeline drains at every batch)", self.stage, ", ".join(self.tied_names))
+                self._warned_tied_stream = True
+            return self.train_step(inputs, targets)
         m, k = self.microbatches, self.step_every
         if m % k:
             raise ValueError(
@@ -467,8 +519,21 @@ class PipelineTrainer:
         self.executor.microbatches_seen = int(state.get("microbatches", 0))
 
     def model_state_dict(self) -> dict[str, torch.Tensor]:
-        """The full model's state dict (keys of ``nn.Sequential(*layers)``) on every rank. Collective."""
+        """The full model's state dict on every rank. Collective.
+
+        Keys of ``nn.Sequential(*layers)`` for a list of layers; the model's own names for a traced model.
+        """
         local = {}
+        if self.traced:  # stages keep the model's own names (a tied weight under each holder's name)
+            if self.grid.replica == 0:
+                modules = [self.module] if self.chunks == 1 else list(self.module.children())
+                for module in modules:
+                    for key, value in module.state_dict().items():
+                        local[key.removeprefix("graph_module.")] = value.detach().cpu()
+            merged_traced: dict[str, torch.Tensor] = {}
+            for part in self.comm.allgather_object(local):
+                merged_traced.update(part)
+            return dict(sorted(merged_traced.items()))
         if self.grid.replica == 0:
             modules = [self.module] if self.chunks == 1 else list(self.module.children())
             for module, offset in zip(modules, self.part_offsets, strict=True):

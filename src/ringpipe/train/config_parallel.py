@@ -108,6 +108,12 @@ class PipelineConfig(_Section):
         default=None,
         description="async with a predictor: also predict one step ahead at staleness 0 (a Nesterov look-ahead)",
     )
+    split_points: list[str] | None = Field(
+        default=None,
+        description="qualified module names where a new stage begins (e.g. [transformer.h.2]); the model "
+        "(any nn.Module, a Hugging Face one too) is traced and cut there into len+1 = stages x chunks parts. "
+        "Without it a model that is not an nn.Sequential is traced and balanced by parameters",
+    )
     chunks: int | None = Field(
         default=None, ge=1,
         description="mode interleaved only: model chunks per rank (default 2); the model is cut into "

@@ -16,6 +16,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from ringpipe.pipeline.model_io import batch_index
+
 from ringpipe.train.formats import FormatError, read_cifar_batch, read_idx
 from ringpipe.train.registry import Registry
 
@@ -33,15 +35,15 @@ class DatasetError(FileNotFoundError):
 class Split:
     """Inputs and targets of one split, as tensors."""
 
-    x: torch.Tensor
+    x: Any  # a tensor, a tuple or a mapping of tensors (ringpipe.pipeline.model_io)
     y: torch.Tensor
 
     def __len__(self) -> int:
-        return int(self.x.shape[0])
+        return int(self.y.shape[0])
 
-    def batch(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(self, idx: torch.Tensor) -> tuple[Any, torch.Tensor]:
         """The inputs and targets of the samples at ``idx``."""
-        return self.x[idx], self.y[idx]
+        return batch_index(self.x, idx), self.y[idx]
 
 
 @dataclass

@@ -24,6 +24,7 @@ from torch import nn
 
 from ringpipe.comm import Communicator, default_log
 from ringpipe.comm.events import START, EventLog, add_blocked
+from ringpipe.pipeline.model_io import batch_chunk, batch_to, call_model, logits_of
 from ringpipe.train.config import TrainConfig
 from ringpipe.train.datasets import Dataset
 from ringpipe.train.optimizers import build_optimizer, scaled_lr
@@ -230,10 +231,10 @@ class DataParallelRunner(ModeRunner):
         self.train_model.train()
         self.optimizer.zero_grad(set_to_none=True)
         total = torch.zeros(3, dtype=torch.float64)
-        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-        for xc, yc in zip(x.chunk(self.accumulate), y.chunk(self.accumulate), strict=True):
+        x, y = batch_to(x, self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        for xc, yc in zip(batch_chunk(x, self.accumulate), y.chunk(self.accumulate), strict=True):
             with autocast(self.precision, self.device):
-                out = self.train_model(xc)
+                out = logits_of(call_model(self.train_model, xc))
                 loss = self.loss(out, yc)
             scaled = loss * self.scaler.scale if self.scaler is not None else loss
             self._backward(scaled / self.accumulate)
@@ -247,9 +248,9 @@ class DataParallelRunner(ModeRunner):
     @torch.no_grad()
     def eval_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         self.model.eval()
-        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        x, y = batch_to(x, self.device, non_blocking=True), y.to(self.device, non_blocking=True)
         with autocast(self.precision, self.device):
-            out = self.model(x)
+            out = logits_of(call_model(self.model, x))
             loss = self.loss(out, y)
         return tally(out, y, loss)
 

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ringpipe.pipeline.model_io import batch_size
 from ringpipe.train.config import ConfigError, PipelineConfig
 from ringpipe.train.lr_schedules import build_schedule
 from ringpipe.train.modes import ModeContext, ModeRunner, ModeUnavailable, correct, register_mode
@@ -129,23 +130,31 @@ class PipelineRunner(ModeRunner):
                 f"pipeline.balance={pc.balance} has {len(pc.balance)} entries but pipeline.stages={pc.stages}{per}"
             )
         replicas = size // pc.stages
-        from ringpipe.pipeline.partition import as_layers
-
-        layers = nn.Sequential(*as_layers(ctx.build_model()))  # type: ignore[arg-type]  # as_layers refuses others
+        model = ctx.build_model()
+        traced = pc.split_points is not None or not isinstance(model, nn.Sequential)
         assert ctx.device is not None
-        self.hooks = autocast_layers(list(layers), ctx.cfg.precision, ctx.device.type)
+        if traced:
+            _check_traced(pc, model, parts)
+            layers: nn.Module = model
+            self.hooks: list[Any] = []
+        else:
+            layers = model
+            self.hooks = autocast_layers(list(layers), ctx.cfg.precision, ctx.device.type)
         self.scaler = ctx.scaler()
         clip = ctx.cfg.optimizer.clip_grad_norm
         self.loss = _ScaledLoss(ctx.loss)
         balance: Any
-        if pc.balance is not None:
+        if traced:
+            balance = None
+        elif pc.balance is not None:
             balance = list(pc.balance)
         elif pc.partition == "uniform":
             n = len(layers)
             balance = [n // parts + (1 if i < n % parts else 0) for i in range(parts)]
         else:
             balance = "params" if pc.partition == "parameters" else "time"
-        _check_stages(list(layers), balance, pc, ctx.cfg.model.name, parts)
+        if not traced:
+            _check_stages(list(layers), balance, pc, ctx.cfg.model.name, parts)
         scales: list[float] = []
 
         def factory(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
@@ -184,11 +193,16 @@ class PipelineRunner(ModeRunner):
             replicas=replicas,
             metrics_fn=_accuracy,
             seed=ctx.cfg.seed,
-            sample=_sample(ctx) if balance == "time" else None,
+            sample=_sample(ctx) if balance == "time" or traced else None,
             device=ctx.device,
             chunks=chunks if mode == "interleaved" else None,
+            split_points=pc.split_points,
             **extra,
         )
+        if traced:  # the traced stages run the model's operations themselves: autocast around each stage
+            t = self.trainer
+            stages = [t.module] if t.chunks == 1 else list(t.module.children())
+            self.hooks = autocast_layers(stages, ctx.cfg.precision, ctx.device.type)
         # Under async the stage's own scheduler sets its rates; the loop's schedule gets a stand-in.
         self.optimizer = rate_stand_in(self.trainer.optimizer) if mode == "async" else self.trainer.optimizer
         self.lr_scale = scales[0] if scales else 1.0
@@ -238,7 +252,8 @@ class PipelineRunner(ModeRunner):
         m = t.microbatches
         # A short last batch gets fewer micro-batches, as many as split it evenly (the split
         # warning is about training batches; an evaluation weighs micro-batches by size anyway).
-        t.microbatches = next(k for k in range(max(1, min(m, len(x))), 0, -1) if len(x) % k == 0)
+        n = batch_size(x)
+        t.microbatches = next(k for k in range(max(1, min(m, n)), 0, -1) if n % k == 0)
         try:
             loss, metrics = t.eval_step(x if t.is_first else None, y if t.is_last else None)
         finally:
@@ -375,9 +390,30 @@ def _check_stages(layers: list[torch.nn.Module], balance: Any, pc: PipelineConfi
             )
 
 
-def _sample(ctx: ModeContext) -> torch.Tensor:
-    """A batch of inputs to time the layers with (pipeline.partition=time)."""
-    n = min(ctx.cfg.batch_size, len(ctx.data.train))
+def _check_traced(pc: PipelineConfig, model: nn.Module, parts: int) -> None:
+    """Refuse settings that a model split by tracing does not read, and a count of split points that does not fit."""
+    name = type(model).__name__
+    if pc.balance is not None:
+        raise ConfigError(
+            f"pipeline.balance={pc.balance} counts layers of an nn.Sequential; the model is a {name}, split by "
+            "tracing: give pipeline.split_points (module names where stages begin) instead"
+        )
+    if pc.partition != "parameters":
+        raise ConfigError(
+            f"pipeline.partition={pc.partition} applies to an nn.Sequential; a traced {name} is cut at "
+            "pipeline.split_points, or balanced by parameters without them"
+        )
+    if pc.split_points is not None and len(pc.split_points) + 1 != parts:
+        raise ConfigError(
+            f"pipeline.split_points={pc.split_points} cut the model into {len(pc.split_points) + 1} parts, but "
+            f"pipeline.stages={pc.stages}" + (f" x pipeline.chunks = {parts}" if parts != pc.stages else "")
+            + f" parts are needed; give {parts - 1} split points"
+        )
+
+
+def _sample(ctx: ModeContext) -> Any:
+    """A batch of inputs to time the layers with (pipeline.partition=time) or to trace the model on."""
+    n = max(2, min(ctx.cfg.batch_size, len(ctx.data.train)))
     return ctx.data.train.batch(torch.arange(n))[0]
 
 

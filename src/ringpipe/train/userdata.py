@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from ringpipe.pipeline.model_io import batch_slice
 from ringpipe.train.datasets import Dataset, Split
 
 __all__ = ["TorchSplit", "as_split", "as_dataset", "is_one_split", "DataError"]
@@ -47,12 +48,22 @@ class TorchSplit:
 
         xs, ys = zip(*(self.item(int(i)) for i in idx), strict=True)
         x, y = default_collate(list(xs)), default_collate(list(ys))
-        if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
+        if not _is_input(x) or not isinstance(y, torch.Tensor):
             raise DataError(
                 f"{self.what}: a batch of inputs collates to {type(x).__name__} and of targets to "
-                f"{type(y).__name__}; the trainer needs tensors (one tensor input and one tensor target per item)"
+                f"{type(y).__name__}; the trainer needs inputs that collate to a tensor, a tuple of tensors "
+                "(positional arguments) or a mapping of tensors (keyword arguments), and tensor targets"
             )
         return x, y
+
+
+def _is_input(x: Any) -> bool:
+    """Whether collated inputs are what a model is called with (see :mod:`ringpipe.pipeline.model_io`)."""
+    if isinstance(x, torch.Tensor):
+        return True
+    if isinstance(x, Mapping):
+        return bool(x) and all(isinstance(v, torch.Tensor) for v in x.values())
+    return isinstance(x, tuple | list) and bool(x) and all(isinstance(v, torch.Tensor) for v in x)
 
 
 def _check_map_style(data: Any, what: str) -> None:
@@ -90,7 +101,7 @@ def _num_classes(split: Split | TorchSplit) -> int:
 
 def _empty_like(split: Split | TorchSplit) -> Split:
     x, y = split.batch(torch.arange(1))
-    return Split(x[:0], y[:0])
+    return Split(batch_slice(x, 0, 0), y[:0])
 
 
 def is_one_split(obj: Any) -> bool:
@@ -117,5 +128,6 @@ def as_dataset(obj: Any, name: str, what: str, test: Any = None, test_what: str 
     train = as_split(obj, f"{what} train set")
     test_split = as_split(test, test_what or f"{what} test set") if test is not None else _empty_like(train)
     x, y = train.batch(torch.arange(1))
-    kind = "lm" if y.dim() == 2 and not y.dtype.is_floating_point and x.shape[:2] == y.shape[:2] else "classification"
-    return Dataset(name, train, test_split, _num_classes(train), tuple(x.shape[1:]), kind=kind)
+    first = x if isinstance(x, torch.Tensor) else next(iter(x.values() if isinstance(x, Mapping) else x))
+    kind = "lm" if y.dim() == 2 and not y.dtype.is_floating_point and first.shape[:2] == y.shape[:2] else "classification"
+    return Dataset(name, train, test_split, _num_classes(train), tuple(first.shape[1:]), kind=kind)

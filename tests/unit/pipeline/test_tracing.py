@@ -1,0 +1,170 @@
+"""Splitting any nn.Module by split points: the stages composed give the whole model's output and gradients.
+
+References are the whole model run in one process; the split shares the model's parameters, so
+the same tensors are compared. Outputs and gradients are compared exactly (the stages run the
+same operations in the same order); dropout runs under the same seed.
+"""
+
+import pytest
+import torch
+from torch import nn
+
+from ringpipe.pipeline.model_io import call_model, logits_of
+from ringpipe.pipeline.stage import StageRuntime
+from ringpipe.pipeline.tracing import SplitError, split_model
+from ringpipe.pipeline.values import BoundaryError, pack, unpack
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=4, n_embd=32, n_head=4, vocab_size=50, n_positions=16, use_cache=False,
+                                  bos_token_id=0, eos_token_id=0)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+@pytest.fixture(scope="module")
+def gpt2_split(gpt2):
+    return split_model(gpt2, torch.randint(0, 50, (4, 8)), ["transformer.h.1", "transformer.h.2", "transformer.h.3"])
+
+
+def run(stages, x):
+    v = x
+    for s in stages:
+        v = s(v)
+    return v
+
+
+def test_gpt2_stages_compose_to_the_model_in_eval_and_train_mode(gpt2, gpt2_split):
+    x = torch.randint(0, 50, (3, 8))  # another batch size than the sample: the batch dimension is dynamic
+    gpt2.eval()
+    for s in gpt2_split.stages:
+        s.eval()
+    with torch.no_grad():
+        assert torch.equal(run(gpt2_split.stages, x).logits, gpt2(x).logits)
+    gpt2.train()
+    for s in gpt2_split.stages:
+        s.train()
+    torch.manual_seed(3)
+    ref = gpt2(x).logits  # dropout 0.1 everywhere: the same masks from the same generator state
+    ref.square().mean().backward()
+    ref_grads = {n: p.grad.clone() for n, p in gpt2.named_parameters()}
+    gpt2.zero_grad(set_to_none=True)
+    torch.manual_seed(3)
+    out = run(gpt2_split.stages, x)
+    assert type(out).__name__ == "CausalLMOutputWithCrossAttentions"
+    assert torch.equal(out.logits, ref)
+    out.logits.square().mean().backward()
+    for n, p in gpt2.named_parameters():  # the stages hold the model's own parameters
+        torch.testing.assert_close(p.grad, ref_grads[n], rtol=0, atol=1e-7, msg=n)
+    gpt2.zero_grad(set_to_none=True)
+
+
+def test_gpt2_tied_weight_is_one_object_on_the_first_and_last_stage(gpt2, gpt2_split):
+    assert gpt2_split.tied == {"transformer.wte.weight": [0, 3]}
+    first = dict(gpt2_split.stages[0].named_parameters())
+    last = dict(gpt2_split.stages[3].named_parameters())
+    assert any(p is gpt2.transformer.wte.weight for p in first.values())
+    assert any(p is gpt2.lm_head.weight for p in last.values())
+    # boundaries carry hidden states, the causal mask and sizes; relayed through every stage
+    assert all(s.boundary_names for s in gpt2_split.stages[:-1])
+
+
+def test_without_split_points_the_blocks_are_balanced_by_parameters(gpt2):
+    split = split_model(gpt2, torch.randint(0, 50, (2, 8)), num_stages=4)
+    assert split.split_points == ["transformer.h.1", "transformer.h.2", "transformer.h.3"]
+
+
+def test_bert_with_two_inputs_split_in_three():
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64,
+                                  vocab_size=50, max_position_embeddings=16, num_labels=3)
+    model = transformers.BertForSequenceClassification(cfg).eval()
+    ids = torch.randint(1, 50, (4, 8))
+    mask = torch.ones(4, 8, dtype=torch.long)
+    mask[0, 5:] = 0
+    batch = {"input_ids": ids, "attention_mask": mask}
+    split = split_model(model, batch, ["bert.encoder.layer.1", "classifier"])
+    for s in split.stages:
+        s.eval()
+    with torch.no_grad():
+        assert torch.equal(logits_of(run(split.stages, batch)), call_model(model, batch).logits)
+    with pytest.raises(SplitError, match="the batch has keys"):
+        split.stages[0]({"input_ids": ids})
+
+
+class Plain(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.act = nn.ReLU(inplace=True)
+        self.b = nn.Linear(4, 2)
+        self.unused = nn.Linear(2, 2)
+
+    def forward(self, x):
+        return self.b(self.act(self.a(x)))
+
+
+def test_an_inplace_operation_where_a_stage_begins_works_on_a_copy():
+    torch.manual_seed(0)
+    model = Plain()
+    x = torch.randn(5, 4)
+    split = split_model(model, x, ["act"])
+    loss_fn = nn.functional.mse_loss
+    y = torch.randn(5, 2)
+    ref_in = model.a(x).detach().requires_grad_(True)
+    loss_fn(model.b(torch.relu(ref_in)), y).backward()
+    ref_b = model.b.weight.grad.clone()
+    model.zero_grad(set_to_none=True)
+    for recompute in (False, True):
+        first = StageRuntime(split.stages[0], 0, 2, recompute=recompute)
+        last = StageRuntime(split.stages[1], 1, 2, loss_fn=loss_fn, recompute=recompute)
+        sent, _, _ = first.forward(0, x)
+        kept = sent.tensors[0].clone()
+        last.forward(0, sent, target=y)
+        (grad,) = last.backward(0)
+        assert torch.equal(sent.tensors[0], kept)  # the received tensor was not overwritten by relu_
+        torch.testing.assert_close(grad, ref_in.grad)
+        torch.testing.assert_close(model.b.weight.grad, ref_b)
+        model.zero_grad(set_to_none=True)
+
+
+class DataDependent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.a(x)
+        if h.sum() > 0:  # control flow on a value: no graph holds both branches
+            return h
+        return -h
+
+
+def test_bad_split_points_and_untraceable_models_are_named():
+    model, x = Plain(), torch.randn(3, 4)
+    with pytest.raises(SplitError, match=r"split point\(s\) \['c'\] name no submodule"):
+        split_model(model, x, ["c"])
+    with pytest.raises(SplitError, match="'unused' is a module that the traced forward never runs"):
+        split_model(model, x, ["unused"])
+    with pytest.raises(SplitError, match="not in the order the model runs them"):
+        split_model(model, x, ["b", "act"])
+    with pytest.raises(SplitError, match="begin at the same operation: the stage between them would be empty"):
+        split_model(nn.Sequential(nn.Sequential(nn.Linear(4, 4)), nn.Linear(4, 2)), x, ["0", "0.0"])
+    with pytest.raises(SplitError, match="cannot trace DataDependent .*a list of stage modules"):
+        split_model(DataDependent(), x, ["a"])
+
+
+def test_boundary_values_pack_nested_structures_and_refuse_other_types():
+    h = torch.randn(2, 3, requires_grad=True)
+    value = {"hidden": h * 2, "mask": torch.ones(2, 3, dtype=torch.bool), "sizes": (2, 3), "scale": 0.5, "none": None,
+             "more": [torch.zeros(1)]}
+    packed = pack(value)
+    assert packed.grads == (True, False, False)  # only the tensor that requires grad takes a gradient back
+    back = unpack(packed.structure, packed.tensors)
+    assert back["sizes"] == (2, 3) and back["scale"] == 0.5 and back["none"] is None
+    assert torch.equal(back["hidden"], value["hidden"]) and isinstance(back["more"], list)
+    with pytest.raises(BoundaryError, match=r"out\['bad'\] is a set"):
+        pack({"bad": {1}}, "out")
