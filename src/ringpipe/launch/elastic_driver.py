@@ -294,14 +294,21 @@ class ElasticDriver:
             if self.succeeded_at is not None:
                 return self._finish()
             members_alive = [p for p in self.world if p.key in self.workers and not self.workers[p.key].leaving]
+            now = self.clock()
+            blacklisted = bool(self.host_order) and all(self.blacklist.blocked(h, now) for h in self.host_order)
             if self.version and not members_alive:
-                if failed or self.failed:
-                    raise JobEnded(f"{FAILED_MESSAGE}: every worker failed ({', '.join(self.failed)})")
-                raise JobEnded("every worker of the job left, and no host is left to start one on")
+                causes = []
+                if failed:
+                    causes.append(f"every worker of world {self.version} failed ({', '.join(self.failed)})")
+                if blacklisted:
+                    causes.append("every host is blacklisted")
+                if causes:
+                    raise JobEnded(f"{FAILED_MESSAGE}: {'; '.join(causes)}")
+                if not self.available:
+                    raise JobEnded("every worker of the job left, and no host is left to start one on")
             if failed:
                 need_new = True
-                now = self.clock()
-                if self.available == [] and all(self.blacklist.blocked(h, now) for h in self.host_order):
+                if blacklisted and not members_alive:
                     raise JobEnded(f"{FAILED_MESSAGE}: every host is blacklisted (failed: {', '.join(self.failed)})")
             candidate = self.next_world(first=not self.version)
             if candidate is not None and not need_new and self.formed():
@@ -315,8 +322,9 @@ class ElasticDriver:
                              f"({sum(s for _, s in self.available)} available)")
                     elif self.clock() - self.waiting_since > self.timeout:
                         need = self.opts.nprocs if not self.version else self.min_np
-                        raise JobEnded(f"Timed out waiting for available slots. Please check that you have "
-                                       f"enough resources to run at least {need} Horovod processes.")
+                        text = (f"Timed out waiting for available slots. Please check that you have enough "
+                                f"resources to run at least {need} Horovod processes.")
+                        raise JobEnded(f"{FAILED_MESSAGE}: {text}" if self.failed else text)
                 else:
                     if self.version and not any(p.key in self.workers for p in candidate):
                         raise JobEnded("No hosts from previous set remaining, unable to broadcast state.")
