@@ -60,6 +60,7 @@ RESET_LIMIT_EXCEEDED = "Horovod was shutdown because number of resets during ela
 FAILED_MESSAGE = ("Horovod detected that one or more processes exited with non-zero status, thus causing the "
                   "job to be terminated")
 _FINISH_GRACE_S = 60.0
+_SETTLE_S = 0.5
 _BOOTSTRAP = os.path.abspath(bootstrap.__file__)
 
 
@@ -285,6 +286,7 @@ class ElasticDriver:
     def run(self) -> int:
         last_discovery = -DISCOVER_EVERY_S
         need_new = True  # the first world
+        settle_until = 0.0
         while True:
             now = self.clock()
             if now - last_discovery >= DISCOVER_EVERY_S:
@@ -308,12 +310,15 @@ class ElasticDriver:
                     raise JobEnded("every worker of the job left, and no host is left to start one on")
             if failed:
                 need_new = True
+                # the failed worker's peers that fail too (not just lose it) exit within moments:
+                # the next world is made once they are counted (Horovod waits for every worker's record)
+                settle_until = self.clock() + _SETTLE_S
                 if blacklisted and not members_alive:
                     raise JobEnded(f"{FAILED_MESSAGE}: every host is blacklisted (failed: {', '.join(self.failed)})")
             candidate = self.next_world(first=not self.version)
             if candidate is not None and not need_new and self.formed():
                 need_new = [p.key for p in candidate] != [p.key for p in self.world]
-            if need_new:
+            if need_new and self.clock() >= settle_until:
                 if candidate is None:
                     if self.waiting_since is None:
                         self.waiting_since = self.clock()

@@ -174,10 +174,10 @@ def translate(argv: Sequence[str]) -> tuple[list[str], dict[str, str]]:
             raise SystemExit(0)
         name, eq, value = tok.partition("=")
         if name == "--blacklist-cooldown-range":  # Horovod's two values: A B
-            values = [value] if eq else argv[i + 1:i + 3]
-            if len(values) == 1 and "," not in values[0] or not values:
+            values = value.split(",") if eq else argv[i + 1:i + 3]
+            if len(values) != 2 or not all(v.strip().isdigit() for v in values):
                 raise HorovodrunUsageError("--blacklist-cooldown-range takes two values: A B (seconds)")
-            args += ["--blacklist-cooldown-range", ",".join(values)]
+            args += ["--blacklist-cooldown-range", ",".join(v.strip() for v in values)]
             i += 1 if eq else 3
             continue
         if name in _UNSUPPORTED or any(name.startswith(p) for p in ("--autotune-",)):

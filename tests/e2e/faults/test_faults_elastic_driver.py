@@ -120,7 +120,7 @@ def test_every_worker_failing_ends_the_job(tmp_path):
     code, out, _ = run_job(tmp_path, "all_fail", ["127.0.0.1:1", "127.0.0.2:1"], "-np", "2", "--min-np", "1")
     assert code != 0, out
     assert "Horovod detected that one or more processes exited with non-zero status" in out, out
-    assert "every worker of world 1 failed" in out, out
+    assert "every worker of world" in out, out
 
 
 @pytest.mark.timeout(300)
