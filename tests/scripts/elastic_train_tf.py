@@ -52,13 +52,24 @@ optimizer.build(model.trainable_variables)
 host = os.environ["HOROVOD_HOSTNAME"]
 
 
-def act(step):
+def hold(state):
+    """Every rank: wait at this step for the driver's next world (HostsUpdatedInterrupt), 60 s at most."""
+    for _ in range(300):
+        time.sleep(0.2)
+        state.check_host_updates()
+
+
+def act(step, state):
     rank, size = hvd.rank(), hvd.size()
-    if scenario == "grow_shrink" and rank == 0:
-        if size == 2 and step >= 2 and once("grow"):
-            write_hosts(["127.0.0.1:1", "127.0.0.2:1", "127.0.0.3:1", "127.0.0.4:1"])
-        elif size == 4 and once("shrink"):
-            write_hosts(["127.0.0.3:1", "127.0.0.4:1"])
+    if scenario == "grow_shrink":
+        if size == 2 and step == 2:
+            if rank == 0 and once("grow"):
+                write_hosts(["127.0.0.1:1", "127.0.0.2:1", "127.0.0.3:1", "127.0.0.4:1"])
+            hold(state)  # until the new workers joined
+        elif size == 4:
+            if rank == 0 and once("shrink"):
+                write_hosts(["127.0.0.3:1", "127.0.0.4:1"])
+            hold(state)  # until the hosts of ranks 0 and 1 are gone
     elif scenario == "two_failures":
         if step == 3 and host == "127.0.0.2" and once("fail-exc"):
             raise ValueError("injected failure on 127.0.0.2")
@@ -71,7 +82,7 @@ def train(state):
     while state.step < STEPS:
         rank, size = hvd.rank(), hvd.size()
         print(f"step {state.step} rank {rank} size {size} host {host}", flush=True)
-        act(state.step)
+        act(state.step, state)
         rows = np.arange(12)[rank::size]
         with tf.GradientTape() as tape:
             loss = tf.reduce_sum(tf.square(model(X[rows]) - y[rows])) / 12 * size

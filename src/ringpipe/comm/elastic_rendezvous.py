@@ -8,7 +8,9 @@ versions in it:
 * ``elastic/v<V>/<worker>``: the worker's place in world V as JSON (rank, size, local and cross
   ranks), or ``"leave"`` when the worker has no place in it (its host was removed);
 * ``elastic/v<V>/added``: ``"1"`` when world V adds workers (those need the state synced);
-* ``elastic/v<V>/ready``: a counter every member adds 1 to once its process group is made.
+* ``elastic/v<V>/ready``: a counter every member adds 1 to once its process group is made;
+* ``elastic/waiting/<worker>``: set by a worker when it first waits to join (the driver publishes a
+  version that adds workers only once all of them wait).
 
 :func:`join` waits for a version newer than the one this process last joined, sets the rank
 variables of its place (``RANK`` ... ``HOROVOD_CROSS_SIZE``) and returns the version, whose
@@ -73,6 +75,7 @@ def join(poll_s: float = 0.05) -> int:
     """
     store = driver_store()
     me = os.environ[WORKER]
+    store.set(f"elastic/waiting/{me}", "1")  # the driver tells the running workers once the new ones wait
     while True:
         version = _version(store)
         if version > _JOINED[0]:

@@ -131,6 +131,7 @@ class ElasticDriver:
         self.succeeded_at: float | None = None
         self.waiting_since: float | None = None
         self._discovered_once = False
+        self.pending: list[str] = []
 
     # ----------------------------------------------------------------------------- hosts
     def refresh_hosts(self) -> None:
@@ -229,16 +230,26 @@ class ElasticDriver:
         self.store.set(f"elastic/v{version}/added", "1" if added and self.version else "0")
         for place in added:
             self.start_worker(place)
-        self.store.set("elastic/version", str(version))
         self.version, self.world = version, world
+        # the running workers are told (the version number) once every new worker waits to join,
+        # so that none of them waits in the rendezvous for an interpreter still starting
+        self.pending = [f"elastic/waiting/{p.host}[{p.slot}]" for p in added]
         hosts = ", ".join(f"{h}:{sum(1 for p in world if p.host == h)}" for h in dict.fromkeys(p.host for p in world))
         _say(f"world {version}: {len(world)} worker(s) on {hosts}"
              + (f" ({len(added)} new)" if added and version > 1 else ""))
+        self.announce()
+
+    def announce(self) -> None:
+        """Publish the current version's number once its new workers wait to join."""
+        if self.pending and not self.store.check(self.pending):
+            return
+        self.pending = []
+        self.store.set("elastic/version", str(self.version))
 
     def formed(self) -> bool:
         """Whether every member of the current world has made its process group."""
         key = f"elastic/v{self.version}/ready"
-        return bool(self.version) and self.store.check([key]) and int(self.store.add(key, 0)) >= len(self.world)
+        return bool(self.version) and not self.pending and self.store.check([key]) and int(self.store.add(key, 0)) >= len(self.world)
 
     # ----------------------------------------------------------------------------- the loop
     def reap(self) -> bool:
@@ -293,6 +304,8 @@ class ElasticDriver:
                 self.refresh_hosts()
                 last_discovery = now
             failed = self.reap()
+            if self.pending:
+                self.announce()
             if self.succeeded_at is not None:
                 return self._finish()
             members_alive = [p for p in self.world if p.key in self.workers and not self.workers[p.key].leaving]
