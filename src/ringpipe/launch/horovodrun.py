@@ -9,6 +9,12 @@ horovod/runner/common/util/config_parser.py): ``-np``, ``-H``, ``--hostfile``, `
 the ``HOROVOD_*`` variables every rank reads (see :mod:`ringpipe.launch.horovod_env`). An option
 with no ringpipe equivalent is refused by name before anything starts.
 
+Horovod's elastic arguments (``--host-discovery-script``, ``--min-np``/``--min-num-proc``,
+``--max-np``/``--max-num-proc``, ``--slots-per-host``, ``--elastic-timeout``, ``--reset-limit``,
+``--blacklist-cooldown-range A B``) make an elastic job, run by the elastic driver
+(:mod:`ringpipe.launch.elastic_driver`) on Gloo; ``--mpi`` with them is refused, as Horovod's
+elastic mode is Gloo-only.
+
 As in Horovod, without ``--gloo`` or ``--mpi`` the job runs on MPI when MPI can be used here
 (``mpirun`` on the PATH and mpi4py importable), else on gloo; and with several hosts every
 variable of this environment reaches every rank (Horovod's ``env`` / ``mpirun -x``), except
