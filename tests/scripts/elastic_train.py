@@ -10,6 +10,8 @@ mean), a commit after every step, under ``@hvd.elastic.run``. The scenario acts 
 * ``two_failures``: the worker on 127.0.0.2 raises at step 3, the one on 127.0.0.3 is SIGKILLed
   at step 6;
 * ``kill_one``: the worker on 127.0.0.2 is SIGKILLed at step 3;
+* ``cooldown``: the worker on 127.0.0.2 raises at step 3; the survivor waits for the host to come
+  back from the blacklist;
 * ``all_fail``: every worker raises at step 3;
 * ``fail_each``: the worker on 127.0.0.1 raises at step 2, then the one on 127.0.0.2 at step 4.
 
@@ -81,6 +83,11 @@ def act(step, state):
             raise ValueError("injected failure on 127.0.0.2")
         if step == 6 and host == "127.0.0.3" and once("fail-kill"):
             os.kill(os.getpid(), signal.SIGKILL)
+    elif scenario == "cooldown":
+        if step == 3 and host == "127.0.0.2" and once("fail-exc"):
+            raise ValueError("injected failure on 127.0.0.2")
+        if step >= 3 and size == 1:
+            hold(state)  # until 127.0.0.2's cooldown ends and its new worker joins
     elif scenario == "kill_one":
         if step == 3 and host == "127.0.0.2" and once("fail-kill"):
             os.kill(os.getpid(), signal.SIGKILL)

@@ -228,7 +228,8 @@ class ElasticDriver:
                 worker.leaving = True
                 self.store.set(f"elastic/v{version}/{worker.name}", "leave")
         self.store.set(f"elastic/v{version}/added", "1" if added and self.version else "0")
-        for place in added:
+        for place in added:  # a worker on a slot used before (a host back from the blacklist) waits anew
+            self.store.delete_key(f"elastic/waiting/{place.host}[{place.slot}]")
             self.start_worker(place)
         self.version, self.world = version, world
         # the running workers are told (the version number) once every new worker waits to join,

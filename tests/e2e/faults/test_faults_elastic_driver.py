@@ -98,6 +98,17 @@ def test_a_rank_failing_by_exception_then_one_killed_blacklists_their_hosts_and_
 
 
 @pytest.mark.timeout(300)
+def test_a_blacklisted_host_comes_back_after_its_cooldown(tmp_path):
+    code, out, sizes = run_job(tmp_path, "cooldown", ["127.0.0.1:1", "127.0.0.2:1"],
+                               "-np", "2", "--min-np", "1", "--blacklist-cooldown-range", "1", "2")
+    assert code == 0, out
+    assert sizes == [2, 1, 2], out
+    assert "blacklisting host 127.0.0.2 for 2 s" in out, out  # 1 * 2**1 + U*1, clamped to 2
+    assert "world 3: 2 worker(s) on 127.0.0.1:1, 127.0.0.2:1 (1 new)" in out, out
+    assert_oracle(tmp_path)
+
+
+@pytest.mark.timeout(300)
 def test_the_reset_limit_ends_a_job_with_more_resets(tmp_path):
     code, out, _ = run_job(tmp_path, "two_failures", ["127.0.0.1:1", "127.0.0.2:1", "127.0.0.3:1"],
                            "-np", "3", "--min-np", "1", "--reset-limit", "1")
