@@ -60,12 +60,16 @@ def _run(event: str, n: int) -> float:
                 rows.append((float(t), int(step), int(rank), int(size), host))
         if event == "death":
             after = [r for r in rows if r[0] > t_event and r[3] == n - 1]
-            first = {}
+            first: dict[str, float] = {}
             for r in sorted(after):
                 first.setdefault(r[4], r[0])
-            return max(first.values()) - t_event
-        new_host = f"127.0.0.{n}"
-        return min(r[0] for r in rows if r[4] == new_host) - t_event
+            found = list(first.values())
+        else:
+            found = [r[0] for r in rows if r[4] == f"127.0.0.{n}"]
+        if not found:  # say what the job did rather than a bare error
+            raise RuntimeError(f"{event} with {n} workers: no step after the event in the workers' logs:\n"
+                               f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+        return (max(found) if event == "death" else min(found)) - t_event
 
 
 def main() -> None:
@@ -81,7 +85,14 @@ def main() -> None:
     for n in args.workers:
         for event, what in (("death", f"a worker SIGKILLed -> the {n - 1} survivors' next step"),
                             ("join", f"a host appears -> its worker's first step ({n - 1} -> {n} workers)")):
-            times = [_run(event, n) for _ in range(args.runs)]
+            times = []
+            for _ in range(args.runs):
+                try:
+                    times.append(_run(event, n))
+                except RuntimeError as exc:  # a failed run is reported and left out of the figures
+                    print(f"a run failed: {exc}", file=sys.stderr)
+            if not times:
+                raise SystemExit(f"every run of {event} with {n} workers failed")
             s = stats.spread(times)
             rows.append([what, n, f"{stats.median(times):.2f}", f"{s.low:.2f}-{s.high:.2f}", len(times)])
     print(report.table(["event", "workers", "median s", "min-max s", "runs"], rows,
