@@ -9,6 +9,8 @@ versions in it:
   ranks), or ``"leave"`` when the worker has no place in it (its host was removed);
 * ``elastic/v<V>/added``: ``"1"`` when world V adds workers (those need the state synced);
 * ``elastic/v<V>/ready``: a counter every member adds 1 to once its process group is made;
+* ``elastic/v<V>/joined/<worker>``: set by a worker when it takes its place in world V (the driver
+  replaces a survivor that never comes: one still blocked in a collective of the old world);
 * ``elastic/waiting/<worker>``: set by a worker when it first waits to join (the driver publishes a
   version that adds workers only once all of them wait).
 
@@ -86,6 +88,7 @@ def join(poll_s: float = 0.05) -> int:
                     raise SystemExit(0)
                 os.environ.update(json.loads(place))
                 _JOINED[0] = version
+                store.set(f"elastic/v{version}/joined/{me}", "1")
                 return version
         time.sleep(poll_s)
 

@@ -61,6 +61,7 @@ FAILED_MESSAGE = ("Horovod detected that one or more processes exited with non-z
                   "job to be terminated")
 _FINISH_GRACE_S = 60.0
 _SETTLE_S = 0.5
+_STUCK_S = 3.0
 _BOOTSTRAP = os.path.abspath(bootstrap.__file__)
 
 
@@ -132,6 +133,9 @@ class ElasticDriver:
         self.waiting_since: float | None = None
         self._discovered_once = False
         self.pending: list[str] = []
+        self.announced_at = 0.0
+        self.after_failure = False  # the current version was made because a worker failed
+        self.failures_handled = 0
 
     # ----------------------------------------------------------------------------- hosts
     def refresh_hosts(self) -> None:
@@ -246,6 +250,35 @@ class ElasticDriver:
             return
         self.pending = []
         self.store.set("elastic/version", str(self.version))
+        self.announced_at = self.clock()
+
+    def replace_stuck(self) -> None:
+        """After a failure: a survivor that has not come to the new world within ``_STUCK_S`` is replaced.
+
+        A worker blocked in a collective of the old world with peers that went on to the new one
+        waits there until Gloo's timeout; its process is stopped and a new one started on the
+        same slot (its host is not blacklisted; the new worker gets the state by the sync). Rank 0
+        of the new world, whose state the others receive, is never replaced.
+        """
+        if not self.after_failure or self.pending or not self.version:
+            return
+        if self.clock() - self.announced_at < _STUCK_S:
+            return
+        self.after_failure = False
+        for place in self.world:
+            worker = self.workers.get(place.key)
+            name = f"{place.host}[{place.slot}]"
+            if worker is None or worker.leaving or self.store.check([f"elastic/v{self.version}/joined/{name}"]):
+                continue
+            if place.rank == 0:  # rank 0 holds the state the others sync from: it is waited for instead
+                continue
+            _say(f"worker {name} has not come to world {self.version} within {_STUCK_S:g} s (blocked in a "
+                 "collective of the old world): replacing it")
+            self.stop_worker(worker, signal.SIGKILL)
+            worker.proc.wait()
+            del self.workers[place.key]
+            self.store.delete_key(f"elastic/waiting/{name}")
+            self.start_worker(place)
 
     def formed(self) -> bool:
         """Whether every member of the current world has made its process group."""
@@ -307,6 +340,7 @@ class ElasticDriver:
             failed = self.reap()
             if self.pending:
                 self.announce()
+            self.replace_stuck()
             if self.succeeded_at is not None:
                 return self._finish()
             members_alive = [p for p in self.world if p.key in self.workers and not self.workers[p.key].leaving]
@@ -350,6 +384,8 @@ class ElasticDriver:
                     self.waiting_since = None
                     need_new = False
                     self.publish(candidate)
+                    self.after_failure = len(self.failed) > self.failures_handled
+                    self.failures_handled = len(self.failed)
             time.sleep(0.05)
 
     def _finish(self) -> int:
