@@ -149,34 +149,33 @@ def test_fewer_than_min_np_slots_after_the_timeout_ends_the_job(tmp_path):
     assert "Timed out waiting for available slots" in out and "at least 2 Horovod processes" in out, out
 
 
-def _elastic_fn():
-    import os
-
-    import torch
-
-    import ringpipe as hvd
-
-    hvd.init()
-    state = hvd.elastic.TorchState(model=torch.nn.Linear(2, 1), epoch=0)
-
-    @hvd.elastic.run
-    def train(state):
-        while state.epoch < 3:
-            hvd.allreduce(torch.ones(1))
-            state.epoch += 1
-            state.commit()
-        return hvd.rank(), hvd.size(), os.environ["HOROVOD_HOSTNAME"]
-
-    return train(state)
-
-
 @pytest.mark.timeout(300)
 def test_run_api_with_a_discovery_script_runs_an_elastic_job(tmp_path):
     import ringpipe
 
+    def _elastic_fn():  # defined here: it travels by value to the workers
+        import os
+
+        import torch
+
+        import ringpipe as hvd
+
+        hvd.init()
+        state = hvd.elastic.TorchState(model=torch.nn.Linear(2, 1), epoch=0)
+
+        @hvd.elastic.run
+        def train(state):
+            while state.epoch < 3:
+                hvd.allreduce(torch.ones(1))
+                state.epoch += 1
+                state.commit()
+            return hvd.rank(), hvd.size(), os.environ["HOROVOD_HOSTNAME"]
+
+        return train(state)
+
     discover = tmp_path / "discover.sh"
     discover.write_text("#!/bin/sh\necho 127.0.0.1:1\necho 127.0.0.2:1\n")
     discover.chmod(0o755)
-    values = ringpipe.run(_elastic_fn, num_proc=2, min_num_proc=1, max_num_proc=2,
+    values = ringpipe.run(_elastic_fn, num_proc=2, min_num_proc=2, max_num_proc=2,
                           host_discovery_script=str(discover))
-    assert values == [(0, 2, "127.0.0.1"), (1, 2, "127.0.0.2")]
+    assert values == [(0, 2, "127.0.0.1"), (1, 2, "127.0.0.2")]  # the first min_num_proc, as Horovod returns
