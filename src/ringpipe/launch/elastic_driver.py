@@ -46,7 +46,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ringpipe.launch import bootstrap
-from ringpipe.launch.elastic_hosts import Blacklist, DiscoveryError, SlotInfo, WorkerKey, assign, parse_discovery
+from ringpipe.launch.elastic_hosts import (
+    Blacklist,
+    DiscoveryError,
+    SlotInfo,
+    WorkerKey,
+    assign,
+    parse_discovery,
+)
 from ringpipe.launch.hosts import is_local, parse_host_list, read_hostfile
 from ringpipe.launch.options import LaunchOptions
 from ringpipe.launch.speaker import label
