@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -48,8 +49,8 @@ optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01
                                      named_parameters=model.named_parameters())
 x, y = torch.randn(64, 32), torch.randn(64, 1)
 host = os.environ["HOROVOD_HOSTNAME"]
-hosts = open(os.path.join(out_dir, "hosts")).read().split()
-log = open(os.path.join(out_dir, f"steps.{host}"), "a", buffering=1)
+hosts = Path(out_dir, "hosts").read_text().split()
+log = open(os.path.join(out_dir, f"steps.{host}"), "a", buffering=1)  # noqa: SIM115 - open for the process's life
 
 
 @hvd.elastic.run
@@ -59,7 +60,7 @@ def train(state):
             stamp(os.path.join(out_dir, "event"), f"{time.time()}")
             os.kill(os.getpid(), signal.SIGKILL)
         if state.step == 5 and event == "join" and hvd.rank() == 0 and once("joined"):
-            new = open(os.path.join(out_dir, "new_host")).read().strip()
+            new = Path(out_dir, "new_host").read_text().strip()
             stamp(os.path.join(out_dir, "hosts"), "\n".join([*hosts, new]) + "\n")
             stamp(os.path.join(out_dir, "event"), f"{time.time()}")
         if state.step == 5 and event == "join" and hvd.size() < TARGET:

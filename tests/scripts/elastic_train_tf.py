@@ -88,7 +88,7 @@ def train(state):
             loss = tf.reduce_sum(tf.square(model(X[rows]) - y[rows])) / 12 * size
         tape = hvd.DistributedGradientTape(tape)
         grads = tape.gradient(loss, model.trainable_variables)
-        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
         state.step += 1
         time.sleep(PAUSE)
         state.commit()
