@@ -14,6 +14,7 @@ Every entry script in ``benchmarks/`` puts its own folder on ``sys.path`` and im
   Horovod's MNIST CNN, a tiny MLP for ``--quick``);
 - :mod:`lib.procs`: starting workers (``ringpipe`` on this interpreter, a child's output, its JSON rows);
 - :mod:`lib.testhelpers`: the test suite's helpers some benchmarks reuse (namespace hosts, rank scripts);
+- :mod:`lib.elastic_program`: the elastic program ``elastic_recovery.py`` runs under the elastic driver;
 - :mod:`lib.horovod_program`: the Horovod program ``dp_vs_horovod.py`` runs under both implementations;
 - :mod:`lib.pipeline`: the pipeline benchmark's model, split, meters, runners and schedule theory.
 

@@ -24,7 +24,7 @@ BENCHMARKS = ROOT / "benchmarks"
 SCRIPTS = sorted(p.name for p in BENCHMARKS.glob("*.py"))
 #: Scripts whose ranks import TensorFlow: skipped where it is not installed, and given longer.
 NEEDS_TF = {"tf_bridge.py", "tf_scaling.py", "tf_tape_vs_mwms.py"}
-TIMEOUT_S = {"tf_bridge.py": 300, "tf_scaling.py": 300, "tf_tape_vs_mwms.py": 300}
+TIMEOUT_S = {"tf_bridge.py": 300, "tf_scaling.py": 300, "tf_tape_vs_mwms.py": 300, "elastic_recovery.py": 300}
 ROW = re.compile(r"^\| .+ \|$", re.MULTILINE)
 SEPARATOR = re.compile(r"^\|( -+:? \|)+$", re.MULTILINE)
 

@@ -40,6 +40,9 @@ class _Handler:
     def restore(self) -> None:
         self.value.load_state_dict(self.saved)
 
+    def reset(self) -> None:
+        """After a reset (the world was made again); nothing for most values."""
+
     def set_value(self, value: Any) -> None:
         self.value = value
         self.save()
@@ -51,6 +54,12 @@ class _ModelHandler(_Handler):
 
 
 class _OptimizerHandler(_Handler):
+    def reset(self) -> None:
+        """After a reset: a ``DistributedOptimizer`` reduces over the new world."""
+        follow = getattr(self.value, "follow_world", None)
+        if follow is not None:
+            follow()
+
     def sync(self) -> None:
         _api().broadcast_optimizer_state(self.value, root_rank=0)
 
@@ -112,6 +121,11 @@ class TorchState(ObjectState):
         for handler in self._handlers.values():
             handler.sync()
         super().sync()
+
+    def reset(self) -> None:
+        for handler in self._handlers.values():
+            handler.reset()
+        super().reset()
 
     def __setattr__(self, name: str, value: Any) -> None:
         handlers = self.__dict__.get("_handlers", {})

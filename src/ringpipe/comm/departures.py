@@ -307,7 +307,12 @@ def translate(exc: BaseException, op: str, nbytes: int, comm: str) -> PeerDepart
     records = _CURRENT
     if records is None:
         return PeerDeparted(f"a peer left the job during {call} [{cause}]", None, call)
-    return _named(records, call, records.departed(wait_s=SILENT_S + BEAT_S), cause)
+    # In an elastic job the driver names the worker that failed and the survivors go on at once:
+    # waiting for a silent peer's name here would hold the recovery up by seconds.
+    from ringpipe.comm import elastic_rendezvous
+
+    wait_s = 0.0 if elastic_rendezvous.active() else SILENT_S + BEAT_S
+    return _named(records, call, records.departed(wait_s=wait_s), cause)
 
 
 def _named(records: Departures, call: str, gone: list[tuple[int, dict[str, Any]]], cause: str) -> PeerDeparted:

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ringpipe.comm import departures
+from ringpipe.comm import departures, elastic_rendezvous
 from ringpipe.comm.base import CommError, Communicator
 from ringpipe.comm.events import internal
 from ringpipe.comm.stall import StallInspector
@@ -160,6 +160,10 @@ def init_world(
     ``torch.distributed`` and DDP code works alongside. Under MPI an uncaught exception prints its
     traceback and aborts the whole MPI job (see :func:`abort_mpi_job_on_exception`).
     """
+    elastic_version = 0
+    if topology is None and elastic_rendezvous.active():  # a worker of an elastic job: the driver places it
+        elastic_version = elastic_rendezvous.join()
+        timeout_s = float(os.environ.get("HOROVOD_GLOO_TIMEOUT_SECONDS", "30") or 30)
     topo = topology or detect()
     backend = resolve_backend(backend, topo.local_size)
 
@@ -212,7 +216,10 @@ def init_world(
                 # keys go under this process's count of worlds, or the new group would read the
                 # old one's addresses and departures and wait for ever.
                 _WORLDS_MADE[0] += 1
-                if topo.launcher == "torchrun" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+                if elastic_version:  # the elastic driver's store, under this world version's keys
+                    client = elastic_rendezvous.driver_store()
+                    prefix = elastic_rendezvous.prefix(elastic_version)
+                elif topo.launcher == "torchrun" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
                     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
                     client = _job_store(addr, port, topo.size, False, timeout)
                     prefix = f"/ringpipe/attempt_{attempt}/world_{_WORLDS_MADE[0]}"
@@ -223,12 +230,17 @@ def init_world(
                                         world_size=topo.size, timeout=timeout)
         comm = TorchCommunicator(backend, topo, device=device)
 
+    # an elastic job's hosts are the names its discovery printed (several may be this machine)
+    me = os.environ.get("HOROVOD_HOSTNAME", "") if elastic_version else ""
+    me = me or socket.gethostname()
     if topo.size > 1:
         with internal():  # ringpipe's own bookkeeping, shown apart from the program's calls
-            hosts = comm.allgather_object(socket.gethostname())
+            hosts = comm.allgather_object(me)
         topo = topo.with_hostnames(hosts)
     else:
-        topo = topo.with_hostnames([socket.gethostname()])
+        topo = topo.with_hostnames([me])
+    if elastic_version:
+        elastic_rendezvous.mark_ready(elastic_version)
     comm.topology = topo
     _start_stall_inspector(comm)
     if backend != "mpi":

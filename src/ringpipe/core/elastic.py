@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from ringpipe.comm import elastic_rendezvous
 from ringpipe.comm.departures import PeerDeparted
 from ringpipe.core import basics, movement
 from ringpipe.core.errors import HorovodInternalError, HostsUpdatedInterrupt
@@ -76,7 +77,21 @@ class State:
         self.check_host_updates()
 
     def check_host_updates(self) -> None:
-        """Horovod's hook for added or removed hosts; workers are replaced whole here, so nothing to do."""
+        """Raise :class:`HostsUpdatedInterrupt` on every rank at once when the elastic driver published a new world.
+
+        Rank 0 asks the driver's store and tells the others (Horovod's broadcast of the update), so
+        that every rank leaves at the same commit. ``skip_sync`` is set when the new world only
+        lost workers: every survivor already holds the committed state. Outside an elastic job
+        (no driver) nothing is asked.
+        """
+        if not elastic_rendezvous.active() or not basics.is_initialized():
+            return
+        update = elastic_rendezvous.hosts_updated() if basics.rank() == 0 else None
+        if basics.size() > 1:
+            update = movement.broadcast_object(update, root_rank=0)
+        updated, added = update
+        if updated:
+            raise HostsUpdatedInterrupt(skip_sync=not added)
 
     def save(self) -> None:
         raise NotImplementedError
@@ -149,8 +164,16 @@ class ObjectState(State):
 
 
 def _reset() -> None:
-    basics.shutdown()
-    basics.init()
+    """Leave this world and join the next; a world that cannot be made is left for the one after."""
+    while True:
+        basics.shutdown()
+        try:
+            basics.init()
+            return
+        except (HorovodInternalError, RuntimeError) as exc:
+            if not elastic_rendezvous.active():
+                raise
+            log.warning("elastic: the new world could not be made (%s); waiting for the next", exc)
 
 
 def run(func: Callable[..., Any]) -> Callable[..., Any]:

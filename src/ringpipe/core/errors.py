@@ -48,7 +48,10 @@ class NotInitializedError(ValueError):
 
 
 class HostsUpdatedInterrupt(RuntimeError):  # noqa: N818 - Horovod's name
-    """Horovod raises it when hosts were added or removed; ringpipe's workers are replaced instead."""
+    """Hosts were added or removed: raised by ``state.commit()`` / ``check_host_updates()`` on every rank at once.
+
+    ``skip_sync``: the new world only lost workers, so the survivors' state needs no sync.
+    """
 
     def __init__(self, skip_sync: bool = False) -> None:
         super().__init__("hosts updated")

@@ -110,6 +110,31 @@ class GradientReducer:
 
     # ------------------------------------------------------------------ public
 
+    def rebind(self, comm: Communicator, reduce: Callable[[torch.Tensor], Any]) -> None:
+        """Reduce over ``comm`` from now on (an elastic job's new world); forget any step in flight.
+
+        The buckets keep their layout (the parameters did not change); what belonged to the old
+        world (its engine, its size, launched buckets and counts of the interrupted step) starts afresh.
+        """
+        self.comm, self.engine, self._reduce = comm, Engine.of(comm), reduce
+        self.adasum = self.op is ReduceOp.ADASUM and comm.size > 1
+        self._active = float(comm.size)
+        self._overlap_header = self.algorithm == "native" and not self.engine.complete_in_engine
+        if self.op is ReduceOp.AVERAGE:
+            factor = self.gradient_predivide_factor
+            self._prescale = 1.0 / comm.size if factor == 1.0 else 1.0 / factor
+        for slot in self.slots:
+            slot.count, slot.used = 0, False
+        for bucket in self.buckets:
+            bucket.handle, bucket.wire = None, None
+            bucket.pending = len(bucket.slots)
+        self._next_launch = 0
+        self.unreduced = False
+        self.peers_joined = False
+        if self._ride:  # the new engine carries this optimizer's first bucket in its announcements, as at build
+            engine = self.engine
+            engine.run(lambda: setattr(engine, "ride", max(engine.ride, self._ride)), name="ride")
+
     @property
     def parameter_names(self) -> dict[torch.Tensor, str]:
         """Each reduced parameter's name (unique, the same on every rank)."""

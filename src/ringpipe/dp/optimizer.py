@@ -192,7 +192,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
             named.extend((n, p) for n, p in name_parameters(optimizer, named_parameters) if p.requires_grad)
             return layout_of(named)
 
-        agree(comm, {k: comparable(k, v) for k, v in settings.items()}, layout, problem)
+        from ringpipe.comm import elastic_rendezvous
+
+        if elastic_rendezvous.active() and elastic_rendezvous.joined_version() > 1:
+            # a worker joining a running elastic world: the others compared their settings when
+            # they built theirs, and compare nothing now (Horovod's optimizer makes no collective)
+            layout()
+            if problem is not None:
+                raise problem
+        else:
+            agree(comm, {k: comparable(k, v) for k, v in settings.items()}, layout, problem)
 
         # Share the wrapped optimizer's groups and state so schedulers and checkpoints see one object.
         super().__init__(optimizer.param_groups, optimizer.defaults)
@@ -225,6 +234,24 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.param_groups = optimizer.param_groups
         self.state = optimizer.state
         self.reducer = None
+        self._synchronized = False
+        self._should_synchronize = True
+
+    def follow_world(self) -> None:
+        """Reduce over the current world from now on: after an elastic reset made a new one.
+
+        Only for an optimizer over the whole world (not a process set): the buckets stay, the
+        communicator, its engine and the interrupted step's state are the new world's.
+        """
+        from ringpipe.core.world import current
+
+        if self.reducer is None:
+            return
+        comm = current().comm
+        if comm is self.reducer.comm:
+            return
+        self.reducer.rebind(comm, bucket_allreduce(comm, self.reducer.algorithm))
+        self.reducer.engine.optimizers.add(self)
         self._synchronized = False
         self._should_synchronize = True
 

@@ -86,6 +86,10 @@ def launch_main(args: Any) -> int:
     if os.environ.pop(remote.STDIN_EOF, None):  # one host of a several-host launch: end with the launcher
         opts.host_of_many = True
         remote.end_on_stdin_eof()
+    if opts.elastic:
+        from ringpipe.launch.elastic_driver import run_elastic
+
+        return run_elastic(opts)
     if opts.placement is not None and opts.backend != "mpi":
         return remote.run_hosts(opts)
     if opts.backend == "mpi":

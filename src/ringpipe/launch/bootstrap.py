@@ -76,6 +76,16 @@ def die_with_parent(parent: int | None = None, poll_s: float = 0.5) -> None:
     threading.Thread(target=watch, name="ringpipe-parent-watchdog", daemon=True).start()
 
 
+def _end_on_stdin_eof() -> None:
+    def watch() -> None:
+        with contextlib.suppress(OSError):
+            while os.read(0, 4096):
+                pass
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="ringpipe-stdin-watch", daemon=True).start()
+
+
 def _first(env: Mapping[str, str], names: Sequence[str]) -> str | None:
     for name in names:
         if env.get(name, "").strip():
@@ -335,6 +345,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``bootstrap.py PROGRAM...``: the rank's whole life (see the module's docstring)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     die_with_parent()
+    if os.environ.get("RINGPIPE_ELASTIC_DRIVER") and os.environ.pop("RINGPIPE_LAUNCH_END_ON_EOF", None):
+        _end_on_stdin_eof()  # an elastic worker started over ssh: it ends when the driver's ssh ends
     os.environ.update(rank_environment(os.environ))
     launch_dir = os.environ.get(LAUNCH_DIR)
     if launch_dir and os.environ.get("RINGPIPE_LAUNCH_SLOTS") == "local":

@@ -9,6 +9,12 @@ horovod/runner/common/util/config_parser.py): ``-np``, ``-H``, ``--hostfile``, `
 the ``HOROVOD_*`` variables every rank reads (see :mod:`ringpipe.launch.horovod_env`). An option
 with no ringpipe equivalent is refused by name before anything starts.
 
+Horovod's elastic arguments (``--host-discovery-script``, ``--min-np``/``--min-num-proc``,
+``--max-np``/``--max-num-proc``, ``--slots-per-host``, ``--elastic-timeout``, ``--reset-limit``,
+``--blacklist-cooldown-range A B``) make an elastic job, run by the elastic driver
+(:mod:`ringpipe.launch.elastic_driver`) on Gloo; ``--mpi`` with them is refused, as Horovod's
+elastic mode is Gloo-only.
+
 As in Horovod, without ``--gloo`` or ``--mpi`` the job runs on MPI when MPI can be used here
 (``mpirun`` on the PATH and mpi4py importable), else on gloo; and with several hosts every
 variable of this environment reaches every rank (Horovod's ``env`` / ``mpirun -x``), except
@@ -51,6 +57,7 @@ _TO_ENV: dict[str, tuple[str, Callable[[str], str] | None]] = {
     "--stall-check-warning-time-seconds": ("HOROVOD_STALL_CHECK_TIME_SECONDS", str),
     "--stall-check-shutdown-time-seconds": ("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", str),
     "--log-level": ("HOROVOD_LOG_LEVEL", str.lower),
+    "--gloo-timeout-seconds": ("HOROVOD_GLOO_TIMEOUT_SECONDS", str),
 }
 
 # Options that become options of ringpipe launch (value taken).
@@ -58,7 +65,12 @@ _TO_LAUNCH = {"-np": "-np", "--num-proc": "-np", "-H": "-H", "--hosts": "-H", "-
               "-hostfile": "--hostfile", "-p": "--ssh-port", "--ssh-port": "--ssh-port", "-i": "--ssh-identity-file",
               "--ssh-identity-file": "--ssh-identity-file", "--start-timeout": "--start-timeout",
               "--network-interface": "--network-interface", "--network-interfaces": "--network-interface",
-              "--output-filename": "--output-filename"}
+              "--output-filename": "--output-filename",
+              # elastic arguments (Horovod's elastic mode)
+              "--host-discovery-script": "--host-discovery-script", "--min-np": "--min-np",
+              "--min-num-proc": "--min-np", "--max-np": "--max-np", "--max-num-proc": "--max-np",
+              "--slots-per-host": "--slots-per-host", "--elastic-timeout": "--elastic-timeout",
+              "--reset-limit": "--reset-limit"}
 
 _UNSUPPORTED = {
     "--autotune": "ringpipe has no autotuner: set --fusion-threshold-mb yourself",
@@ -67,9 +79,6 @@ _UNSUPPORTED = {
     "--torus-allreduce": "ringpipe has no torus allreduce",
     "--num-nccl-streams": "ringpipe uses one NCCL stream per communicator",
     "--thread-affinity": "bind threads with taskset / numactl in the command instead",
-    "--gloo-timeout-seconds": "not configurable in ringpipe",
-    "--elastic": "elastic Horovod (min/max ranks, host discovery) is not supported",
-    "--host-discovery-script": "elastic Horovod is not supported",
     "--config-file": "give the options on the command line",
     "--mpi-args": "run mpirun yourself with its arguments",
     "--binding-args": "run mpirun yourself with its binding arguments",
@@ -170,13 +179,12 @@ def translate(argv: Sequence[str]) -> tuple[list[str], dict[str, str]]:
             print(check_build())
             raise SystemExit(0)
         name, eq, value = tok.partition("=")
-        if name in ("--min-np", "--max-np", "--min-num-proc", "--max-num-proc"):
-            # elastic bounds without a discovery script: the hosts are fixed, so the job is -np ranks
-            if not eq:
-                i += 1
-            print(f"{HOROVODRUN}: {name} ignored: without --host-discovery-script the job runs a fixed "
-                  "-np ranks (no rank joins later; a lost rank ends the job)", file=sys.stderr)
-            i += 1
+        if name == "--blacklist-cooldown-range":  # Horovod's two values: A B
+            values = value.split(",") if eq else argv[i + 1:i + 3]
+            if len(values) != 2 or not all(v.strip().isdigit() for v in values):
+                raise HorovodrunUsageError("--blacklist-cooldown-range takes two values: A B (seconds)")
+            args += ["--blacklist-cooldown-range", ",".join(v.strip() for v in values)]
+            i += 1 if eq else 3
             continue
         if name in _UNSUPPORTED or any(name.startswith(p) for p in ("--autotune-",)):
             why = _UNSUPPORTED.get(name, "ringpipe has no autotuner")
@@ -215,7 +223,11 @@ def translate(argv: Sequence[str]) -> tuple[list[str], dict[str, str]]:
     command = argv[i:]
     if not command:
         raise HorovodrunUsageError("give the command to run: horovodrun -np 2 python train.py")
-    args += ["--backend", backend or ("mpi" if mpi_usable() else "gloo")]
+    elastic = "--host-discovery-script" in args or "--min-np" in args
+    if elastic and backend == "mpi":
+        raise HorovodrunUsageError("elastic mode (--host-discovery-script / --min-np) runs on Gloo only, as "
+                                   "Horovod's does: drop --mpi (or give --gloo)")
+    args += ["--backend", backend or ("gloo" if elastic else "mpi" if mpi_usable() else "gloo")]
     if _other_hosts(args):
         for name in sorted(os.environ):
             if exportable(name):

@@ -60,10 +60,23 @@ class LaunchOptions:
     start_timeout: int | None = None
     network_interface: str | None = None
     output_filename: str | None = None  # also write each rank's output under this folder
+    # elastic (Horovod's elastic arguments): a discovery script or --min-np makes the job elastic
+    host_discovery_script: str | None = None
+    min_np: int | None = None
+    max_np: int | None = None
+    slots_per_host: int | None = None
+    elastic_timeout: int | None = None
+    reset_limit: int | None = None
+    blacklist_cooldown_range: tuple[int, int] | None = None
     placement: Placement | None = None  # set by validate() when hosts other than this machine are named
     host_of_many: bool = False  # this launcher runs one host's ranks for a several-host launch
     python: list[str] = field(default_factory=list)  # the interpreter's own options
     program: list[str] = field(default_factory=list)  # [script, *args] or ["-m", module, *args]
+
+    @property
+    def elastic(self) -> bool:
+        """Horovod's rule: a discovery script or a minimum number of processes makes the job elastic."""
+        return self.host_discovery_script is not None or self.min_np is not None
 
     @property
     def module(self) -> str | None:
@@ -116,6 +129,20 @@ _OPTIONS: list[tuple[tuple[str, ...], str, Any, str | None, str]] = [
      "before anything starts (default 30, or HOROVOD_START_TIMEOUT)"),
     (("--output-filename",), "output_filename", str, "DIR", "also write each rank's output to "
      "DIR/rank.<R>/stdout and DIR/rank.<R>/stderr, R zero-padded (horovodrun's --output-filename)"),
+    (("--host-discovery-script",), "host_discovery_script", str, "SCRIPT", "elastic job: an executable printing "
+     "the available hosts, one a line (`host` or `host:slots`); run every second"),
+    (("--min-np", "--min-num-proc"), "min_np", _positive("--min-np"), "N", "elastic job: fewest ranks to train "
+     "with (default -n); below it the job waits up to --elastic-timeout for more"),
+    (("--max-np", "--max-num-proc"), "max_np", _positive("--max-np"), "N", "elastic job: most ranks (default: "
+     "every discovered slot)"),
+    (("--slots-per-host", "--slots"), "slots_per_host", _positive("--slots-per-host"), "N",
+     "elastic job: slots of a discovered host printed without `:slots` (default 1)"),
+    (("--elastic-timeout",), "elastic_timeout", _positive("--elastic-timeout"), "S", "elastic job: seconds to "
+     "wait for --min-np slots (default 600, or HOROVOD_ELASTIC_TIMEOUT)"),
+    (("--reset-limit",), "reset_limit", _positive("--reset-limit"), "N", "elastic job: fail once the world "
+     "has been re-formed more than N times"),
+    (("--blacklist-cooldown-range",), "blacklist_cooldown_range", str, "A B", "elastic job: a failed host may "
+     "return after a random, exponentially growing cooldown between A and B seconds (default: never)"),
     (("--network-interface", "--network-interfaces"), "network_interface", str, "NIC", "interface the ranks talk "
      "over (GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME; Open MPI's btl/oob_tcp_if_include)"),
 ]
@@ -124,6 +151,14 @@ _BY_NAME = {name: spec for spec in _OPTIONS for name in spec[0]}
 # The interpreter's options: flags, and options that take a value.
 _PY_FLAGS = {"-u", "-B", "-E", "-s", "-S", "-I", "-O", "-OO", "-b", "-bb", "-q", "-v", "-d", "-P", "-R"}
 _PY_VALUED = {"-X", "-W"}
+
+
+def _cooldown(text: str) -> tuple[int, int]:
+    parts = text.replace(",", " ").split()
+    if len(parts) != 2 or not all(p.isdigit() for p in parts) or not 1 <= int(parts[0]) <= int(parts[1]):
+        raise LaunchUsageError(f"--blacklist-cooldown-range takes two whole numbers of seconds 1 <= A <= B "
+                               f"(A B or A,B), got {text!r}")
+    return int(parts[0]), int(parts[1])
 
 
 def launch_help() -> str:
@@ -200,6 +235,11 @@ def parse_launch_args(argv: Sequence[str]) -> LaunchOptions:
             i += 1
         if spec[1] == "exports":
             opts.exports.append(value)
+        elif spec[1] == "blacklist_cooldown_range":
+            if not eq and i + 1 < len(argv) and argv[i + 1].isdigit():  # `A B` as Horovod takes it
+                value = f"{value},{argv[i + 1]}"
+                i += 1
+            opts.blacklist_cooldown_range = _cooldown(value)
         else:
             setattr(opts, spec[1], spec[2](value))
         i += 1
@@ -278,13 +318,62 @@ def _placement(opts: LaunchOptions) -> None:
         raise LaunchUsageError("--max-restarts is not supported across hosts started with -H / --hostfile")
 
 
+def _elastic(opts: LaunchOptions) -> None:
+    """Check an elastic job's options (Horovod's rules); fill in -n, --min-np and --elastic-timeout."""
+    if opts.backend == "mpi":
+        raise LaunchUsageError("elastic jobs (--host-discovery-script / --min-np) run on Gloo only, as Horovod's "
+                               "elastic mode does: drop --mpi / --backend mpi (use --gloo)")
+    if opts.mode != "agent" or opts.nnodes > 1 or opts.rdzv_endpoint or opts.max_restarts:
+        raise LaunchUsageError("an elastic job is started from this one command by its driver: drop --mode, "
+                               "--nnodes, --rdzv-endpoint and --max-restarts")
+    if opts.output_filename is not None:
+        raise LaunchUsageError("--output-filename is not supported for elastic jobs yet; drop it")
+    fixed = opts.hosts is not None or opts.hostfile is not None
+    if opts.host_discovery_script is not None and fixed:
+        raise LaunchUsageError("give the hosts once: --host-discovery-script, or a fixed set (-H / --hostfile)")
+    if opts.host_discovery_script is None and not fixed:
+        raise LaunchUsageError("an elastic job (--min-np) needs its hosts: --host-discovery-script SCRIPT, or a "
+                               "fixed set with -H HOST:SLOTS,... / --hostfile FILE")
+    if opts.host_discovery_script is not None and not os.access(opts.host_discovery_script, os.X_OK):
+        raise LaunchUsageError(f"--host-discovery-script {opts.host_discovery_script}: not an executable file "
+                               "(chmod +x it)")
+    if fixed:
+        if opts.hosts is not None and opts.hostfile is not None:
+            raise LaunchUsageError("give the hosts once: -H HOST:SLOTS,... or --hostfile FILE, not both")
+        try:
+            hosts = read_hostfile(opts.hostfile) if opts.hostfile else parse_host_list(str(opts.hosts))
+        except HostsError as exc:
+            raise LaunchUsageError(str(exc)) from None
+        if len(hosts) < 2:
+            raise LaunchUsageError("an elastic job on a fixed host set needs at least 2 hosts (Horovod: cannot "
+                                   "run in fault tolerance mode with fewer than 2 hosts)")
+    if opts.nprocs is None:
+        opts.nprocs = opts.min_np or 1
+    if opts.min_np is None:
+        opts.min_np = opts.nprocs
+    if opts.min_np < 1 or (opts.max_np is not None and opts.max_np < 1):
+        raise LaunchUsageError("--min-np and --max-np must be >= 1")
+    if not opts.min_np <= opts.nprocs <= (opts.max_np or opts.nprocs):
+        raise LaunchUsageError(f"-np {opts.nprocs} must lie between --min-np {opts.min_np} and --max-np "
+                               f"{opts.max_np}")
+    if opts.elastic_timeout is None:
+        raw = os.environ.get("HOROVOD_ELASTIC_TIMEOUT", "600").strip() or "600"
+        if not raw.isdigit():
+            raise LaunchUsageError(f"HOROVOD_ELASTIC_TIMEOUT={raw!r} must be a whole number of seconds")
+        opts.elastic_timeout = int(raw)
+    if opts.reset_limit is not None and opts.reset_limit < 0:
+        raise LaunchUsageError(f"--reset-limit must be >= 0, got {opts.reset_limit}")
+
+
 def validate(opts: LaunchOptions) -> None:
     """Check the options together; raise LaunchUsageError naming the wrong one and the fix."""
     if opts.backend not in BACKENDS:
         raise LaunchUsageError(f"unknown backend {opts.backend!r}; valid: {', '.join(BACKENDS)}")
     if opts.mode not in ("agent", "mp"):
         raise LaunchUsageError(f"unknown --mode {opts.mode!r}; valid: agent, mp")
-    if opts.hosts is not None or opts.hostfile is not None:
+    if opts.elastic:
+        _elastic(opts)
+    elif opts.hosts is not None or opts.hostfile is not None:
         _placement(opts)
     if opts.start_timeout is None:
         raw = os.environ.get("HOROVOD_START_TIMEOUT", "30").strip() or "30"

@@ -14,8 +14,10 @@ script being imported again. What the ranks print reaches this process's standar
 
 A rank that raises or exits non-zero makes ``run`` raise ``RuntimeError`` after the job has
 stopped, as Horovod's does. Horovod's deprecated ``np``, ``min_np``, ``max_np`` and
-``network_interface`` are accepted with its ``DeprecationWarning``. Elastic jobs that discover
-hosts (``host_discovery_script``) and ``mpi_args`` are refused by name before anything starts;
+``network_interface`` are accepted with its ``DeprecationWarning``. With ``host_discovery_script``
+the job is elastic (:mod:`ringpipe.launch.elastic_driver`; ``min_num_proc``, ``max_num_proc``,
+``slots``, ``reset_limit``, ``cooldown_range``, ``elastic_timeout`` as horovodrun's options) and
+the values of the last world's ranks come back; ``mpi_args`` is refused by name before anything starts;
 ``min_num_proc`` / ``max_num_proc`` without a discovery script start a fixed job of ``num_proc``
 ranks, with a warning (no rank can join, a lost rank ends the job), and return the first
 ``min_num_proc`` values, as Horovod's elastic run does;
@@ -45,10 +47,21 @@ def horovodrun_args(
     num_proc: int, hosts: str | None = None, hostfile: str | None = None, start_timeout: int | None = None,
     ssh_port: int | None = None, ssh_identity_file: str | None = None,
     network_interfaces: Sequence[str] | None = None, use_gloo: bool | None = None, use_mpi: bool | None = None,
-    output_filename: str | None = None,
+    output_filename: str | None = None, host_discovery_script: str | None = None,
+    min_num_proc: int | None = None, max_num_proc: int | None = None, slots: int | None = None,
+    reset_limit: int | None = None, cooldown_range: tuple[int, int] | None = None,
+    elastic_timeout: int | None = None,
 ) -> list[str]:
     """The ``horovodrun`` command line (before the program) that ``run`` starts its job with."""
     args = ["-np", str(num_proc)]
+    if host_discovery_script is not None:  # an elastic job
+        args += ["--host-discovery-script", host_discovery_script]
+        for flag, value in (("--min-np", min_num_proc), ("--max-np", max_num_proc), ("--slots-per-host", slots),
+                            ("--reset-limit", reset_limit), ("--elastic-timeout", elastic_timeout)):
+            if value is not None:
+                args += [flag, str(value)]
+        if cooldown_range is not None:
+            args += ["--blacklist-cooldown-range", str(cooldown_range[0]), str(cooldown_range[1])]
     if hosts is not None:
         args += ["-H", hosts]
     if hostfile is not None:
@@ -105,6 +118,7 @@ def run(
     np: int | None = None,
     min_np: int | None = None,
     max_np: int | None = None,
+    elastic_timeout: int | None = None,
 ) -> list[Any]:
     """Run ``func(*args, **kwargs)`` on ``num_proc`` new ranks; the list of their return values, by rank."""
     if network_interface:
@@ -122,11 +136,13 @@ def run(
         raise TypeError(f"ringpipe.run needs a function to run on every rank, got {type(func).__name__}")
     if not isinstance(num_proc, int) or num_proc < 1:
         raise ValueError(f"ringpipe.run: num_proc must be a positive number of processes, got {num_proc!r}")
-    if host_discovery_script is not None:
-        raise ValueError("ringpipe.run does not run elastic jobs that discover hosts (host_discovery_script given): "
-                         "start a fixed num_proc, and use ringpipe's elastic state inside the function to recover "
-                         "from failures")
-    if min_num_proc is not None or max_num_proc is not None:
+    elastic = host_discovery_script is not None
+    if elastic and (hosts is not None or hostfile is not None):
+        raise ValueError("ringpipe.run: give the hosts once: host_discovery_script, or hosts / hostfile")
+    if elastic and use_mpi:
+        raise ValueError("ringpipe.run: elastic jobs (host_discovery_script) run on Gloo only, as Horovod's do: "
+                         "drop use_mpi")
+    if (min_num_proc is not None or max_num_proc is not None) and not elastic:
         low, high = min_num_proc or num_proc, max_num_proc or num_proc
         if not low <= num_proc <= high:
             raise ValueError(f"ringpipe.run: num_proc={num_proc} must lie between min_num_proc={min_num_proc} and "
@@ -137,7 +153,7 @@ def run(
     if mpi_args is not None:
         raise ValueError("ringpipe.run does not take mpi_args: set Open MPI's options as OMPI_MCA_* variables "
                          "in the environment instead (every rank's mpirun reads them)")
-    del verbose, disable_cache, slots  # accepted, as Horovod's (slots serve its host discovery); nothing to do
+    del verbose, disable_cache  # accepted, as Horovod's; nothing to do
 
     payload = encode((func, tuple(args), dict(kwargs or {})))
     nonce = "ringpipe-run-" + secrets.token_hex(8)
@@ -159,7 +175,8 @@ def run(
             f.write(payload)
         env[PAYLOAD_FILE] = path
     hargs = horovodrun_args(num_proc, hosts, hostfile, start_timeout, ssh_port, ssh_identity_file,
-                            network_interfaces, use_gloo, use_mpi, output_filename)
+                            network_interfaces, use_gloo, use_mpi, output_filename, host_discovery_script,
+                            min_num_proc, max_num_proc, slots, reset_limit, cooldown_range, elastic_timeout)
     python = executable or sys.executable
     command = [python, "-m", "ringpipe.launch.horovodrun", *hargs, "python", "-m", "ringpipe.launch.run_task"]
     try:
@@ -170,10 +187,12 @@ def run(
     if code != 0:
         raise RuntimeError(f"ringpipe.run: the job exited with status {code}; one or more ranks failed "
                            "(the launcher's report and the ranks' errors are above)")
-    missing = [r for r in range(num_proc) if r not in parts or len(parts[r][1]) != parts[r][0]]
+    # an elastic job ends with as many ranks as its last world had
+    ranks = range(max(parts) + 1 if elastic and parts else num_proc)
+    missing = [r for r in ranks if r not in parts or len(parts[r][1]) != parts[r][0]]
     if missing:
         raise RuntimeError(f"ringpipe.run: rank(s) {missing} ended without handing back the function's value")
-    values = [decode("".join(parts[r][1][i] for i in range(parts[r][0]))) for r in range(num_proc)]
+    values = [decode("".join(parts[r][1][i] for i in range(parts[r][0]))) for r in ranks]
     return values[:min_num_proc] if min_num_proc is not None else values  # Horovod: the first min_num_proc
 
 

@@ -145,9 +145,16 @@ def test_output_filename_goes_to_the_launcher():
     assert args[args.index("--output-filename") + 1] == "logs"
 
 
-def test_elastic_bounds_without_discovery_run_a_fixed_job(capsys):
-    args, _ = translate(["-np", "2", "--min-np", "1", "--max-np=3", "python", "train.py"])
-    assert "--min-np" not in args and "--max-np=3" not in args and args[args.index("-np") + 1] == "2"
-    assert "fixed -np ranks" in capsys.readouterr().err
-    with pytest.raises(HorovodrunUsageError, match="--host-discovery-script"):
-        translate(["-np", "2", "--min-np", "1", "--host-discovery-script", "d.sh", "python", "train.py"])
+def test_elastic_options_go_to_the_elastic_driver_on_gloo(tmp_path):
+    args, _ = translate(["-np", "2", "--min-np", "1", "--max-np=3", "--host-discovery-script", "d.sh",
+                         "--slots-per-host", "2", "--elastic-timeout", "5", "--reset-limit", "2",
+                         "--blacklist-cooldown-range", "10", "20", "python", "train.py"])
+    for flag, value in (("--min-np", "1"), ("--max-np", "3"), ("--host-discovery-script", "d.sh"),
+                        ("--slots-per-host", "2"), ("--elastic-timeout", "5"), ("--reset-limit", "2"),
+                        ("--blacklist-cooldown-range", "10,20"), ("--backend", "gloo")):
+        assert args[args.index(flag) + 1] == value, args
+    assert args[-2:] == ["python", "train.py"]
+    with pytest.raises(HorovodrunUsageError, match="Gloo only"):  # Horovod's elastic mode is Gloo-only
+        translate(["-np", "2", "--mpi", "--host-discovery-script", "d.sh", "python", "train.py"])
+    with pytest.raises(HorovodrunUsageError, match="two values"):
+        translate(["-np", "2", "--blacklist-cooldown-range", "10", "python", "train.py"])

@@ -126,8 +126,10 @@ def test_arguments_horovod_refuses_are_refused_before_anything_starts():
         ringpipe.run(f, num_proc=2, use_gloo=True, use_mpi=True)
     with pytest.raises(ValueError, match="num_proc=2 must lie between min_num_proc=3"):
         ringpipe.run(f, num_proc=2, min_num_proc=3)
-    with pytest.raises(ValueError, match="host_discovery_script"):
-        ringpipe.run(f, num_proc=2, host_discovery_script="discover.sh")
+    with pytest.raises(ValueError, match="host_discovery_script, or hosts"):
+        ringpipe.run(f, num_proc=2, host_discovery_script="discover.sh", hosts="localhost:2")
+    with pytest.raises(ValueError, match="Gloo only"):
+        ringpipe.run(f, num_proc=2, host_discovery_script="discover.sh", use_mpi=True)
     with pytest.raises(ValueError, match="num_proc must be a positive"):
         ringpipe.run(f, num_proc=0)
     with pytest.raises(TypeError, match="needs a function"):

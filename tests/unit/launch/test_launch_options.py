@@ -122,3 +122,34 @@ def test_backend_rule(monkeypatch):
         resolve_backend()
     monkeypatch.delenv("RINGPIPE_BACKEND")
     assert resolve_backend() == ("nccl" if "torch" in sys.modules and __import__("torch").cuda.is_available() else "gloo")
+
+
+def test_elastic_options_with_horovods_meanings(tmp_path, monkeypatch):
+    discover = tmp_path / "discover.sh"
+    discover.write_text("#!/bin/sh\necho localhost:2\n")
+    discover.chmod(0o755)
+    opts = parse_launch_args(["-np", "2", "--min-num-proc", "1", "--max-np", "4", "--host-discovery-script",
+                              str(discover), "--slots-per-host", "2", "--reset-limit", "3",
+                              "--blacklist-cooldown-range", "5", "60", SCRIPT])
+    monkeypatch.setenv("HOROVOD_ELASTIC_TIMEOUT", "42")
+    validate(opts)
+    assert opts.elastic and (opts.nprocs, opts.min_np, opts.max_np, opts.slots_per_host) == (2, 1, 4, 2)
+    assert (opts.reset_limit, opts.blacklist_cooldown_range, opts.elastic_timeout) == (3, (5, 60), 42)
+    assert opts.placement is None and opts.program == [SCRIPT]
+    # --min-np defaults to -np; a fixed host set (two hosts at least) is elastic too under --min-np
+    opts = parse_launch_args(["-np", "2", "--min-np", "2", "--elastic-timeout", "7", "-H", "a:1,b:1", SCRIPT])
+    validate(opts)
+    assert opts.elastic and opts.min_np == 2 and opts.elastic_timeout == 7 and opts.placement is None
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--min-np", "1", "-H", "a:2"], "at least 2 hosts"),
+    (["--min-np", "1"], "needs its hosts"),
+    (["--min-np", "1", "-H", "a:1,b:1", "--backend", "mpi"], "Gloo only"),
+    (["-np", "1", "--min-np", "2", "-H", "a:1,b:1"], "must lie between"),
+    (["--blacklist-cooldown-range", "5", "x", SCRIPT], "two whole numbers"),
+    (["--host-discovery-script", "/nonexistent/discover.sh"], "not an executable"),
+])
+def test_elastic_options_refused_before_anything_starts(argv, message):
+    with pytest.raises(LaunchUsageError, match=message):
+        validate(parse_launch_args([*argv, SCRIPT]))
