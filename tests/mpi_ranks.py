@@ -86,7 +86,11 @@ class MPIJobs:
         path = [p for p in (os.environ.get("PYTHONPATH", ""), str(TESTS), str(TESTS / "ranks")) if p]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(path))
         cmd = mpirun_command(n, [sys.executable, str(TESTS / "scripts" / "mpi_jobs.py"), str(spec)])
-        return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=JOB_TIMEOUT)
+        try:
+            return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=JOB_TIMEOUT)
+        except subprocess.TimeoutExpired as e:  # kept as a failed job: the job's other tests do not launch it again
+            said = [b.decode(errors="replace") if isinstance(b, bytes) else (b or "") for b in (e.stdout, e.stderr)]
+            return subprocess.CompletedProcess(cmd, -9, said[0], said[1] + f"\nmpi_jobs: the job ran past {JOB_TIMEOUT} s")
 
     def run(self, name: str) -> Run:
         """``name``'s run in its job (launched now if no test asked for its job yet); fails naming it if it failed."""
