@@ -1,9 +1,9 @@
-"""The ``mpirun`` rank programs of the ranks tier's MPI tests, run in few jobs: one ``mpirun`` per world size.
+"""The ``mpirun`` rank programs of the MPI tests, run in few jobs: one ``mpirun`` per world size.
 
-Each test marked ``mpi`` under ``tests/ranks`` launched a program of its own on ``mpirun`` (10-25 s
+Each test (or module fixture) marked ``mpi`` under ``tests/ranks`` and ``tests/e2e/pipeline`` launched a program of its own on ``mpirun`` (10-25 s
 each, mostly the interpreter's, torch's and MPI's start-up). :data:`PROGRAMS` names those programs
 (the argv and environment each test gave it), :data:`JOBS` folds them into one job per world size,
-and :class:`MPIJobs` (the session fixture ``mpi_jobs`` of ``tests/ranks``) launches a job the first
+and :class:`MPIJobs` (the session fixture ``mpi_jobs`` of ``tests/conftest.py``) launches a job the first
 time a test asks for one of its programs, running them in turn in each rank
 (``tests/scripts/mpi_jobs.py``, which shuts ringpipe down between them). A test then asserts on
 its own program's stdout and folder as it did on its own launch's.
@@ -41,6 +41,7 @@ PROGRAMS: dict[str, tuple[int, tuple[str, ...], dict[str, str]]] = {
     "dp_optimizer": (2, ("-c", f"import ranks.dp.test_dp_optimizer as t; t.mpi_main({OUT!r})"), {}),
     "hvd_dtypes": (3, (str(TESTS / "scripts/hvd_dtypes.py"),), {"RINGPIPE_BACKEND": "mpi", "CASES_DIR": OUT}),
     "hvd_mpi_comm": (3, (str(TESTS / "scripts/hvd_mpi_comm.py"), OUT), {"RINGPIPE_BACKEND": "mpi"}),
+    "pipeline": (2, (str(TESTS / "e2e/pipeline/test_pipeline_mpi.py"), f"{OUT}/weights.pt"), {"RINGPIPE_BACKEND": "mpi"}),
     "stall": (3, (str(TESTS / "scripts/stall_late_rank.py"),),
               {"RINGPIPE_BACKEND": "mpi", "RINGPIPE_STALL_CHECK_SECONDS": "1"}),
 }

@@ -6,7 +6,6 @@ from collections.abc import Iterator
 
 import pytest
 
-from mpi_ranks import MPIJobs
 from ranks.worlds import DEFAULT_TIMEOUT, Worlds
 
 
@@ -25,9 +24,3 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     marker = item.get_closest_marker("timeout")
     limit = marker.args[0] if marker is not None and marker.args else item.config.getoption("timeout", None)
     Worlds.timeout = max(1.0, float(limit) - 3.0) if limit else DEFAULT_TIMEOUT
-
-
-@pytest.fixture(scope="session")
-def mpi_jobs(tmp_path_factory: pytest.TempPathFactory) -> MPIJobs:
-    """The ``mpirun`` programs of the ``mpi`` tests, one job per world size (``tests/mpi_ranks.py``)."""
-    return MPIJobs(tmp_path_factory.mktemp("mpi_jobs"))
