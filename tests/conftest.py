@@ -29,6 +29,8 @@ E2E_MARKERS = ("e2e", "mpi", "netns", "slow")
 if str(TESTS) not in sys.path:
     sys.path.insert(0, str(TESTS))
 
+from mpi_ranks import MPIJobs  # noqa: E402 (found on the path just set)
+
 
 def tier_of(item: pytest.Item) -> str | None:
     """The tier a collected test belongs to: its folder's, or ``e2e`` where it starts such a job."""
@@ -66,3 +68,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         tier = tier_of(item)
         if tier is not None and item.get_closest_marker(tier) is None:
             item.add_marker(getattr(pytest.mark, tier))
+
+
+@pytest.fixture(scope="session")
+def mpi_jobs(tmp_path_factory: pytest.TempPathFactory) -> MPIJobs:
+    """The ``mpirun`` programs of the ``mpi`` tests of ``ranks`` and ``e2e``, one job per world size (``tests/mpi_ranks.py``)."""
+    return MPIJobs(tmp_path_factory.mktemp("mpi_jobs"))

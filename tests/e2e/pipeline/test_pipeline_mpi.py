@@ -11,11 +11,8 @@ and rank 0 saves the final weights for the test to check.
 from __future__ import annotations
 
 import importlib.util
-import os
 import shutil
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -33,7 +30,6 @@ from ranks.pipeline.test_pipeline_async import (
 )
 from ringpipe.pipeline import PipelineTrainer
 
-HERE = Path(__file__).resolve().parents[2]  # tests/: the helper scripts and modules
 HAVE_MPI = shutil.which("mpirun") is not None and importlib.util.find_spec("mpi4py") is not None
 ATOL = 1e-10
 
@@ -89,19 +85,13 @@ def one_process() -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def mpi_results(tmp_path_factory):
+def mpi_results(mpi_jobs):
     if not HAVE_MPI:
         pytest.skip("needs mpirun and mpi4py")
-    from ringpipe.launch import mpirun_command
-
-    out = tmp_path_factory.mktemp("pipeline_mpi") / "weights.pt"
-    cmd = mpirun_command(2, [sys.executable, str(Path(__file__).resolve()), str(out)], tag_output=False)
-    env = dict(os.environ, RINGPIPE_BACKEND="mpi", OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")])))
-    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=540)
-    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    # this file as a script on 2 ranks (RINGPIPE_BACKEND=mpi), in the 2-rank job of tests/mpi_ranks.py
+    run = mpi_jobs.run("pipeline")
     assert run.stdout.count("pipeline-mpi ok backend=mpi") == 2, run.stdout[-4000:]
-    return torch.load(out)
+    return torch.load(run.folder / "weights.pt")
 
 
 @pytest.mark.mpi

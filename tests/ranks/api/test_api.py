@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import runpy
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,7 +14,7 @@ import torch
 
 import ringpipe.api as hvd
 from ringpipe.comm import shutdown_world
-from ringpipe.launch import mpirun_command, spawn
+from ringpipe.launch import spawn
 
 HERE = Path(__file__).resolve().parents[2]  # tests/: the helper scripts and modules
 EXAMPLE = HERE.parent / "examples" / "horovod_mnist_style.py"
@@ -158,13 +156,10 @@ def mpi_main() -> None:
 
 
 @pytest.mark.mpi
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(600)
 @pytest.mark.skipif(not HAVE_MPI, reason="needs mpirun and mpi4py")
-def test_api_on_mpi():
-    cmd = mpirun_command(2, [sys.executable, "-c", "import ranks.api.test_api as t; t.mpi_main()"])
-    env = dict(os.environ, PYTHONPATH=str(HERE), OMP_NUM_THREADS="1")
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=110)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+def test_api_on_mpi(mpi_jobs):
+    out = mpi_jobs.run("api")  # mpi_main() above on 2 ranks
     assert out.stdout.count("api-checks ok") == 2
 
 
@@ -194,19 +189,17 @@ def test_example_runs_on_gloo(tmp_path, capfd):
 
 
 @pytest.mark.mpi
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(600)
 @pytest.mark.skipif(not HAVE_MPI, reason="needs mpirun and mpi4py")
-def test_example_runs_under_mpirun(tmp_path):
-    cmd = mpirun_command(2, [sys.executable, str(EXAMPLE), "--epochs", "2", "--fp16-allreduce"])
-    # RINGPIPE_TIMELINE, like HOROVOD_TIMELINE: shutdown() writes every rank's communication.
-    timeline = tmp_path / "timeline.json"
-    env = dict(os.environ, RINGPIPE_BACKEND="mpi", OMP_NUM_THREADS="1", RINGPIPE_TIMELINE=str(timeline))
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=110)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+def test_example_runs_under_mpirun(mpi_jobs):
+    # the example with --epochs 2 --fp16-allreduce and RINGPIPE_TIMELINE=<its folder>/timeline.json:
+    # like HOROVOD_TIMELINE, shutdown() writes every rank's communication
+    out = mpi_jobs.run("example")
+    timeline = out.folder / "timeline.json"
     assert "(ranks: 2)" in out.stdout and len(_accuracies(out.stdout)) == 2
     spans = [e for e in json.loads(timeline.read_text())["traceEvents"] if e["ph"] == "X"]
     assert {e["pid"] for e in spans} == {0, 1} and any(e["name"] == "allreduce" for e in spans)
-    assert (tmp_path / "timeline.events.json").exists()
+    assert (out.folder / "timeline.events.json").exists()
 
 
 @pytest.mark.cuda

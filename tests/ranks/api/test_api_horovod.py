@@ -10,10 +10,7 @@ truncation when an integer buffer is scaled.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 
@@ -21,7 +18,6 @@ import pytest
 import torch
 
 import ringpipe as hvd
-from ringpipe.launch import mpirun_command
 
 HERE = Path(__file__).resolve().parents[2]  # tests/: the helper scripts and modules
 HAVE_MPI = shutil.which("mpirun") is not None and __import__("importlib").util.find_spec("mpi4py") is not None
@@ -476,28 +472,22 @@ def test_every_dtype_through_the_collectives_on_sets_over_gloo(worlds, nprocs):
 
 
 @pytest.mark.mpi
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(600)
 @pytest.mark.skipif(not HAVE_MPI, reason="needs mpirun and mpi4py")
-def test_every_dtype_through_the_collectives_on_sets_over_mpi(tmp_path):
-    cmd = mpirun_command(3, [sys.executable, str(HERE / "scripts" / "hvd_dtypes.py")])
-    env = dict(os.environ, RINGPIPE_BACKEND="mpi", PYTHONPATH=str(HERE), OMP_NUM_THREADS="1", CASES_DIR=str(tmp_path))
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=170)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)] == [[]] * 3
+def test_every_dtype_through_the_collectives_on_sets_over_mpi(mpi_jobs):
+    out = mpi_jobs.run("hvd_dtypes")  # scripts/hvd_dtypes.py on 3 ranks, CASES_DIR its folder
+    assert [json.loads((out.folder / f"rank{r}.json").read_text()) for r in range(3)] == [[]] * 3
 
 
 @pytest.mark.mpi
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(600)
 @pytest.mark.skipif(not HAVE_MPI, reason="needs mpirun and mpi4py")
-def test_init_on_an_mpi4py_communicator_as_horovod(tmp_path):
+def test_init_on_an_mpi4py_communicator_as_horovod(mpi_jobs):
     """Horovod's ``init(comm=...)`` with an mpi4py communicator (its docs' mpi4py example): the world
     is the communicator's members, local and cross ranks among them; process sets may be mpi4py
     communicators too; a gloo backend with an MPI communicator is refused on every rank."""
-    cmd = mpirun_command(3, [sys.executable, str(HERE / "scripts" / "hvd_mpi_comm.py"), str(tmp_path)])
-    env = dict(os.environ, RINGPIPE_BACKEND="mpi", OMP_NUM_THREADS="1")
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=170)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)]
+    out = mpi_jobs.run("hvd_mpi_comm")  # scripts/hvd_mpi_comm.py FOLDER on 3 ranks
+    got = [json.loads((out.folder / f"rank{r}.json").read_text()) for r in range(3)]
     parts = {0: [0, 2], 1: [1], 2: [0, 2]}  # world rank -> the world ranks of its part (Split by parity)
     for w, o in enumerate(got):
         members = parts[w]

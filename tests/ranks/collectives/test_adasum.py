@@ -15,19 +15,15 @@ same checks over the MPI backend.
 from __future__ import annotations
 
 import importlib.util
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 import ringpipe.collectives as C
-from ringpipe.comm.base import CommError
 from ringpipe.check.call import InvalidCallError, MismatchError
-from ringpipe.launch import mpirun_command
+from ringpipe.comm.base import CommError
 
 HERE = Path(__file__).resolve()
 HAVE_MPI = shutil.which("mpirun") is not None and importlib.util.find_spec("mpi4py") is not None
@@ -253,13 +249,10 @@ def test_non_power_of_two_ranks_raise_horovods_error_on_every_rank(worlds):
 
 
 @pytest.mark.mpi
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 @pytest.mark.skipif(not HAVE_MPI, reason="needs mpirun and mpi4py")
-def test_adasum_equals_the_reference_over_mpi_on_four_ranks():
-    cmd = mpirun_command(4, [sys.executable, str(HERE)])  # --oversubscribe where cores are fewer
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE.parent))
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=280, env=env)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+def test_adasum_equals_the_reference_over_mpi_on_four_ranks(mpi_jobs):
+    out = mpi_jobs.run("adasum")  # this file as a script on 4 ranks (--oversubscribe where cores are fewer)
     assert out.stdout.count("adasum-mpi ok") == 4, out.stdout[-3000:]
 
 

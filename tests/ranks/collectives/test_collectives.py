@@ -22,13 +22,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ringpipe.collectives as C
+from ringpipe.check.call import (
+    ALGORITHM_CODES,
+    COLLECTIVES,
+    CallInfo,
+    MismatchError,
+    mismatch_message,
+)
+from ringpipe.check.call import DTYPES as HEADER_DTYPES
+from ringpipe.check.doubling_exchange import HEADER_BYTES, TEXT_BYTES, HeaderState
 from ringpipe.collectives.common import DATA_TAG, MAX_CHUNKS, Ctx, doubling_steps, segments
 from ringpipe.collectives.tree import tree_links
 from ringpipe.comm import ReduceOp, default_log
-from ringpipe.check.call import ALGORITHM_CODES, COLLECTIVES, CallInfo, MismatchError, mismatch_message
-from ringpipe.check.doubling_exchange import HEADER_BYTES, TEXT_BYTES, HeaderState
-from ringpipe.check.call import DTYPES as HEADER_DTYPES
-from ringpipe.launch import mpirun_command, spawn
+from ringpipe.launch import spawn
 
 HERE = Path(__file__).resolve()
 HAVE_MPI = shutil.which("mpirun") is not None and importlib.util.find_spec("mpi4py") is not None
@@ -927,14 +933,11 @@ def _port() -> int:
 
 
 @pytest.mark.mpi
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(600)
 @pytest.mark.skipif(not HAVE_MPI, reason="needs mpirun and mpi4py")
 @pytest.mark.parametrize("nprocs", [2, 3, 4])
-def test_equal_to_native_over_mpi(nprocs):
-    cmd = mpirun_command(nprocs, [sys.executable, str(HERE)])
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE.parent))
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=140, env=env)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+def test_equal_to_native_over_mpi(mpi_jobs, nprocs):
+    out = mpi_jobs.run(f"collectives-{nprocs}")  # this file as a script, in the job of its world size
     assert out.stdout.count("collectives-mpi ok") == nprocs
     assert out.stdout.count("mismatch caught") == nprocs
 

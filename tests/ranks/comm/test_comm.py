@@ -1,16 +1,13 @@
 """Communicators with real processes: every operation against a local reference, gloo and MPI."""
 
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from ringpipe.comm import CommError, comm_stats, default_log, init_world
-from ringpipe.launch import mpirun_command, spawn
+from ringpipe.launch import spawn
 from scripts.comm_checks import check_all
 
 HERE = Path(__file__).resolve().parents[2]  # tests/: the helper scripts and modules
@@ -25,14 +22,11 @@ def test_gloo_every_operation(worlds, nprocs):
 
 
 @pytest.mark.mpi
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(600)
 @pytest.mark.skipif(not HAVE_MPI, reason="needs mpirun and mpi4py")
 @pytest.mark.parametrize("nprocs", [2, 3])
-def test_mpi_every_operation(nprocs):
-    cmd = mpirun_command(nprocs, [sys.executable, str(HERE / "scripts" / "comm_checks.py")])
-    env = dict(os.environ, RINGPIPE_BACKEND="mpi", PYTHONPATH=str(HERE))
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=110)
-    assert out.returncode == 0, out.stdout + out.stderr
+def test_mpi_every_operation(mpi_jobs, nprocs):
+    out = mpi_jobs.run(f"comm-{nprocs}")  # scripts/comm_checks.py with RINGPIPE_BACKEND=mpi
     assert out.stdout.count("comm-checks ok") == nprocs
     assert "launcher=openmpi" in out.stdout
 

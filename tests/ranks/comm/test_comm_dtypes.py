@@ -19,16 +19,11 @@ the same checks over the MPI backend.
 from __future__ import annotations
 
 import importlib.util
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-
-from ringpipe.launch import mpirun_command
 
 HERE = Path(__file__).resolve()
 HAVE_MPI = shutil.which("mpirun") is not None and importlib.util.find_spec("mpi4py") is not None
@@ -163,13 +158,10 @@ def test_every_dtype_every_operation_over_gloo(worlds, nprocs):
 
 
 @pytest.mark.mpi
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 @pytest.mark.skipif(not HAVE_MPI, reason="needs mpirun and mpi4py")
-def test_every_dtype_every_operation_over_mpi():
-    cmd = mpirun_command(2, [sys.executable, str(HERE)])
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE.parent))
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=280, env=env)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+def test_every_dtype_every_operation_over_mpi(mpi_jobs):
+    out = mpi_jobs.run("comm_dtypes")  # this file as a script on 2 ranks
     assert out.stdout.count("comm-dtypes-mpi ok") == 2, out.stdout[-3000:]
 
 

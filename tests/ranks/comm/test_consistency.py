@@ -8,17 +8,13 @@ passed, and the next collective works.
 """
 
 import json
-import os
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from ringpipe.launch import mpirun_command
 from scripts.consistency_cases import CASES, PATHS, run_all
 
 HERE = Path(__file__).resolve().parents[2]  # tests/: the helper scripts and modules
@@ -63,16 +59,12 @@ def test_every_path_refuses_inconsistent_calls_over_gloo(worlds, nprocs):
     _check(results, nprocs)
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(600)
 @pytest.mark.mpi
 @pytest.mark.skipif(not HAVE_MPI, reason="needs mpirun and mpi4py")
-def test_every_path_refuses_inconsistent_calls_over_mpi(tmp_path):
-    cmd = mpirun_command(2, [sys.executable, str(HERE / "scripts" / "consistency_cases.py")])
-    env = dict(os.environ, RINGPIPE_BACKEND="mpi", PYTHONPATH=str(HERE), OMP_NUM_THREADS="1",
-               CASES_DIR=str(tmp_path))
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=220)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+def test_every_path_refuses_inconsistent_calls_over_mpi(mpi_jobs):
+    out = mpi_jobs.run("consistency")  # scripts/consistency_cases.py, CASES_DIR its folder
+    results = [json.loads((out.folder / f"rank{r}.json").read_text()) for r in range(2)]
     _check(results, 2)
 
 

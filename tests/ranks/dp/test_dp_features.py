@@ -5,14 +5,13 @@ from __future__ import annotations
 import os
 import pickle
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
+from ringpipe.core.errors import JoinError
 from ringpipe.dp import (
     DistributedOptimizer,
     DistributedSampler,
@@ -25,8 +24,6 @@ from ringpipe.dp import (
     save_checkpoint,
     scale_lr,
 )
-from ringpipe.core.errors import JoinError
-from ringpipe.launch import mpirun_command
 
 HERE = Path(__file__).resolve().parents[2]  # tests/: the helper scripts and modules
 HAVE_MPI = shutil.which("mpirun") is not None and __import__("importlib").util.find_spec("mpi4py") is not None
@@ -84,15 +81,11 @@ def mpi_broadcasts(out_dir: str) -> None:
 
 
 @pytest.mark.mpi
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(600)
 @pytest.mark.skipif(not HAVE_MPI, reason="needs mpirun and mpi4py")
-def test_broadcast_parameters_and_optimizer_state_on_mpi(tmp_path):
-    code = f"import ranks.dp.test_dp_features as t; t.mpi_broadcasts({str(tmp_path)!r})"
-    cmd = mpirun_command(2, [sys.executable, "-c", code])
-    env = dict(os.environ, PYTHONPATH=str(HERE), OMP_NUM_THREADS="1")
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=110)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    per_rank = [pickle.loads((tmp_path / f"rank{r}.pkl").read_bytes()) for r in range(2)]
+def test_broadcast_parameters_and_optimizer_state_on_mpi(mpi_jobs):
+    out = mpi_jobs.run("dp_features")  # its mpi entry point above on 2 ranks, writing into its folder
+    per_rank = [pickle.loads((out.folder / f"rank{r}.pkl").read_bytes()) for r in range(2)]
     for root in (0, 1):
         _check_broadcasts([per_rank[0][root], per_rank[1][root]])
 

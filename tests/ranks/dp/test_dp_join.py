@@ -5,8 +5,6 @@ from __future__ import annotations
 import os
 import pickle
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,7 +12,6 @@ import torch
 from torch import nn
 
 from ringpipe.dp import DistributedOptimizer, join
-from ringpipe.launch import mpirun_command
 
 HERE = Path(__file__).resolve().parents[2]  # tests/: the helper scripts and modules
 HAVE_MPI = shutil.which("mpirun") is not None and __import__("importlib").util.find_spec("mpi4py") is not None
@@ -330,15 +327,11 @@ def mpi_main(out_dir: str) -> None:
 
 
 @pytest.mark.mpi
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(600)
 @pytest.mark.skipif(not HAVE_MPI, reason="needs mpirun and mpi4py")
-def test_join_on_mpi(tmp_path):
-    code = f"import ranks.dp.test_dp_join as t; t.mpi_main({str(tmp_path)!r})"
-    cmd = mpirun_command(2, [sys.executable, "-c", code])
-    env = dict(os.environ, PYTHONPATH=str(HERE), OMP_NUM_THREADS="1")
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=110)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    per_rank = [pickle.loads((tmp_path / f"rank{r}.pkl").read_bytes()) for r in range(2)]
+def test_join_on_mpi(mpi_jobs):
+    out = mpi_jobs.run("dp_join")  # its mpi entry point above on 2 ranks, writing into its folder
+    per_rank = [pickle.loads((out.folder / f"rank{r}.pkl").read_bytes()) for r in range(2)]
     _check_schedule([r["schedule"] for r in per_rank], MPI_BATCHES, "step")
     _check_syncbn_and_metrics([r["syncbn"] for r in per_rank], MPI_BATCHES)
     _check_unservable([r["unservable"] for r in per_rank], "broadcast")
@@ -351,8 +344,8 @@ def _settle_while_another_thread_reads(comm):
     import threading
     import time
 
-    from ringpipe.comm.base import Work
     from ringpipe.check.announcement import settle, start_exchange
+    from ringpipe.comm.base import Work
 
     seen = []
     wire = torch.ones(8)
