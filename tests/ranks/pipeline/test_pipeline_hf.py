@@ -7,6 +7,10 @@ the summation order of the micro-batch gradients differs), and the copies of a t
 must be bit-identical on the stages holding them after every step. Dropout is 0 so that the
 one-process reference needs no per-stage seeding; dropout under the split is covered in
 tests/unit/pipeline/test_tracing.py.
+
+The runs are folded into one check per world size (``hf_runs``): 2 ranks run every 2-stage job,
+4 ranks the 4-stage ones (marked ``slow``: in the e2e run, as ``torch.export`` of each model on
+4 ranks sharing 2 cores is the inner loop's largest cost); each test asserts on its own job.
 """
 
 import copy
