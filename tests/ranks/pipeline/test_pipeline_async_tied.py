@@ -16,6 +16,11 @@ messages allow. It follows docs/pipelines.md ("Tied weights") and PipeDream's de
 - **stale**: a stage's forward uses its weights current then; the backward reads the weights
   current at backward time with the forward's activations.
 - **ws** (weight stashing): the backward runs on exactly the weights the forward used.
+- **wp** (weight prediction, SpecTrain-style msnag; FTPipe's aggmsnag with ``step_every`` > 1): a
+  micro-batch of staleness ``d`` runs its forward on the stage's weights predicted ``d`` SGD steps
+  ahead with future gradients 0 (aggmsnag: the first predicted step adds the gradient the stage
+  has accumulated so far in its step, for ``E`` the holder's own, as the others' are not known
+  yet); without ``ws`` the backward reads the current weights, with ``ws`` the predicted ones.
 - **tied weight**: each holder's ``k``-th optimizer step uses the sum of the holders'
   ``k``-th-step gradients of ``E`` (a holder waits for the others' ``k``-th gradient); each
   holder steps its own copy with its own momentum buffer.
