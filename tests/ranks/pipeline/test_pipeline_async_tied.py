@@ -163,7 +163,7 @@ def predict(theta, v, g0, horizon):
     return th
 
 
-def oracle(stages: int, ws: bool, k: int, data, wp: bool = False):
+def oracle(stages: int, ws: bool, k: int, data, wp: bool = False, ga: bool = False):
     """Each stage's final weights (its own copy of ``E`` included) and the loss of each batch."""
     model = TiedNet()
     layers = stage_layers(stages)
@@ -179,6 +179,12 @@ def oracle(stages: int, ws: bool, k: int, data, wp: bool = False):
     mom = [dict.fromkeys(ws_, None) for ws_ in w]
     steps = [0] * stages
     tied_grads = [{} for _ in range(stages)]  # holder -> step index -> its E gradient of that step
+    after_policy = [{} for _ in range(stages)]  # holder -> step index -> its E gradient after Gap Aware
+    ga_on = set(range(stages - 1)) if ga else set()  # Gap Aware on every stage but the last
+    ga_stat = [{n: torch.zeros_like(t) for n, t in mine.items()} for mine in w]
+    ga_n = [0] * stages
+    gaps = [None] * stages
+    stale_in_step = [False] * stages
     losses = []
     for x, y in data:
         xs, ys = x.tensor_split(MICRO), y.tensor_split(MICRO)
@@ -219,6 +225,11 @@ def oracle(stages: int, ws: bool, k: int, data, wp: bool = False):
                         continue
                     saved, w_fwd = kept[s].pop(j)
                     g, dx = backward(layers[s], w_fwd if ws else w[s], saved, dacts[(s, j)])
+                    if stale_by[s][j] > 0:
+                        stale_in_step[s] = True
+                        if s in ga_on:  # the gap: how far the weights moved since the forward, largest in the step
+                            gap = {n: (w[s][n] - w_fwd[n]).abs() for n in w[s]}
+                            gaps[s] = gap if gaps[s] is None else {n: torch.maximum(gaps[s][n], gap[n]) for n in gap}
                     for n in g:
                         acc[s][n] += g[n]
                     if s > 0:
@@ -230,10 +241,27 @@ def oracle(stages: int, ws: bool, k: int, data, wp: bool = False):
                         if any(n_step not in tied_grads[h] for h in holders):
                             progressed = True
                             continue
-                        acc[s]["E"] = sum(tied_grads[h][n_step] for h in holders)
+                    grads = dict(acc[s])
+                    if s in holders:
+                        grads["E"] = sum(tied_grads[h][n_step] for h in holders)
+                    if s in ga_on and stale_in_step[s] and ga_n[s] > 0:
+                        # Gap Aware (SGD): g / (1 + Gap/C) + lambda theta (1 - pen)/pen, C = eta (rms(v) + eps)
+                        for n in grads:
+                            c = LR * ((ga_stat[s][n] / (1 - 0.999 ** ga_n[s])).sqrt() + 1e-8)
+                            pen = 1 + gaps[s][n] / c
+                            grads[n] = grads[n] / pen + DECAY * w[s][n] * (1 - pen) / pen
+                    if s in holders and ga:  # every holder takes the first holder's gradient after the policy
+                        after_policy[s].setdefault(n_step, grads["E"])
+                        if n_step not in after_policy[holders[0]]:
+                            progressed = True
+                            continue
+                        grads["E"] = after_policy[holders[0]][n_step]
                     for n in w[s]:
-                        w[s][n], mom[s][n] = sgd(w[s][n], mom[s][n], acc[s][n])
+                        w[s][n], mom[s][n] = sgd(w[s][n], mom[s][n], grads[n])
                         acc[s][n] = torch.zeros_like(w[s][n])
+                        ga_stat[s][n] = 0.999 * ga_stat[s][n] + 0.001 * mom[s][n] * mom[s][n]
+                    ga_n[s] += 1
+                    gaps[s], stale_in_step[s] = None, False
                     steps[s] += 1
                 pc[s] += 1
                 progressed = True
@@ -242,9 +270,9 @@ def oracle(stages: int, ws: bool, k: int, data, wp: bool = False):
     return w, losses
 
 
-def oracle_state(stages, ws, k, data, wp=False):
+def oracle_state(stages, ws, k, data, wp=False, ga=False):
     """The oracle's weights under the model's names, per stage (``emb.weight`` for either copy of ``E``)."""
-    w, losses = oracle(stages, ws, k, data, wp)
+    w, losses = oracle(stages, ws, k, data, wp, ga)
     out = []
     for s, mine in enumerate(w):
         state = {}
@@ -262,7 +290,8 @@ def oracle_state(stages, ws, k, data, wp=False):
 
 TIED = {"head.weight": "emb.weight"}  # the tied weight's two names
 #: (mitigations, step_every)
-CASES = [("stale", 1), ("stale", 2), ("ws", 1), ("ws", 2), ("wp", 1), ("wp+ws", 1), ("wp", 2), ("wp+ws", 2)]
+CASES = [("stale", 1), ("stale", 2), ("ws", 1), ("ws", 2), ("wp", 1), ("wp+ws", 1), ("wp", 2), ("wp+ws", 2),
+         ("ws+ga", 1), ("ws+ga", 2), ("wp+ws+ga", 1)]
 
 
 def _train(comm, stages, cases, data):
@@ -288,7 +317,8 @@ def test_async_with_a_tied_weight_matches_the_oracle(worlds, stages):
     start = {n: v.detach() for n, v in TiedNet().state_dict().items()}
     bad = []
     for names, k in CASES:
-        want, want_losses = oracle_state(stages, "ws" in names.split("+"), k, data, "wp" in names.split("+"))
+        chosen = names.split("+")
+        want, want_losses = oracle_state(stages, "ws" in chosen, k, data, "wp" in chosen, "ga" in chosen)
         for s, rank_out in enumerate(results):
             state, losses, is_last = rank_out[(names, k)]
             # a holder lists its copy of E under one of its two names
