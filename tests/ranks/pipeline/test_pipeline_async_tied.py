@@ -21,9 +21,15 @@ messages allow. It follows docs/pipelines.md ("Tied weights") and PipeDream's de
   ahead with future gradients 0 (aggmsnag: the first predicted step adds the gradient the stage
   has accumulated so far in its step, for ``E`` the holder's own, as the others' are not known
   yet); without ``ws`` the backward reads the current weights, with ``ws`` the predicted ones.
+- **ga** (Gap Aware, Barkai, Hakimi, Schuster, ICLR 2020, with a stash; SGD): on every stage but
+  the last, on a step with a stale micro-batch once a step has been taken, ``g <- g / (1 + Gap/C)
+  + lambda theta (1 - pen)/pen`` elementwise, ``Gap`` the largest ``|theta_now - theta_used|``
+  over the step's stale micro-batches, ``C = eta (rms(v) + eps)`` with ``rms`` the bias-corrected
+  running mean (0.999) of ``v^2`` after each step.
 - **tied weight**: each holder's ``k``-th optimizer step uses the sum of the holders'
-  ``k``-th-step gradients of ``E`` (a holder waits for the others' ``k``-th gradient); each
-  holder steps its own copy with its own momentum buffer.
+  ``k``-th-step gradients of ``E`` (a holder waits for the others' ``k``-th gradient); with Gap
+  Aware every holder then takes the first holder's gradient after its rescaling; each holder
+  steps its own copy with its own momentum buffer.
 
 Every run must end with the oracle's weights on every stage (both copies of ``E`` included) and
 give the oracle's loss per batch, to 1e-10 in float64.
