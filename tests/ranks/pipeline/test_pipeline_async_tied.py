@@ -280,7 +280,7 @@ def oracle_state(stages, ws, k, data, wp=False, ga=False):
     """The oracle's weights under the model's names, per stage (``emb.weight`` for either copy of ``E``)."""
     w, losses = oracle(stages, ws, k, data, wp, ga)
     out = []
-    for s, mine in enumerate(w):
+    for mine in w:
         state = {}
         for n, t in mine.items():
             if n == "E":
@@ -335,9 +335,8 @@ def test_async_with_a_tied_weight_matches_the_oracle(worlds, stages):
                 moved = float((v - start[n]).abs().max())
                 if err > ATOL or moved < 1e-3:
                     bad.append(f"{names} step_every={k} stage {s} {n}: error {err:.3g}, moved {moved:.3g}")
-            if is_last:
-                if losses != pytest.approx(want_losses, abs=ATOL, rel=0):
-                    bad.append(f"{names} step_every={k} losses {losses} != {want_losses}")
+            if is_last and losses != pytest.approx(want_losses, abs=ATOL, rel=0):
+                bad.append(f"{names} step_every={k} losses {losses} != {want_losses}")
     assert not bad, "\n".join(bad)
 
 
