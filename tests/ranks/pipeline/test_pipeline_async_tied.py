@@ -340,8 +340,8 @@ def test_async_with_a_tied_weight_matches_the_oracle(worlds, stages):
     assert not bad, "\n".join(bad)
 
 
-def test_the_oracle_is_not_the_synchronous_pipeline_and_ws_matters():
-    """The oracle's runs are asynchronous (stale differs from ws on the first stage's two blocks)."""
+def test_the_oracle_tells_stale_from_ws_and_keeps_the_copies_equal():
+    """Stale and ws differ in the oracle (the first stage's two blocks), so the ws cases test the stash."""
     data = make_data()
     for stages in (2, 3):
         stale, _ = oracle(stages, False, 1, data)
