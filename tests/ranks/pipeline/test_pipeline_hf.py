@@ -176,7 +176,8 @@ def test_gpt2_async_keeps_the_tied_copies_equal(worlds):
     # The asynchronous rule: each holder's k-th optimizer step uses the sum of the holders' k-th step
     # gradients, so the copies stay bit-identical though their stages step at different times.
     # With a mitigation, the holders then take the first holder's gradient (Gap Aware rescales per stage).
-    # Checked here for the copies and finite losses; not against a one-process oracle.
+    # Checked here for the copies and finite losses; the whole run against a one-process oracle of the rule
+    # (stale and ws, on a small tied model): tests/ranks/pipeline/test_pipeline_async_tied.py.
     data = gpt2_data(4)
     configs = [("async_1f1b", 1, False), ("async_1f1b", 1, False, {"mitigations": "ws", "step_every": 2}),
                ("async_1f1b", 1, False, {"mitigations": "wp+ws+ga"})]
