@@ -47,10 +47,14 @@ from ringpipe.pipeline.channel import (
     GradSender,
     Meta,
 )
-from ringpipe.pipeline.recompute import microbatch_seed
-from ringpipe.pipeline.replicas import average_gradients, share_first_tied_gradients, sum_tied_gradients
-from ringpipe.pipeline.schedules import Action
 from ringpipe.pipeline.model_io import batch_to
+from ringpipe.pipeline.recompute import microbatch_seed
+from ringpipe.pipeline.replicas import (
+    average_gradients,
+    share_first_tied_gradients,
+    sum_tied_gradients,
+)
+from ringpipe.pipeline.schedules import Action
 from ringpipe.pipeline.stage import StageError, StageRuntime
 
 __all__ = ["ChunkedExecutor", "PipelineExecutor", "Ports", "RunResult", "TAG_STRIDE", "TaggedComm", "staleness_of"]
@@ -103,6 +107,19 @@ def staleness_of(actions: Sequence[Action]) -> dict[int, int]:
         else:
             out[a.mb] = steps - at_fwd[a.mb]
     return {mb: out.get(mb, 0) for mb in at_fwd}
+
+
+class TaggedComm:
+    """A view of a communicator whose point-to-point tags are shifted by ``offset``."""
+
+    def __init__(self, comm: Communicator, offset: int) -> None:
+        self.comm, self.offset = comm, offset
+
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Work:
+        return self.comm.isend(tensor, dst, tag + self.offset)
+
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Work:
+        return self.comm.irecv(tensor, src, tag + self.offset)
 
 
 @dataclass
@@ -400,15 +417,3 @@ class PipelineExecutor:
 #: The former name of the executor of chunked and split-backward schedules: now the one executor.
 ChunkedExecutor = PipelineExecutor
 
-
-class TaggedComm:
-    """A view of a communicator whose point-to-point tags are shifted by ``offset``."""
-
-    def __init__(self, comm: Communicator, offset: int) -> None:
-        self.comm, self.offset = comm, offset
-
-    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Work:
-        return self.comm.isend(tensor, dst, tag + self.offset)
-
-    def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Work:
-        return self.comm.irecv(tensor, src, tag + self.offset)

@@ -506,4 +506,5 @@ def SplitStageRuntime(*args: Any, **kwargs: Any) -> StageRuntime:  # noqa: N802 
     Kept under the name of the former subclass: the split backward is now an option of the one
     stage runtime.
     """
-    return StageRuntime(*args, split_backward=True, **kwargs)
+    kwargs["split_backward"] = True
+    return StageRuntime(*args, **kwargs)
