@@ -1,8 +1,13 @@
-"""Pipeline model parallelism: partitioning, schedules, stage runtime, recomputation, replicas."""
+"""Pipeline model parallelism: partitioning, schedules, stage runtime, recomputation, replicas.
+
+One executor (:class:`PipelineExecutor`) interprets every schedule's actions over one stage
+runtime class (:class:`StageRuntime`); ``ChunkedExecutor`` and ``SplitStageRuntime`` are the
+former names, kept: the first an alias of :class:`PipelineExecutor`, the second a
+:class:`StageRuntime` made with ``split_backward=True``.
+"""
 
 from ringpipe.pipeline.bubble import Timing, bubble_fraction, simulate_timing
-from ringpipe.pipeline.chunked import ChunkedExecutor
-from ringpipe.pipeline.executor import PipelineExecutor, RunResult, staleness_of
+from ringpipe.pipeline.executor import ChunkedExecutor, PipelineExecutor, RunResult, staleness_of
 from ringpipe.pipeline.partition import BalanceError, partition
 from ringpipe.pipeline.policy import WeightPolicy
 from ringpipe.pipeline.recompute import microbatch_seed, seeded
@@ -19,8 +24,7 @@ from ringpipe.pipeline.schedules import (
     validate_pipeline,
 )
 from ringpipe.pipeline.schedules_interleaved import interleaved_1f1b
-from ringpipe.pipeline.split_backward import SplitStageRuntime
-from ringpipe.pipeline.stage import StageError, StageRuntime
+from ringpipe.pipeline.stage import SplitStageRuntime, StageError, StageRuntime
 from ringpipe.pipeline.trainer import PipelineTrainer, split_microbatches
 from ringpipe.pipeline.zero_bubble import zb_h1, zb_h2
 

@@ -9,7 +9,7 @@ What a stage holds at the boundary between two of its actions is
 - the **activations** of every micro-batch in flight: autograd's saved tensors of its forward,
   its input and its outputs (only the input with recomputation). Where the backward is split
   (``zb_h1``, ``zb_h2``) ringpipe's ``B`` keeps the whole graph for ``W`` and adds the gradient
-  of each layer's output (the per-layer weight pass, :mod:`ringpipe.pipeline.split_backward`),
+  of each layer's output (the per-layer weight pass of the split backward, :mod:`ringpipe.pipeline.stage`),
   so a micro-batch holds more between its ``B`` and its ``W`` than before its ``B``;
 - the **weight stashes** of an asynchronous stage with weight stashing (one copy of the
   stage's parameters per weight version that a micro-batch in flight still has to backward

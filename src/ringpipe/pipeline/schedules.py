@@ -3,7 +3,7 @@
 A schedule says, for one stage, in which order it runs the forward (``F``) and backward (``B``)
 of each micro-batch and when it runs its optimizer step (``S``). It knows nothing about
 processes or tensors, so it can be printed, validated and tested without any communicator;
-the executors (:mod:`ringpipe.pipeline.executor`, :mod:`ringpipe.pipeline.chunked`) run them.
+the executor (:mod:`ringpipe.pipeline.executor`) runs them.
 Text form: ``"F0 F1 B0 B1 S"``. The actions, their text form and their extensions (model
 chunks, split backward) are in :mod:`ringpipe.pipeline.actions`; the checks and measures of
 action lists (validation, deadlock freedom, peak memory, staleness) in

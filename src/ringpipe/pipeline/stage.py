@@ -4,6 +4,29 @@ The stage knows nothing about communication: the executor hands it the received 
 gradients and sends what it returns. Weight-policy hooks (:class:`WeightPolicy`) are called
 around every forward and backward, and the replay of a recomputed forward happens after
 ``before_backward`` so that it uses the weights the policy chose for the backward.
+
+The backward is one pass (``backward``: schedules with ``B`` only) or, with ``split_backward``,
+two (zero-bubble schedules, :mod:`ringpipe.pipeline.zero_bubble`): ``backward_input`` (``B``)
+computes only the gradient of the stage input with ``torch.autograd.grad(outputs, inputs,
+grad_outputs, retain_graph=True)`` (what the previous stage waits for) and keeps the graph;
+``backward_weight`` (``W``) later accumulates the weight gradient into ``p.grad`` with
+``torch.autograd.backward(outputs, grad_outputs, inputs=params)`` and frees the graph. The sum
+of the two is the gradient one backward would give.
+
+**Per-layer weight pass.** When the stage is an ``nn.Sequential`` whose layers own disjoint
+parameters, ``B`` also asks autograd for the gradient at the output of every layer with
+parameters (the input-gradient pass computes those anyway, on its way to the stage input),
+and ``W`` back-propagates each of them into its own layer's parameters only: the weight pass
+then runs the weight-gradient operations and nothing else, as the paper intends. A
+micro-batch falls back to one weight pass over the whole kept graph (which walks the
+activation gradients between layers a second time, so ``B + W`` then costs more than one
+backward) when a layer's output was changed in place afterwards (``ReLU(inplace=True)`` after
+a linear layer: autograd's view of that tensor is then the later one), a layer ran twice or
+returned several tensors, or two layers share a parameter.
+
+**Recomputation with a split backward.** The forward keeps only its input; ``B`` replays it
+(same random state, normalisation statistics untouched) and keeps the replayed graph until
+``W``, so a micro-batch's activations live from its ``B`` to its ``W`` only.
 """
 
 from __future__ import annotations
@@ -21,7 +44,7 @@ from ringpipe.pipeline.policy import WeightPolicy
 from ringpipe.pipeline.recompute import RngState, disable_border_inplace, frozen_buffers, seeded
 from ringpipe.pipeline.values import BoundaryError, Packed, pack, unpack
 
-__all__ = ["StageError", "StageRuntime", "as_tensors", "stage_input", "loss_input", "live_weights", "renew_buffers"]
+__all__ = ["SplitStageRuntime", "StageError", "StageRuntime", "as_tensors", "stage_input", "loss_input", "live_weights", "renew_buffers"]
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 MetricsFn = Callable[[Any, Any], dict[str, float]]
@@ -183,6 +206,10 @@ class StageRuntime:
     ``live_weights``: without recomputation, keep the forward's graph under :func:`live_weights`
     so it survives in-place weight updates between a forward and its backward (asynchronous
     schedules) and the backward uses whatever weights the parameters hold then.
+
+    ``split_backward``: the stage also runs the two-pass backward of the module docstring
+    (``backward_input`` then ``backward_weight``; synchronous schedules only). ``backward``
+    stays available for micro-batches whose schedule has no ``W``.
     """
 
     def __init__(
@@ -196,6 +223,7 @@ class StageRuntime:
         policy: WeightPolicy | None = None,
         device: torch.device | None = None,
         live_weights: bool = False,
+        split_backward: bool = False,
     ) -> None:
         self.module = module
         self.live = live_weights and not recompute
@@ -216,11 +244,43 @@ class StageRuntime:
         self._submodules = list(module.modules())
         self._params = list(module.parameters())
         disable_border_inplace(module, stage)
+        self.split_backward = split_backward
+        # the split backward: what each micro-batch's W needs, and the per-layer weight pass's layers
+        self._pending: dict[int, _Pending] = {}
+        self._trainable = [p for p in self._params if p.requires_grad]
+        self._layers: list[tuple[nn.Module, list[nn.Parameter]]] = []
+        self._captured: list[tuple[int, Any, int]] | None = None
+        self._outputs: dict[int, list[tuple[int, Any, int]]] = {}
+        if split_backward:
+            self._hook_layers()
+
+    def _hook_layers(self) -> None:
+        """Capture each parameter-owning layer's output (the per-layer weight pass), when they own disjoint parameters."""
+        owned: list[int] = []
+        if isinstance(self.module, nn.Sequential):
+            for layer in self.module.children():
+                params = [p for p in layer.parameters() if p.requires_grad]
+                if params:
+                    self._layers.append((layer, params))
+                    owned += [id(p) for p in params]
+        if len(owned) == len(set(owned)) == len(self._trainable):
+            for index, (layer, _) in enumerate(self._layers):
+                layer.register_forward_hook(self._hook(index))
+        else:
+            self._layers = []  # shared or stray parameters: the whole-graph weight pass
+
+    def _hook(self, index: int) -> Any:
+        def capture(module: nn.Module, inputs: Any, output: Any) -> None:
+            if self._captured is not None and torch.is_grad_enabled():
+                version = output._version if isinstance(output, torch.Tensor) else -1
+                self._captured.append((index, output, version))
+
+        return capture
 
     @property
     def in_flight(self) -> int:
-        """Micro-batches forwarded and not yet backwarded (their activations are held)."""
-        return len(self._records)
+        """Micro-batches forwarded and not yet backwarded, or whose weight pass is still to run (their graph is held)."""
+        return len(self._records) + len(self._pending)
 
     # ------------------------------------------------------------------ forward
 
@@ -240,6 +300,7 @@ class StageRuntime:
         if mb in self._records:
             raise StageError(f"stage {self.stage}: micro-batch {mb} forwarded twice without backward")
         self.policy.before_forward(mb, staleness)
+        self._captured = [] if self._layers and not self.recompute else None
         try:
             rec = _Record(inputs=(), weight=weight, seed=seed)
             if self.recompute:
@@ -282,7 +343,10 @@ class StageRuntime:
                 else:
                     rec.outputs = tuple(t for t, g in zip(out.tensors, out.grads, strict=True) if g)
             self._records[mb] = rec
+            if self._captured is not None:
+                self._outputs[mb] = self._captured
         finally:
+            self._captured = None
             self.policy.after_forward(mb)
         return out.detached(), loss_val, metrics
 
@@ -345,7 +409,102 @@ class StageRuntime:
                 outputs = tuple(t for t, g in zip(out.tensors, rec.grads, strict=True) if g)
         return leaves, outputs, loss
 
+    # ------------------------------------------------------------------ split backward
+
+    def _layer_outputs(self, captured: list[tuple[int, Any, int]] | None) -> list[torch.Tensor] | None:
+        """Each layer's output, in layer order, when every one can carry its layer's weight pass."""
+        if not self._layers or captured is None or sorted(i for i, _, _ in captured) != list(range(len(self._layers))):
+            return None
+        outs: list[torch.Tensor] = [torch.empty(0)] * len(self._layers)
+        for index, out, version in captured:
+            if not isinstance(out, torch.Tensor) or not out.requires_grad or out._version != version:
+                return None
+            outs[index] = out
+        return outs
+
+    def backward_input(self, mb: int, grad_outputs: tuple[torch.Tensor, ...] | None = None) -> tuple[torch.Tensor, ...]:
+        """``B``: the gradients of micro-batch ``mb``'s differentiable inputs; what ``W`` needs is kept."""
+        if not self.split_backward:
+            raise StageError(f"stage {self.stage}: backward_input needs a runtime made with split_backward=True")
+        rec = self._records.pop(mb, None)
+        captured = self._outputs.pop(mb, None)
+        if rec is None:
+            raise StageError(f"stage {self.stage}: backward of micro-batch {mb} without its forward")
+        if mb in self._pending:
+            raise StageError(f"stage {self.stage}: backward of micro-batch {mb} twice before its weight pass")
+        self.policy.before_backward(mb)
+        if self.recompute and self._layers:
+            self._captured = []
+        try:
+            leaves, outputs, loss = self._graph(rec)
+        finally:
+            if self.recompute and self._layers:
+                captured, self._captured = self._captured, None
+        if self.is_last:
+            assert loss is not None
+            roots, grads = [loss], None
+        else:
+            if grad_outputs is None:
+                raise StageError(f"stage {self.stage}: backward of micro-batch {mb} needs output gradients")
+            pairs = [(o, g) for o, g in zip(outputs, grad_outputs, strict=True) if o.requires_grad]
+            roots, grads = [o for o, _ in pairs], [g for _, g in pairs]
+        wanted = [t for t in leaves if t.requires_grad]
+        layer_outs = self._layer_outputs(captured)
+        live = bool(roots) and any(r.requires_grad for r in roots)
+        got: tuple[torch.Tensor | None, ...] = ()
+        if live and (wanted or layer_outs):
+            got = torch.autograd.grad(roots, [*wanted, *(layer_outs or [])], grads, retain_graph=True,
+                                      allow_unused=True)
+        if layer_outs is not None:
+            per_layer = [(o, g, params) for o, g, (_, params) in
+                         zip(layer_outs, got[len(wanted):], self._layers, strict=True) if g is not None]
+            self._pending[mb] = _Pending(layers=per_layer)
+        else:
+            self._pending[mb] = _Pending(roots=roots if live else [], grads=grads)
+        if self.is_first:
+            return ()
+        by_leaf = {id(t): g for t, g in zip(wanted, got, strict=False)}
+        return tuple(
+            (by_leaf.get(id(t)) if by_leaf.get(id(t)) is not None else torch.zeros_like(t))  # type: ignore[misc]
+            for t in leaves if t.requires_grad
+        )
+
+    def backward_weight(self, mb: int) -> None:
+        """``W``: accumulate micro-batch ``mb``'s weight gradient into ``p.grad`` and free what was kept."""
+        pending = self._pending.pop(mb, None)
+        if pending is None:
+            raise StageError(f"stage {self.stage}: weight pass of micro-batch {mb} before its backward")
+        try:
+            if pending.layers is not None:
+                for out, grad, params in pending.layers:
+                    torch.autograd.backward([out], [grad], inputs=params)
+            elif self._trainable and pending.roots:
+                torch.autograd.backward(pending.roots, pending.grads, inputs=self._trainable)
+        finally:
+            self.policy.after_backward(mb)
+
     def clear(self) -> None:
         """Drop every micro-batch in flight (after an error), and the weight policy's state for them."""
+        self._pending.clear()
+        self._outputs.clear()
         self._records.clear()
         self.policy.clear()
+
+
+@dataclass
+class _Pending:
+    """What a micro-batch's weight pass needs: per layer (output, its gradient, parameters), or the whole graph."""
+
+    layers: list[tuple[torch.Tensor, torch.Tensor, list[nn.Parameter]]] | None = None
+    roots: list[torch.Tensor] | None = None
+    grads: list[torch.Tensor] | None = None
+
+
+def SplitStageRuntime(*args: Any, **kwargs: Any) -> StageRuntime:  # noqa: N802 (the former class's name)
+    """A :class:`StageRuntime` with ``split_backward=True`` (arguments as :class:`StageRuntime`).
+
+    Kept under the name of the former subclass: the split backward is now an option of the one
+    stage runtime.
+    """
+    kwargs["split_backward"] = True
+    return StageRuntime(*args, **kwargs)

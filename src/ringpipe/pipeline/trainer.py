@@ -34,7 +34,6 @@ import torch
 from torch import nn
 
 from ringpipe.comm.base import Communicator
-from ringpipe.pipeline.chunked import ChunkedExecutor
 from ringpipe.pipeline.executor import PipelineExecutor, RunResult
 from ringpipe.pipeline.microbatches import _batch_size, _run_lengths, split_microbatches
 from ringpipe.pipeline.partition import as_layers, partition
@@ -49,7 +48,6 @@ from ringpipe.pipeline.schedules import (
     get_schedule,
 )
 from ringpipe.pipeline.schedules_interleaved import interleaved_1f1b
-from ringpipe.pipeline.split_backward import SplitStageRuntime
 from ringpipe.pipeline.stage import LossFn, MetricsFn, StageRuntime
 from ringpipe.pipeline.tracing import split_model, tied_parameters
 
@@ -61,7 +59,7 @@ SCHEDULE_ALIASES = {
     "async": "async_1f1b", "pipedream": "async_1f1b", "pipedream_flush": "1f1b",
     "interleaved": "interleaved_1f1b", "zbh1": "zb_h1", "zero_bubble": "zb_h1", "zbh2": "zb_h2",
 }
-#: Schedules run by :class:`~ringpipe.pipeline.chunked.ChunkedExecutor` (model chunks, split backward).
+#: Schedules with model chunks or a split backward (one executor runs every schedule; these are synchronous).
 CHUNKED_SCHEDULES = frozenset({"interleaved_1f1b", "zb_h1", "zb_h2"})
 #: Schedules whose backward is split into an input-gradient and a weight-gradient pass.
 SPLIT_BACKWARD_SCHEDULES = frozenset({"zb_h1", "zb_h2"})
@@ -198,28 +196,17 @@ class PipelineTrainer:
         self.replica_comm = replica_group(comm, self.grid)
         self.tied = tied_groups(comm, self.grid, [(p, sorted(st)) for p, st in holders.values() if len(st) > 1])
         del holders
-        self.executor: PipelineExecutor | ChunkedExecutor
-        if self.chunked:
-            runtime_cls = SplitStageRuntime if self.schedule in SPLIT_BACKWARD_SCHEDULES else StageRuntime
-            total = num_parts
-            self.runtimes = [
-                runtime_cls(m, g, total, loss_fn if g == total - 1 else None, metrics_fn, recompute, self.policy, device)
-                for m, g in zip(chunk_modules, self.parts, strict=True)
-            ]
-            self.executor = ChunkedExecutor(
-                comm, self.runtimes, self.optimizer, num_stages, self.stage,
-                lambda s: self.grid.rank_of(s, self.grid.replica), self.scheduler, self.replica_comm, seed, device,
-                tied=self.tied,
-            )
-        else:
-            self.runtimes = [StageRuntime(
-                self.module, self.stage, num_stages, loss_fn if self.is_last else None, metrics_fn,
-                recompute, self.policy, device, live_weights=self.is_async,
-            )]
-            self.executor = PipelineExecutor(
-                comm, self.runtimes[0], self.optimizer, self.grid.prev_rank, self.grid.next_rank,
-                self.scheduler, self.replica_comm, seed, device, tied=self.tied, tied_after_policy=self.is_async,
-            )
+        split = self.schedule in SPLIT_BACKWARD_SCHEDULES
+        self.runtimes = [
+            StageRuntime(m, g, num_parts, loss_fn if g == num_parts - 1 else None, metrics_fn, recompute, self.policy,
+                         device, live_weights=self.is_async, split_backward=split)
+            for m, g in zip(chunk_modules, self.parts, strict=True)
+        ]
+        self.executor = PipelineExecutor(
+            comm, self.runtimes, self.optimizer, num_stages, self.stage,
+            lambda s: self.grid.rank_of(s, self.grid.replica), self.scheduler, self.replica_comm, seed, device,
+            tied=self.tied, tied_after_policy=self.is_async,
+        )
         self.runtime = self.runtimes[0]
         self.last_metrics: dict[str, float] = {}
         self._warned_uneven = False
@@ -454,7 +441,6 @@ class PipelineTrainer:
         x_chunks, y_chunks = self._split(inputs, targets)
         start, stop = self._streamed, self._streamed + m
         runs = _run_lengths(x_chunks) if x_chunks is not None else None
-        assert isinstance(self.executor, PipelineExecutor)  # the asynchronous schedule runs one chunk
         result = self.executor.run(
             async_1f1b_window(self.num_stages, self.stage, start, stop, k),
             inputs=(lambda i: x_chunks[i - start]) if x_chunks is not None else None,
@@ -475,7 +461,6 @@ class PipelineTrainer:
         """
         total, self._streamed = self._streamed, 0
         if total:
-            assert isinstance(self.executor, PipelineExecutor)
             self.executor.run(
                 async_1f1b_window(self.num_stages, self.stage, total, total, self.step_every, total=total),
                 staleness={},

@@ -229,7 +229,8 @@ def test_gpt2_async_keeps_the_tied_copies_equal(hf_runs):
     # The asynchronous rule: each holder's k-th optimizer step uses the sum of the holders' k-th step
     # gradients, so the copies stay bit-identical though their stages step at different times.
     # With a mitigation, the holders then take the first holder's gradient (Gap Aware rescales per stage).
-    # Checked here for the copies and finite losses; not against a one-process oracle.
+    # Checked here for the copies and finite losses; the whole run against a one-process oracle of the rule
+    # (stale and ws, on a small tied model): tests/ranks/pipeline/test_pipeline_async_tied.py.
     for rank_out in hf_runs(2)["async"]:
         for key, (_, losses, is_last, tied_equal, tied_names) in rank_out.items():
             assert [ALIAS.get(n, n) for n in tied_names] == ["transformer.wte.weight"], key
