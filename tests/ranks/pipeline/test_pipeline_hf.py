@@ -7,6 +7,10 @@ the summation order of the micro-batch gradients differs), and the copies of a t
 must be bit-identical on the stages holding them after every step. Dropout is 0 so that the
 one-process reference needs no per-stage seeding; dropout under the split is covered in
 tests/unit/pipeline/test_tracing.py.
+
+The runs are folded into one check per world size (``hf_runs``): 2 ranks run every 2-stage job,
+4 ranks the 4-stage ones (marked ``slow``: in the e2e run, as ``torch.export`` of each model on
+4 ranks sharing 2 cores is the inner loop's largest cost); each test asserts on its own job.
 """
 
 import copy
@@ -90,11 +94,26 @@ def one_process(model, data, microbatches, loss_fn):
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses
 
 
+_SPLITS: dict = {}  # per rank process: (model, split points) -> the traced split, never trained itself
+
+
+def _traced(which, points, sample):
+    """The split of a fresh ``which`` model at ``points``, traced once per rank process and reused.
+
+    Correct to share: the models are built from the same seed, so the weights are the same each
+    time, and every config trains a deep copy of the stages (the kept split is never stepped).
+    """
+    key = (which, tuple(points))
+    if key not in _SPLITS:
+        _SPLITS[key] = split_model((gpt2 if which == "gpt2" else bert)(), sample, points)
+    return _SPLITS[key]
+
+
 def _train(comm, which, points, configs, data, microbatches):
     """Per config (schedule, chunks, by_points): losses, the model's weights, tied copies equal after each step."""
     make, loss_fn = (gpt2, lm_loss) if which == "gpt2" else (bert, nn.functional.cross_entropy)
     sample = data[0][0]
-    split = split_model(make(), sample, points)  # traced once per rank; each config trains a fresh copy
+    split = _traced(which, points, sample)  # traced once per rank; each config trains a fresh copy
     out = {}
     for schedule, chunks, by_points, *options in configs:
         extra = dict(options[0]) if options else {}
@@ -135,54 +154,84 @@ def _check(results, ref_state, ref_losses, tied):
                 assert losses == pytest.approx(ref_losses, abs=ATOL), key
 
 
+def _jobs(comm, jobs):
+    """Every job of one world size in one check: ``{name: _train(comm, *args)}``."""
+    return {name: _train(comm, *args) for name, args in jobs.items()}
+
+
+def _per_job(results):
+    """``[{name: out}]`` per rank -> ``{name: [out per rank]}``."""
+    return {name: [r[name] for r in results] for name in results[0]}
+
+
 SYNC = [("seq", 1, False), ("gpipe", 1, False), ("1f1b", 1, True), ("zb_h1", 1, False), ("zb_h2", 1, False),
         ("1f1b", 1, False, {"recompute": True})]
+GPT2_POINTS = {"2stages": ["transformer.h.2"], "4stages": ["transformer.h.1", "transformer.h.2", "transformer.h.3"]}
+BERT_POINTS = {"2stages": ["bert.encoder.layer.2"],
+               "4stages": ["bert.encoder.layer.1", "bert.encoder.layer.2", "bert.encoder.layer.3"]}
+ASYNC = [("async_1f1b", 1, False), ("async_1f1b", 1, False, {"mitigations": "ws", "step_every": 2}),
+         ("async_1f1b", 1, False, {"mitigations": "wp+ws+ga"})]
+
+
+def _world_jobs(size):
+    """The runs on ``size`` ranks: every schedule of GPT-2 and BERT on ``size`` stages, and on 2 ranks
+    also GPT-2 interleaved (4 parts) and asynchronous."""
+    stages = f"{size}stages"
+    jobs = {"gpt2": ("gpt2", GPT2_POINTS[stages], list(SYNC), gpt2_data(3), 4),
+            "bert": ("bert", BERT_POINTS[stages], list(SYNC), bert_data(3), 4)}
+    if size == 2:
+        jobs["interleaved"] = ("gpt2", GPT2_POINTS["4stages"], [("interleaved_1f1b", 2, False)], gpt2_data(3), 4)
+        jobs["async"] = ("gpt2", GPT2_POINTS["2stages"], ASYNC, gpt2_data(4), 4)
+    return jobs
+
+
+@pytest.fixture(scope="module")
+def hf_runs(worlds):
+    """One check per world size, run the first time a test asks for it: ``runs(size)[job]`` is every rank's result."""
+    done = {}
+
+    def runs(size):
+        if size not in done:
+            done[size] = _per_job(worlds.spawn(_jobs, size, args=(_world_jobs(size),), timeout=290))
+        return done[size]
+
+    return runs
+
+
+SLOW_4 = pytest.mark.slow  # 4 ranks on 2 cores: the exhaustive part, in the e2e run
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("points", [["transformer.h.2"], ["transformer.h.1", "transformer.h.2", "transformer.h.3"]],
-                         ids=["2stages", "4stages"])
-def test_gpt2_every_schedule_matches_one_process(worlds, points):
-    data = gpt2_data(3)
-    ref_state, ref_losses = one_process(gpt2(), data, 4, lm_loss)
-    configs = list(SYNC)
-    results = worlds.spawn(_train, len(points) + 1, args=("gpt2", points, configs, data, 4))
-    _check(results, ref_state, ref_losses, ["transformer.wte.weight"])
+@pytest.mark.parametrize("stages", ["2stages", pytest.param("4stages", marks=SLOW_4)])
+def test_gpt2_every_schedule_matches_one_process(hf_runs, stages):
+    points = GPT2_POINTS[stages]
+    ref_state, ref_losses = one_process(gpt2(), gpt2_data(3), 4, lm_loss)
+    _check(hf_runs(len(points) + 1)["gpt2"], ref_state, ref_losses, ["transformer.wte.weight"])
 
 
 @pytest.mark.timeout(300)
-def test_gpt2_interleaved_matches_one_process(worlds):
+def test_gpt2_interleaved_matches_one_process(hf_runs):
     # 4 parts on 2 ranks: rank 0 holds parts 0 and 2, rank 1 parts 1 and 3 (the LM head, tied to part 0)
-    points = ["transformer.h.1", "transformer.h.2", "transformer.h.3"]
-    data = gpt2_data(3)
-    ref_state, ref_losses = one_process(gpt2(), data, 4, lm_loss)
-    results = worlds.spawn(_train, 2, args=("gpt2", points, [("interleaved_1f1b", 2, False)], data, 4))
-    _check(results, ref_state, ref_losses, ["transformer.wte.weight"])
+    ref_state, ref_losses = one_process(gpt2(), gpt2_data(3), 4, lm_loss)
+    _check(hf_runs(2)["interleaved"], ref_state, ref_losses, ["transformer.wte.weight"])
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("points", [["bert.encoder.layer.2"],
-                                    ["bert.encoder.layer.1", "bert.encoder.layer.2", "bert.encoder.layer.3"]],
-                         ids=["2stages", "4stages"])
-def test_bert_every_schedule_matches_one_process(worlds, points):
-    data = bert_data(3)
-    ref_state, ref_losses = one_process(bert(), data, 4, nn.functional.cross_entropy)
-    results = worlds.spawn(_train, len(points) + 1, args=("bert", points, list(SYNC), data, 4))
-    _check(results, ref_state, ref_losses, [])
+@pytest.mark.parametrize("stages", ["2stages", pytest.param("4stages", marks=SLOW_4)])
+def test_bert_every_schedule_matches_one_process(hf_runs, stages):
+    points = BERT_POINTS[stages]
+    ref_state, ref_losses = one_process(bert(), bert_data(3), 4, nn.functional.cross_entropy)
+    _check(hf_runs(len(points) + 1)["bert"], ref_state, ref_losses, [])
 
 
 @pytest.mark.timeout(300)
-def test_gpt2_async_keeps_the_tied_copies_equal(worlds):
+def test_gpt2_async_keeps_the_tied_copies_equal(hf_runs):
     # The asynchronous rule: each holder's k-th optimizer step uses the sum of the holders' k-th step
     # gradients, so the copies stay bit-identical though their stages step at different times.
     # With a mitigation, the holders then take the first holder's gradient (Gap Aware rescales per stage).
     # Checked here for the copies and finite losses; the whole run against a one-process oracle of the rule
     # (stale and ws, on a small tied model): tests/ranks/pipeline/test_pipeline_async_tied.py.
-    data = gpt2_data(4)
-    configs = [("async_1f1b", 1, False), ("async_1f1b", 1, False, {"mitigations": "ws", "step_every": 2}),
-               ("async_1f1b", 1, False, {"mitigations": "wp+ws+ga"})]
-    results = worlds.spawn(_train, 2, args=("gpt2", ["transformer.h.2"], configs, data, 4))
-    for rank_out in results:
+    for rank_out in hf_runs(2)["async"]:
         for key, (_, losses, is_last, tied_equal, tied_names) in rank_out.items():
             assert [ALIAS.get(n, n) for n in tied_names] == ["transformer.wte.weight"], key
             assert all(tied_equal), (key, tied_equal)

@@ -25,9 +25,22 @@ def gpt2():
     return transformers.GPT2LMHeadModel(cfg)
 
 
+GPT2_POINTS = ["transformer.h.1", "transformer.h.2", "transformer.h.3"]
+
+
 @pytest.fixture(scope="module")
-def gpt2_split(gpt2):
-    return split_model(gpt2, torch.randint(0, 50, (4, 8)), ["transformer.h.1", "transformer.h.2", "transformer.h.3"])
+def gpt2_auto_split(gpt2):
+    """GPT-2 split in 4 without split points (traced once for the module: each trace exports the model twice)."""
+    return split_model(gpt2, torch.randint(0, 50, (2, 8)), num_stages=4)
+
+
+@pytest.fixture(scope="module")
+def gpt2_split(gpt2, gpt2_auto_split):
+    """GPT-2 split at its blocks 1, 2 and 3: the automatic split, once it chose exactly those points
+    (``test_without_split_points_...`` checks that it does; the same points give the same stages)."""
+    if gpt2_auto_split.split_points == GPT2_POINTS:
+        return gpt2_auto_split
+    return split_model(gpt2, torch.randint(0, 50, (4, 8)), GPT2_POINTS)
 
 
 def run(stages, x):
@@ -72,9 +85,8 @@ def test_gpt2_tied_weight_is_one_object_on_the_first_and_last_stage(gpt2, gpt2_s
     assert all(s.boundary_names for s in gpt2_split.stages[:-1])
 
 
-def test_without_split_points_the_blocks_are_balanced_by_parameters(gpt2):
-    split = split_model(gpt2, torch.randint(0, 50, (2, 8)), num_stages=4)
-    assert split.split_points == ["transformer.h.1", "transformer.h.2", "transformer.h.3"]
+def test_without_split_points_the_blocks_are_balanced_by_parameters(gpt2_auto_split):
+    assert gpt2_auto_split.split_points == GPT2_POINTS
 
 
 def test_bert_with_two_inputs_split_in_three():
