@@ -208,6 +208,18 @@ class ElasticDriver:
                 with contextlib.suppress(OSError):
                     worker.proc.stdin.close()
 
+    def retire(self, worker: Worker) -> None:
+        """Stop a leaving worker and wait for it (10 s, then SIGKILL), so that its slot can take a new one."""
+        self.stop_worker(worker)
+        try:
+            worker.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            worker.proc.kill()
+            worker.proc.wait()
+        if worker.relay is not None:
+            worker.relay.join(timeout=2)
+        del self.workers[worker.key]
+
     def stop_all(self) -> None:
         for worker in self.workers.values():
             self.stop_worker(worker)
@@ -231,6 +243,10 @@ class ElasticDriver:
             self.resets += 1
         version = self.version + 1
         members = {p.key for p in world}
+        for place in world:  # a slot whose worker was told to leave (its host removed, now back) gets a new one
+            old = self.workers.get(place.key)
+            if old is not None and old.leaving:
+                self.retire(old)
         added = [p for p in world if p.key not in self.workers or self.workers[p.key].proc.poll() is not None]
         for place in world:
             self.store.set(f"elastic/v{version}/{place.host}[{place.slot}]", json.dumps(place.env()))
