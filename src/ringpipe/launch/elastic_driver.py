@@ -162,13 +162,14 @@ class ElasticDriver:
         self.available = [(h, s) for h, s in found if s > 0 and not self.blacklist.blocked(h, now)]
 
     # ----------------------------------------------------------------------------- workers
-    def _env(self, place: SlotInfo, local: bool) -> dict[str, str]:
+    def _env(self, place: SlotInfo, local: bool, version: int) -> dict[str, str]:
         from ringpipe.launch import remote, runners
 
         addr = "127.0.0.1" if local else (runners.source_address(place.host) or "127.0.0.1")
         env = {
             "RINGPIPE_ELASTIC_DRIVER": f"{addr}:{self.port}",
             "RINGPIPE_ELASTIC_WORKER": f"{place.host}[{place.slot}]",
+            "RINGPIPE_ELASTIC_FIRST_VERSION": str(version),
             "RINGPIPE_BACKEND": self.opts.backend,
             "MASTER_ADDR": addr, "MASTER_PORT": str(self.port),
             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
@@ -179,11 +180,12 @@ class ElasticDriver:
             env = {**remote.forwarded_env(self.opts), **env, remote.STDIN_EOF: "1"}
         return env
 
-    def start_worker(self, place: SlotInfo) -> None:
+    def start_worker(self, place: SlotInfo, version: int) -> None:
+        """Start ``place``'s worker for world ``version`` (it joins no older one)."""
         from ringpipe.launch import remote
 
         local = is_local(place.host)
-        env = self._env(place, local)
+        env = self._env(place, local, version)
         command = [sys.executable, *self.opts.python, "-u", _BOOTSTRAP, *self.opts.program]
         if local:
             full = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "RINGPIPE_LAUNCH_"))}
@@ -257,7 +259,7 @@ class ElasticDriver:
         self.store.set(f"elastic/v{version}/added", "1" if added and self.version else "0")
         for place in added:  # a worker on a slot used before (a host back from the blacklist) waits anew
             self.store.delete_key(f"elastic/waiting/{place.host}[{place.slot}]")
-            self.start_worker(place)
+            self.start_worker(place, version)
         self.version, self.world = version, world
         # the running workers are told (the version number) once every new worker waits to join,
         # so that none of them waits in the rendezvous for an interpreter still starting
@@ -301,7 +303,7 @@ class ElasticDriver:
             worker.proc.wait()
             del self.workers[place.key]
             self.store.delete_key(f"elastic/waiting/{name}")
-            self.start_worker(place)
+            self.start_worker(place, self.version)
 
     def formed(self) -> bool:
         """Whether every member of the current world has made its process group."""

@@ -12,6 +12,7 @@ nothing may be left running on any host.
 """
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -71,8 +72,14 @@ def test_hosts_added_removed_and_lost_over_ssh(tmp_path):
         cmd = [*sh.client.prefix(), *HOROVODRUN, "-np", "1", "--min-np", "1", "--max-np", "2",
                "--host-discovery-script", str(discover), "-p", str(sh.port), "-i", sh.key,
                "python", str(SCRIPT), str(tmp_path), "ssh_hosts"]
-        proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=360)
-        out = proc.stdout + proc.stderr
+        proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)
+        try:
+            out, _ = proc.communicate(timeout=240)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, _ = proc.communicate()
+            pytest.fail(f"the job did not end within 240 s:\n{out[-6000:]}")
         left = _nothing_left(str(tmp_path))
     assert proc.returncode == 0, out[-6000:]
     assert left == [], left
