@@ -4,6 +4,8 @@ Same set-up as tests/e2e/faults/test_faults_elastic_driver.py (loopback addresse
 of this machine), with ``tests/scripts/elastic_train_tf.py``: Keras SGD with momentum on a Dense(1)
 from fixed weights, gradients averaged by ``DistributedGradientTape``. The final weights equal
 full-batch gradient descent with momentum written plainly here with numpy (``oracle``).
+``tests/scripts/elastic_fit_keras.py`` trains the same way through ``model.fit`` with Horovod's
+elastic Keras callbacks, one batch an epoch, and must end on the same weights.
 """
 
 import json
