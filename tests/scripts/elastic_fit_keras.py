@@ -22,7 +22,6 @@ import numpy as np
 
 import ringpipe.tensorflow.keras as hvd
 
-
 out_dir = sys.argv[1]
 EPOCHS = int(os.environ.get("ELASTIC_STEPS", "20"))
 PAUSE = float(os.environ.get("ELASTIC_PAUSE", "0.1"))
