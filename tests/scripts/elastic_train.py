@@ -13,7 +13,10 @@ mean), a commit after every step, under ``@hvd.elastic.run``. The scenario acts 
 * ``cooldown``: the worker on 127.0.0.2 raises at step 3; the survivor waits for the host to come
   back from the blacklist;
 * ``all_fail``: every worker raises at step 3;
-* ``fail_each``: the worker on 127.0.0.1 raises at step 2, then the one on 127.0.0.2 at step 4.
+* ``fail_each``: the worker on 127.0.0.1 raises at step 2, then the one on 127.0.0.2 at step 4;
+* ``ssh_hosts``: two hosts named by ``ELASTIC_HOSTS`` (``A B``, reached over ssh); the job starts on
+  A alone. Rank 0 adds B at step 2 (1 -> 2 workers), removes it at step 5 (2 -> 1), adds it again
+  at step 8 (1 -> 2), and B's worker is SIGKILLed at step 11: B is lost and the job ends on A.
 
 Each failure happens once (a marker file in OUT_DIR). Every rank prints ``step S rank R size N
 host H`` before each step; rank 0 saves the final parameters to ``OUT_DIR/final.pt``.
@@ -57,6 +60,7 @@ g = torch.Generator().manual_seed(1)
 X = torch.randn(12, 4, generator=g)
 y = X @ torch.tensor([[1.0], [-2.0], [0.5], [3.0]])
 host = os.environ["HOROVOD_HOSTNAME"]
+HOSTS = os.environ.get("ELASTIC_HOSTS", "").split()
 resets = []
 
 
@@ -99,6 +103,18 @@ def act(step, state):
             raise ValueError("injected failure on 127.0.0.1")
         if step == 4 and host == "127.0.0.2" and once("fail-2"):
             raise ValueError("injected failure on 127.0.0.2")
+    elif scenario == "ssh_hosts":
+        a, b = HOSTS
+        if size == 1 and step in (2, 8):
+            if rank == 0 and once(f"add-{step}"):
+                write_hosts([f"{a}:1", f"{b}:1"])
+            hold(state)  # until B's new worker joined
+        elif size == 2 and step == 5:
+            if rank == 0 and once("remove"):
+                write_hosts([f"{a}:1"])
+            hold(state)  # until B's worker left
+        elif size == 2 and step == 11 and host == b and once("lose"):
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 @hvd.elastic.run

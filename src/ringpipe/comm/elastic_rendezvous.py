@@ -28,13 +28,15 @@ import os
 import time
 from typing import Any
 
-__all__ = ["DRIVER", "WORKER", "active", "driver_store", "join", "hosts_updated", "joined_version",
+__all__ = ["DRIVER", "WORKER", "FIRST_VERSION", "active", "driver_store", "join", "hosts_updated", "joined_version",
            "mark_ready", "prefix"]
 
 #: ``addr:port`` of the elastic driver's store (set by the driver for each worker).
 DRIVER = "RINGPIPE_ELASTIC_DRIVER"
 #: This worker's name in the driver's records (``host[slot]``).
 WORKER = "RINGPIPE_ELASTIC_WORKER"
+#: Set by the driver: the world a new worker was started for.
+FIRST_VERSION = "RINGPIPE_ELASTIC_FIRST_VERSION"
 
 _STORE: list[Any] = []
 _JOINED = [0]
@@ -74,13 +76,16 @@ def join(poll_s: float = 0.05) -> int:
     """Wait for a world newer than the last joined, take this worker's place in it; its version.
 
     A worker without a place in the newest world (its host was removed) ends here, with status 0.
+    A new worker joins no world older than the one it was started for (``FIRST_VERSION``): an
+    older world may say ``leave`` for its slot, meant for the worker it replaces.
     """
     store = driver_store()
     me = os.environ[WORKER]
     store.set(f"elastic/waiting/{me}", "1")  # the driver tells the running workers once the new ones wait
+    oldest = max(_JOINED[0] + 1, int(os.environ.get(FIRST_VERSION, "1") or 1))
     while True:
         version = _version(store)
-        if version > _JOINED[0]:
+        if version >= oldest:
             key = f"elastic/v{version}/{me}"
             if store.check([key]):
                 place = store.get(key).decode()

@@ -341,12 +341,33 @@ def run_program(program: Sequence[str]) -> int:
     return code
 
 
+def _pick_gloo_interface(driver_addr: str) -> None:
+    """An elastic worker on another host: Gloo binds to the interface of the route to the driver.
+
+    Gloo otherwise binds to the address its hostname resolves to, which on many hosts is none or
+    the loopback, and the other hosts' workers could not reach it (the fixed-size launch picks the
+    route to node 0 the same way). ``GLOO_SOCKET_IFNAME`` (``--network-interface``) wins.
+    """
+    import subprocess
+
+    if os.environ.get("GLOO_SOCKET_IFNAME"):
+        return
+    try:
+        out = subprocess.run(["ip", "-o", "route", "get", driver_addr], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return
+    words = out.stdout.split()
+    if "dev" in words and words.index("dev") + 1 < len(words) and words[words.index("dev") + 1] != "lo":
+        os.environ["GLOO_SOCKET_IFNAME"] = words[words.index("dev") + 1]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``bootstrap.py PROGRAM...``: the rank's whole life (see the module's docstring)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     die_with_parent()
     if os.environ.get("RINGPIPE_ELASTIC_DRIVER") and os.environ.pop("RINGPIPE_LAUNCH_END_ON_EOF", None):
         _end_on_stdin_eof()  # an elastic worker started over ssh: it ends when the driver's ssh ends
+        _pick_gloo_interface(os.environ["RINGPIPE_ELASTIC_DRIVER"].rpartition(":")[0])
     os.environ.update(rank_environment(os.environ))
     launch_dir = os.environ.get(LAUNCH_DIR)
     if launch_dir and os.environ.get("RINGPIPE_LAUNCH_SLOTS") == "local":

@@ -162,13 +162,14 @@ class ElasticDriver:
         self.available = [(h, s) for h, s in found if s > 0 and not self.blacklist.blocked(h, now)]
 
     # ----------------------------------------------------------------------------- workers
-    def _env(self, place: SlotInfo, local: bool) -> dict[str, str]:
+    def _env(self, place: SlotInfo, local: bool, version: int) -> dict[str, str]:
         from ringpipe.launch import remote, runners
 
         addr = "127.0.0.1" if local else (runners.source_address(place.host) or "127.0.0.1")
         env = {
             "RINGPIPE_ELASTIC_DRIVER": f"{addr}:{self.port}",
             "RINGPIPE_ELASTIC_WORKER": f"{place.host}[{place.slot}]",
+            "RINGPIPE_ELASTIC_FIRST_VERSION": str(version),
             "RINGPIPE_BACKEND": self.opts.backend,
             "MASTER_ADDR": addr, "MASTER_PORT": str(self.port),
             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
@@ -179,11 +180,12 @@ class ElasticDriver:
             env = {**remote.forwarded_env(self.opts), **env, remote.STDIN_EOF: "1"}
         return env
 
-    def start_worker(self, place: SlotInfo) -> None:
+    def start_worker(self, place: SlotInfo, version: int) -> None:
+        """Start ``place``'s worker for world ``version`` (it joins no older one)."""
         from ringpipe.launch import remote
 
         local = is_local(place.host)
-        env = self._env(place, local)
+        env = self._env(place, local, version)
         command = [sys.executable, *self.opts.python, "-u", _BOOTSTRAP, *self.opts.program]
         if local:
             full = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "RINGPIPE_LAUNCH_"))}
@@ -208,6 +210,18 @@ class ElasticDriver:
                 with contextlib.suppress(OSError):
                     worker.proc.stdin.close()
 
+    def retire(self, worker: Worker) -> None:
+        """Stop a leaving worker and wait for it (10 s, then SIGKILL), so that its slot can take a new one."""
+        self.stop_worker(worker)
+        try:
+            worker.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            worker.proc.kill()
+            worker.proc.wait()
+        if worker.relay is not None:
+            worker.relay.join(timeout=2)
+        del self.workers[worker.key]
+
     def stop_all(self) -> None:
         for worker in self.workers.values():
             self.stop_worker(worker)
@@ -231,6 +245,10 @@ class ElasticDriver:
             self.resets += 1
         version = self.version + 1
         members = {p.key for p in world}
+        for place in world:  # a slot whose worker was told to leave (its host removed, now back) gets a new one
+            old = self.workers.get(place.key)
+            if old is not None and old.leaving:
+                self.retire(old)
         added = [p for p in world if p.key not in self.workers or self.workers[p.key].proc.poll() is not None]
         for place in world:
             self.store.set(f"elastic/v{version}/{place.host}[{place.slot}]", json.dumps(place.env()))
@@ -241,7 +259,7 @@ class ElasticDriver:
         self.store.set(f"elastic/v{version}/added", "1" if added and self.version else "0")
         for place in added:  # a worker on a slot used before (a host back from the blacklist) waits anew
             self.store.delete_key(f"elastic/waiting/{place.host}[{place.slot}]")
-            self.start_worker(place)
+            self.start_worker(place, version)
         self.version, self.world = version, world
         # the running workers are told (the version number) once every new worker waits to join,
         # so that none of them waits in the rendezvous for an interpreter still starting
@@ -285,7 +303,7 @@ class ElasticDriver:
             worker.proc.wait()
             del self.workers[place.key]
             self.store.delete_key(f"elastic/waiting/{name}")
-            self.start_worker(place)
+            self.start_worker(place, self.version)
 
     def formed(self) -> bool:
         """Whether every member of the current world has made its process group."""

@@ -112,11 +112,13 @@ def mpi_usable() -> bool:
 
 
 def _other_hosts(args: list[str]) -> bool:
-    """Whether the launch arguments name a host other than this machine (unreadable lists: no)."""
+    """Whether the launch arguments name, or may name, a host other than this machine (unreadable lists: no)."""
     from ringpipe.launch.hosts import HostsError, is_local, parse_host_list, read_hostfile
 
     for flag, value in zip(args, args[1:], strict=False):
         try:
+            if flag == "--host-discovery-script":  # it may name other hosts at any time
+                return True
             if flag == "-H":
                 return any(not is_local(h.host) for h in parse_host_list(value))
             if flag == "--hostfile":

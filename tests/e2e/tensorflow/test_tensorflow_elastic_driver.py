@@ -4,6 +4,8 @@ Same set-up as tests/e2e/faults/test_faults_elastic_driver.py (loopback addresse
 of this machine), with ``tests/scripts/elastic_train_tf.py``: Keras SGD with momentum on a Dense(1)
 from fixed weights, gradients averaged by ``DistributedGradientTape``. The final weights equal
 full-batch gradient descent with momentum written plainly here with numpy (``oracle``).
+``tests/scripts/elastic_fit_keras.py`` trains the same way through ``model.fit`` with Horovod's
+elastic Keras callbacks, one batch an epoch, and must end on the same weights.
 """
 
 import json
@@ -18,6 +20,7 @@ import pytest
 pytest.importorskip("tensorflow")
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "elastic_train_tf.py"
+FIT_SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "elastic_fit_keras.py"
 HOROVODRUN = [sys.executable, "-m", "ringpipe.launch.horovodrun"]
 STEPS = 20
 
@@ -37,15 +40,15 @@ def oracle(steps=STEPS):
     return k, b
 
 
-def run_job(tmp_path, scenario, hosts, *flags):
+def run_job(tmp_path, scenario, hosts, *flags, script=SCRIPT):
     (tmp_path / "hosts").write_text("\n".join(hosts) + "\n")
     discover = tmp_path / "discover.sh"
     discover.write_text(f"#!/bin/sh\ncat {tmp_path / 'hosts'}\n")
     discover.chmod(0o755)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RINGPIPE_", "TORCHELASTIC_"))}
     env.update(OMP_NUM_THREADS="1", ELASTIC_STEPS=str(STEPS), ELASTIC_PAUSE="0.1", TF_CPP_MIN_LOG_LEVEL="2")
-    proc = subprocess.run([*HOROVODRUN, *flags, "--host-discovery-script", str(discover), "python", str(SCRIPT),
-                           str(tmp_path), scenario], capture_output=True, text=True, timeout=400, env=env)
+    proc = subprocess.run([*HOROVODRUN, *flags, "--host-discovery-script", str(discover), "python", str(script),
+                           str(tmp_path), *([scenario] if scenario else [])], capture_output=True, text=True, timeout=400, env=env)
     out = proc.stdout + proc.stderr
     left = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True).stdout.split()
     assert not left, f"workers outlived the job: {left}\n{out}"
@@ -83,4 +86,25 @@ def test_keras_state_through_hosts_added_then_removed(tmp_path):
     assert code == 0, out
     assert sizes == [2, 4, 2], out
     assert "done rank 0 size 2 host 127.0.0.3" in out, out
+    assert_oracle(final)
+
+
+@pytest.mark.timeout(450)
+def test_keras_model_fit_with_the_elastic_callbacks_through_a_raised_and_a_killed_worker(tmp_path):
+    """Horovod's Keras recipe: ``model.fit`` with ``KerasState`` and the commit / batch / epoch callbacks.
+
+    One batch an epoch, so an epoch is one step of the same full-batch descent as ``oracle``; the
+    workers on 127.0.0.2 (an exception) and 127.0.0.3 (SIGKILL) fail at the start of epochs 3 and 6,
+    and the survivor restores the commit made at the end of the epoch before.
+    """
+    code, out, sizes, final = run_job(tmp_path, None, ["127.0.0.1:1", "127.0.0.2:1", "127.0.0.3:1"],
+                                      "-np", "3", "--min-np", "1", script=FIT_SCRIPT)
+    assert code == 0, out
+    assert sizes == [3, 2, 1], out
+    assert "blacklisting host 127.0.0.2" in out and "blacklisting host 127.0.0.3" in out, out
+    # the epochs the survivor ran after each failure: the committed epoch count, not one more
+    assert "[127.0.0.1[0]]: step 3 rank 0 size 2 host 127.0.0.1" in out, out
+    assert "[127.0.0.1[0]]: step 6 rank 0 size 1 host 127.0.0.1" in out, out
+    assert final["epoch"] == STEPS
+    final["step"] = final.pop("epoch")
     assert_oracle(final)
