@@ -85,13 +85,13 @@ def replica_group(comm: Communicator, grid: PipelineGrid) -> Communicator | None
     return mine
 
 
-def average_gradients(params: Sequence[torch.nn.Parameter], comm: Communicator) -> None:
-    """Average ``p.grad`` over ``comm`` in one flat message (missing gradients count as zeros)."""
+def _reduce_gradients(params: Sequence[torch.nn.Parameter], comm: Communicator, op: str, name: str) -> None:
+    """Reduce ``p.grad`` over ``comm`` with ``op`` in one flat message (missing gradients count as zeros)."""
     if comm.size == 1 or not params:
         return
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
     flat = torch.cat([g.reshape(-1) for g in grads])
-    Engine.of(comm).run(lambda: comm.allreduce(flat, "average"), name="pipeline-replica-grads")
+    Engine.of(comm).run(lambda: comm.allreduce(flat, op), name=name)
     offset = 0
     for p, g in zip(params, grads, strict=True):
         part = flat[offset : offset + g.numel()].view_as(g)
@@ -100,6 +100,11 @@ def average_gradients(params: Sequence[torch.nn.Parameter], comm: Communicator) 
         else:
             p.grad.copy_(part)
         offset += g.numel()
+
+
+def average_gradients(params: Sequence[torch.nn.Parameter], comm: Communicator) -> None:
+    """Average ``p.grad`` over ``comm`` in one flat message (missing gradients count as zeros)."""
+    _reduce_gradients(params, comm, "average", "pipeline-replica-grads")
 
 
 def sum_tied_gradients(tied: Sequence[tuple[Sequence[torch.nn.Parameter], Communicator]]) -> None:
@@ -111,19 +116,7 @@ def sum_tied_gradients(tied: Sequence[tuple[Sequence[torch.nn.Parameter], Commun
     so the copies stay equal. Missing gradients count as zeros.
     """
     for params, comm in tied:
-        if comm.size == 1 or not params:
-            continue
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        Engine.of(comm).run(lambda c=comm, f=flat: c.allreduce(f, "sum"), name="pipeline-tied-grads")
-        offset = 0
-        for p, g in zip(params, grads, strict=True):
-            part = flat[offset : offset + g.numel()].view_as(g)
-            if p.grad is None:
-                p.grad = part.clone()
-            else:
-                p.grad.copy_(part)
-            offset += g.numel()
+        _reduce_gradients(params, comm, "sum", "pipeline-tied-grads")
 
 
 def tied_groups(
