@@ -3,13 +3,12 @@
 ``elastic_train_tf.py OUT_DIR SCENARIO``: full-batch gradient descent with momentum (Keras SGD) on
 the 12 rows of ``elastic_train.py``, a Dense(1) layer starting from fixed weights, gradients
 averaged by ``DistributedGradientTape``, a commit after every step under ``@hvd.elastic.run`` with
-``TensorFlowKerasState``. Scenarios ``grow_shrink`` and ``two_failures`` as there; rank 0 saves
-the final kernel and bias to ``OUT_DIR/final.json``.
+``TensorFlowKerasState``. Every scenario of ``elastic_scenarios.py``, as there; rank 0 saves the
+final kernel and bias to ``OUT_DIR/final.json``.
 """
 
 import json
 import os
-import signal
 import sys
 import time
 
@@ -17,29 +16,16 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-import ringpipe.tensorflow as hvd
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from elastic_scenarios import act  # noqa: E402 (beside this file)
+
+import ringpipe.tensorflow as hvd  # noqa: E402
 
 out_dir, scenario = sys.argv[1], sys.argv[2]
 STEPS = int(os.environ.get("ELASTIC_STEPS", "20"))
 PAUSE = float(os.environ.get("ELASTIC_PAUSE", "0.15"))
 KERNEL0 = np.array([[0.1], [-0.2], [0.3], [0.05]], dtype=np.float32)
 BIAS0 = np.array([0.1], dtype=np.float32)
-
-
-def once(name):
-    try:
-        os.close(os.open(os.path.join(out_dir, name), os.O_CREAT | os.O_EXCL))
-        return True
-    except FileExistsError:
-        return False
-
-
-def write_hosts(lines):
-    tmp = os.path.join(out_dir, "hosts.tmp")
-    with open(tmp, "w") as f:
-        f.write("\n".join(lines) + "\n")
-    os.replace(tmp, os.path.join(out_dir, "hosts"))
-
 
 hvd.init()
 rng = np.random.default_rng(1)
@@ -52,37 +38,12 @@ optimizer.build(model.trainable_variables)
 host = os.environ["HOROVOD_HOSTNAME"]
 
 
-def hold(state):
-    """Every rank: wait at this step for the driver's next world (HostsUpdatedInterrupt), 60 s at most."""
-    for _ in range(300):
-        time.sleep(0.2)
-        state.check_host_updates()
-
-
-def act(step, state):
-    rank, size = hvd.rank(), hvd.size()
-    if scenario == "grow_shrink":
-        if size == 2 and step == 2:
-            if rank == 0 and once("grow"):
-                write_hosts(["127.0.0.1:1", "127.0.0.2:1", "127.0.0.3:1", "127.0.0.4:1"])
-            hold(state)  # until the new workers joined
-        elif size == 4:
-            if rank == 0 and once("shrink"):
-                write_hosts(["127.0.0.3:1", "127.0.0.4:1"])
-            hold(state)  # until the hosts of ranks 0 and 1 are gone
-    elif scenario == "two_failures":
-        if step == 3 and host == "127.0.0.2" and once("fail-exc"):
-            raise ValueError("injected failure on 127.0.0.2")
-        if step == 6 and host == "127.0.0.3" and once("fail-kill"):
-            os.kill(os.getpid(), signal.SIGKILL)
-
-
 @hvd.elastic.run
 def train(state):
     while state.step < STEPS:
         rank, size = hvd.rank(), hvd.size()
         print(f"step {state.step} rank {rank} size {size} host {host}", flush=True)
-        act(state.step, state)
+        act(hvd, scenario, out_dir, state.step, state)
         rows = np.arange(12)[rank::size]
         with tf.GradientTape() as tape:
             loss = tf.reduce_sum(tf.square(model(X[rows]) - y[rows])) / 12 * size

@@ -12,7 +12,12 @@ versions in it:
 * ``elastic/v<V>/joined/<worker>``: set by a worker when it takes its place in world V (the driver
   replaces a survivor that never comes: one still blocked in a collective of the old world);
 * ``elastic/waiting/<worker>``: set by a worker when it first waits to join (the driver publishes a
-  version that adds workers only once all of them wait).
+  version that adds workers only once all of them wait);
+* ``elastic/v<V>/lost``: a counter a worker adds 1 to when it comes back to wait for a newer world
+  after joining V (a collective of V failed, or V's process group could not be made). When no
+  worker ended, the driver learns from it alone that V is gone: once every live member of V has
+  come back it makes V+1 of the same workers (a collective that timed out, a replacement that came
+  after the process group's timeout).
 
 :func:`join` waits for a version newer than the one this process last joined, sets the rank
 variables of its place (``RANK`` ... ``HOROVOD_CROSS_SIZE``) and returns the version, whose
@@ -81,6 +86,8 @@ def join(poll_s: float = 0.05) -> int:
     """
     store = driver_store()
     me = os.environ[WORKER]
+    if _JOINED[0]:  # back from a world that was lost or never made: the driver makes the next one
+        store.add(f"elastic/v{_JOINED[0]}/lost", 1)
     store.set(f"elastic/waiting/{me}", "1")  # the driver tells the running workers once the new ones wait
     oldest = max(_JOINED[0] + 1, int(os.environ.get(FIRST_VERSION, "1") or 1))
     while True:

@@ -20,6 +20,7 @@ __all__ = [
     "HostsUpdatedInterrupt",
     "JoinError",
     "NotInitializedError",
+    "from_transport",
 ]
 
 
@@ -56,3 +57,16 @@ class HostsUpdatedInterrupt(RuntimeError):  # noqa: N818 - Horovod's name
     def __init__(self, skip_sync: bool = False) -> None:
         super().__init__("hosts updated")
         self.skip_sync = skip_sync
+
+
+def from_transport(exc: BaseException) -> HorovodInternalError | None:
+    """Horovod's error for a transport's failure in a collective, else None.
+
+    Gloo and c10d raise a plain ``RuntimeError`` (or a ``torch.distributed.DistError``) when a
+    collective times out or its connections break; Horovod's ``synchronize`` raises every such
+    failure as :class:`HorovodInternalError`, which is what ``hvd.elastic.run`` recovers from.
+    ringpipe's own errors (a lost peer named, a mismatch) pass through unchanged.
+    """
+    if type(exc) is RuntimeError or any(c.__name__ == "DistError" for c in type(exc).__mro__):
+        return HorovodInternalError(f"a collective failed in the transport: {exc}")
+    return None

@@ -26,6 +26,7 @@ from ringpipe.check.announcement import RIDE_CAP, RIDING, Note, announce, settle
 from ringpipe.comm.base import Communicator, ReduceOp, Work
 from ringpipe.core.compression import Compressor
 from ringpipe.core.engine import Engine
+from ringpipe.core.errors import from_transport
 from ringpipe.dp.buckets import Bucket, Slot, explicit_groups, make_buckets, timed
 
 __all__ = ["GradientReducer"]
@@ -370,7 +371,13 @@ class GradientReducer:
         try:
             for bucket in self.buckets:
                 if bucket.handle is not None:
-                    bucket.handle.wait()
+                    try:
+                        bucket.handle.wait()
+                    except RuntimeError as exc:  # a transport's failure is Horovod's HorovodInternalError
+                        internal = from_transport(exc)
+                        if internal is None:
+                            raise
+                        raise internal from exc
                 if after is not None:
                     after(bucket)
         finally:

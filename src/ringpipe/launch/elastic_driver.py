@@ -18,6 +18,11 @@
   ``--blacklist-cooldown-range``, until a cooldown ends), the host's other workers are stopped,
   and a version without them is published; the survivors, whose collectives failed, restore
   their last commit and join it;
+* a world lost while every worker lives (a collective timed out, a process group that could not
+  be made because a member came after its timeout): its workers come back to wait for a newer
+  one (``elastic/v<V>/lost``), and once all of them wait the same workers are published as a
+  new version; more than ``_LOST_IN_A_ROW`` such losses in a row, each soon after the world was
+  made, end the job (the workers fail the same way every time);
 * surviving workers keep the lowest ranks, in their order (rank 0 stays on a survivor);
 * the job ends when a worker succeeds (the others are given time to finish), and fails, naming
   the cause, when every worker failed, every host is blacklisted, fewer than ``--min-np`` slots
@@ -69,6 +74,10 @@ FAILED_MESSAGE = ("Horovod detected that one or more processes exited with non-z
 _FINISH_GRACE_S = 60.0
 _SETTLE_S = 0.5
 _STUCK_S = 3.0
+#: A world lost with every worker alive is made again at most this many times in a row, each lost
+#: within _STABLE_S of being made: the workers then fail the same way every time, and the job ends.
+_LOST_IN_A_ROW = 5
+_STABLE_S = 10.0
 _BOOTSTRAP = os.path.abspath(bootstrap.__file__)
 
 
@@ -143,6 +152,9 @@ class ElasticDriver:
         self.announced_at = 0.0
         self.after_failure = False  # the current version was made because a worker failed
         self.failures_handled = 0
+        self.remaking = False  # the next version remakes a lost one
+        self.formed_at: float | None = None  # when every member of the current version made its group
+        self.lost_in_a_row = 0
 
     # ----------------------------------------------------------------------------- hosts
     def refresh_hosts(self) -> None:
@@ -305,6 +317,20 @@ class ElasticDriver:
             self.store.delete_key(f"elastic/waiting/{name}")
             self.start_worker(place, self.version)
 
+    def lost(self) -> bool:
+        """Whether every live member of the current version came back to wait for a newer one.
+
+        They do when the version's world was lost with no worker ending (a collective timed out, a
+        process group could not be made because a member came after its timeout): nothing else
+        would make the next version. A member that is still ending (a failure the loop will reap)
+        never comes back, so a failure is never taken for a lost world.
+        """
+        key = f"elastic/v{self.version}/lost"
+        if not self.version or self.pending or not self.store.check([key]):
+            return False
+        alive = [p for p in self.world if p.key in self.workers and not self.workers[p.key].leaving]
+        return bool(alive) and int(self.store.add(key, 0)) >= len(alive)
+
     def formed(self) -> bool:
         """Whether every member of the current world has made its process group."""
         key = f"elastic/v{self.version}/ready"
@@ -388,6 +414,18 @@ class ElasticDriver:
                 settle_until = self.clock() + _SETTLE_S
                 if blacklisted and not members_alive:
                     raise JobEnded(f"{FAILED_MESSAGE}: every host is blacklisted (failed: {', '.join(self.failed)})")
+            if self.version and self.formed_at is None and not need_new and self.formed():
+                self.formed_at = self.clock()
+            if not need_new and self.lost():
+                stable = self.formed_at is not None and self.clock() - self.formed_at >= _STABLE_S
+                self.lost_in_a_row = 1 if stable else self.lost_in_a_row + 1
+                if self.lost_in_a_row > _LOST_IN_A_ROW:
+                    raise JobEnded(f"world {self.version} was lost with every worker alive {self.lost_in_a_row} "
+                                   f"times in a row, each within {_STABLE_S:g} s of being made: the workers fail "
+                                   "the same way every time (their last lines above say how)")
+                need_new = self.remaking = True
+                _say(f"world {self.version} was lost with every worker alive (a collective failed or timed out, "
+                     "or the process group could not be made): making it again")
             candidate = self.next_world(first=not self.version)
             if candidate is not None and not need_new and self.formed():
                 need_new = [p.key for p in candidate] != [p.key for p in self.world]
@@ -409,7 +447,8 @@ class ElasticDriver:
                     self.waiting_since = None
                     need_new = False
                     self.publish(candidate)
-                    self.after_failure = len(self.failed) > self.failures_handled
+                    self.after_failure = self.remaking or len(self.failed) > self.failures_handled
+                    self.remaking, self.formed_at = False, None
                     self.failures_handled = len(self.failed)
             time.sleep(0.05)
 

@@ -341,7 +341,7 @@ def _cut(gm: fx.GraphModule, points: list[str]) -> list[tuple[fx.GraphModule, li
                 for a in n.all_input_nodes:
                     if a.op == "get_attr" and a not in env:
                         env[a] = g.get_attr(a.target)  # type: ignore[arg-type]
-                env[n] = g.node_copy(n, lambda a: env[a])
+                env[n] = g.node_copy(n, lambda a, env=env: env[a])
         if k == last:
             g.output(tuple(env[a] if isinstance(a, fx.Node) else a for a in out_node.args[0]))  # type: ignore[union-attr]
             names: list[str] = []

@@ -134,8 +134,12 @@ class TensorFlowKerasState(_VariablesState):
 
     ``TensorFlowKerasState(model, optimizer=None, epoch=0, batch=0)``: the model must be built;
     the optimizer defaults to the model's compiled one. Its variables (the iteration count and
-    slots) are tracked as they exist at each save, so build the optimizer first (a first step,
-    or ``optimizer.build(model.trainable_variables)``) for its state to be synced from the start.
+    slots) are tracked as they exist at each save. ``sync()`` first builds an optimizer that has
+    no slots yet (``optimizer.build(model.trainable_variables)``, which Keras would do at the first
+    step): a worker that joins a running job (a new host, a replaced worker) starts with an
+    unbuilt optimizer while rank 0's has its momentum, and the broadcast must carry the same
+    variables on every rank. Horovod leaves this to the program (its elastic Keras example runs a
+    first ``fit`` step before making the state); here it needs nothing.
     """
 
     model: Any
@@ -152,6 +156,12 @@ class TensorFlowKerasState(_VariablesState):
 
     def _tracked(self) -> list[Any]:
         return list(self.model.variables) + _optimizer_variables(self.optimizer)
+
+    def sync(self) -> None:
+        optimizer = self.optimizer
+        if optimizer is not None and getattr(optimizer, "built", None) is False and hasattr(optimizer, "build"):
+            optimizer.build(self.model.trainable_variables)
+        super().sync()
 
     def restore(self) -> None:
         if len(self._tracked()) != len(self._saved_values):  # the optimizer was built after the last save

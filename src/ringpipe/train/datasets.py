@@ -17,7 +17,6 @@ import numpy as np
 import torch
 
 from ringpipe.pipeline.model_io import batch_index
-
 from ringpipe.train.formats import FormatError, read_cifar_batch, read_idx
 from ringpipe.train.registry import Registry
 

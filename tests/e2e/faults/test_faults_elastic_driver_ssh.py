@@ -2,12 +2,12 @@
 
 Each host is a network namespace running its own ``sshd`` (:mod:`sshhosts`); the driver runs in a
 third namespace (a login node), so every worker starts over ssh. One launch of
-``horovodrun -np 1 --min-np 1 --max-np 2 --host-discovery-script`` runs
-``tests/scripts/elastic_train.py``'s ``ssh_hosts`` scenario: the discovery script prints a hosts
+``horovodrun -np 1 --min-np 1 --max-np 2 --host-discovery-script`` runs the ``ssh_hosts`` scenario
+of ``tests/scripts/elastic_train.py`` (PyTorch) or ``elastic_train_tf.py`` (TensorFlow): the discovery script prints a hosts
 file that the training rewrites, so the job starts on host A, grows to A and B at step 2 (B's
 worker starts over ssh), shrinks to A at step 5 (B's worker leaves), grows again at step 8, and
 at step 11 B's worker is SIGKILLed: B is lost (blacklisted) and A finishes alone. The final
-parameters must equal plain full-batch descent with momentum in one process (``oracle``), and
+parameters must equal plain full-batch descent with momentum in one process (``tests/elastic_jobs.py``), and
 nothing may be left running on any host.
 """
 
@@ -16,37 +16,18 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
-import torch
 
 import sshhosts
+from elastic_jobs import PROGRAMS, STEPS, assert_oracle
 
 REASON = sshhosts.can_run()
 pytestmark = [pytest.mark.netns, pytest.mark.skipif(REASON is not None, reason=REASON or "")]
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "elastic_train.py"
 HOROVODRUN = [sys.executable, "-m", "ringpipe.launch.horovodrun"]
-STEPS = 20
 
 
-def oracle(steps=STEPS):
-    """Full-batch gradient descent with momentum on the program's data, written plainly."""
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 1)
-    g = torch.Generator().manual_seed(1)
-    X = torch.randn(12, 4, generator=g)
-    y = X @ torch.tensor([[1.0], [-2.0], [0.5], [3.0]])
-    w, b = model.weight.detach().clone(), model.bias.detach().clone()
-    vw, vb = None, None
-    for _ in range(steps):
-        err = X @ w.T + b - y  # d/dw mean((Xw+b-y)^2) = 2/N X^T err
-        gw, gb = 2 * (err.T @ X) / len(X), 2 * err.sum(0) / len(X)
-        vw = gw if vw is None else 0.9 * vw + gw
-        vb = gb if vb is None else 0.9 * vb + gb
-        w, b = w - 0.05 * vw, b - 0.05 * vb
-    return w, b
 
 
 def _nothing_left(marker: str, timeout: float = 30) -> list[str]:
@@ -57,7 +38,7 @@ def _nothing_left(marker: str, timeout: float = 30) -> list[str]:
 
 
 @pytest.mark.timeout(400)
-def test_hosts_added_removed_and_lost_over_ssh(tmp_path):
+def test_hosts_added_removed_and_lost_over_ssh(tmp_path, face):
     with sshhosts.ssh_hosts(2) as sh:
         a, b = sh.hosts
         (tmp_path / "hosts").write_text(f"{a.addr}:1\n")
@@ -67,11 +48,11 @@ def test_hosts_added_removed_and_lost_over_ssh(tmp_path):
         env = {k: v for k, v in os.environ.items()
                if not k.startswith(("RINGPIPE_", "TORCHELASTIC_", "HOROVOD_", "GLOO_"))
                and k not in ("MASTER_ADDR", "MASTER_PORT")}
-        env.update(OMP_NUM_THREADS="1", ELASTIC_STEPS=str(STEPS), ELASTIC_PAUSE="0.1",
+        env.update(OMP_NUM_THREADS="1", ELASTIC_STEPS=str(STEPS), ELASTIC_PAUSE="0.1", TF_CPP_MIN_LOG_LEVEL="2",
                    ELASTIC_HOSTS=f"{a.addr} {b.addr}", RINGPIPE_SSH_COMMAND=f"ssh -F {sh.config}")
         cmd = [*sh.client.prefix(), *HOROVODRUN, "-np", "1", "--min-np", "1", "--max-np", "2",
                "--host-discovery-script", str(discover), "-p", str(sh.port), "-i", sh.key,
-               "python", str(SCRIPT), str(tmp_path), "ssh_hosts"]
+               "python", str(PROGRAMS[face]), str(tmp_path), "ssh_hosts"]
         proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, start_new_session=True)
         try:
@@ -98,8 +79,4 @@ def test_hosts_added_removed_and_lost_over_ssh(tmp_path):
     # B's worker sees B as HOROVOD_HOSTNAME (as discovery printed it) and rank 1
     assert f"[{b.addr}[0]]: step 2 rank 1 size 2 host {b.addr}" in out, out[-6000:]
     assert f"done rank 0 size 1 host {a.addr}" in out, out[-6000:]
-    final = torch.load(tmp_path / "final.pt", weights_only=True)
-    w, bias = oracle()
-    assert final["step"] == STEPS
-    torch.testing.assert_close(final["weight"], w, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(final["bias"], bias, rtol=1e-5, atol=1e-6)
+    assert_oracle(tmp_path, face)
