@@ -56,7 +56,7 @@ setup_tests() {
       || echo "run.sh: could not install OpenSSH; the several-host launch tests will be skipped" >&2
   fi
   local vpy="$VENV/bin/python"
-  if ! have pytest pytest_timeout hypothesis transformers; then
+  if ! have pytest pytest_timeout xdist hypothesis transformers; then
     echo "run.sh: installing the test tools (first run only)" >&2
     "$vpy" -m pip install --progress-bar on -e ".[dev]"
   fi
@@ -84,7 +84,13 @@ case "$cmd" in
   # The suite starts hundreds of interpreters (ranks, launchers, CLIs): where the environment says
   # PYTHONDONTWRITEBYTECODE, each would compile ringpipe's modules and pytest would rewrite every
   # test module again on each run; the compiled files go to __pycache__ (git-ignored).
-  test) setup; setup_tests; unset PYTHONDONTWRITEBYTECODE; exec "$VENV/bin/python" -m pytest "$@" ;;
+  # It runs on one pytest-xdist worker per core, at most 4 (RINGPIPE_TEST_WORKERS=N to choose; a
+  # -n given here wins): each test file stays on one worker, see tests/conftest.py.
+  test) setup; setup_tests; unset PYTHONDONTWRITEBYTECODE
+        cores="$(nproc 2>/dev/null || echo 1)"
+        workers="${RINGPIPE_TEST_WORKERS:-$(( cores < 4 ? cores : 4 ))}"
+        if [ "$workers" -gt 1 ]; then set -- -n "$workers" --dist loadgroup "$@"; fi
+        exec "$VENV/bin/python" -m pytest "$@" ;;
   setup) setup; setup_tests ;;
   *) echo "usage: ./run.sh train|test|setup [args]" >&2; exit 2 ;;
 esac

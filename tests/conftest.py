@@ -9,6 +9,10 @@ instead, so that
 ``pytest -m "not e2e"`` is the inner loop and plain ``pytest`` still runs everything. Where the
 ``-m`` expression leaves out every ``e2e`` test, ``tests/e2e`` is not even imported (its modules
 import TensorFlow and the trainer: half a minute of collection saved).
+
+``./run.sh test`` runs the suite on several pytest-xdist workers (``--dist loadgroup``): each test
+file is a group, kept on one worker, and the tests of a session fixture that runs shared jobs are
+one group (:data:`SHARED_JOBS`). Plain ``pytest`` runs in one process, as before.
 """
 
 from __future__ import annotations
@@ -63,11 +67,31 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
     return None
 
 
+#: Session fixtures whose tests run on one worker under pytest-xdist, so that their jobs run once.
+SHARED_JOBS = ("mpi_jobs", "tf_jobs")
+
+
+def xdist_group_of(item: pytest.Item) -> str:
+    """The worker group of a test under ``pytest -n N --dist loadgroup`` (what ``./run.sh test`` runs).
+
+    A test file stays on one worker (its module fixtures start their jobs once), and so do all
+    the tests of a session fixture that runs shared jobs (``mpi_jobs``, ``tf_jobs``).
+    """
+    for name in SHARED_JOBS:
+        if name in getattr(item, "fixturenames", ()):
+            return name
+    return item.nodeid.split("::", 1)[0]
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    grouped = bool(config.pluginmanager.has_plugin("xdist") and config.getoption("dist", "no") == "loadgroup")
     for item in items:
         tier = tier_of(item)
         if tier is not None and item.get_closest_marker(tier) is None:
             item.add_marker(getattr(pytest.mark, tier))
+        if grouped and item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(xdist_group_of(item)))
 
 
 @pytest.fixture(scope="session")

@@ -18,6 +18,7 @@ from ringpipe.comm.base import CommError, Communicator
 from ringpipe.comm.events import internal
 from ringpipe.comm.stall import StallInspector
 from ringpipe.env import EnvironmentError_, Topology, detect
+from ringpipe.ports import free_port
 
 __all__ = ["BACKENDS", "init_world", "shutdown_world", "pin_device", "free_port", "default_backend",
            "resolve_backend", "abort_mpi_job_on_exception", "stall_inspector", "init_world_on"]
@@ -40,13 +41,6 @@ def _job_store(addr: str, port: int, size: int, serve: bool, timeout: datetime.t
         _JOB_STORES[key] = dist.TCPStore(addr, port, world_size=size, is_master=serve, timeout=timeout,
                                          multi_tenant=serve)
     return _JOB_STORES[key]
-
-
-def free_port(host: str = "") -> int:
-    """A TCP port that is free right now on this host."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def default_backend(local_size: int = 1) -> str:

@@ -24,19 +24,11 @@ from ringpipe.launch import bootstrap
 from ringpipe.launch.options import LaunchOptions
 from ringpipe.launch.relay import Failure, OutputRelay, last_error, lost_peer, report_failures
 from ringpipe.launch.speaker import label
+from ringpipe.ports import free_port
 
 __all__ = ["mpirun_command", "run_agent", "run_mpi", "run_mp", "free_port", "source_address"]
 
 BOOTSTRAP = os.path.abspath(bootstrap.__file__)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on this machine now."""
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 
