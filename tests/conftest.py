@@ -85,7 +85,7 @@ def xdist_group_of(item: pytest.Item) -> str:
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    grouped = bool(config.pluginmanager.has_plugin("xdist") and config.getoption("dist", "no") == "loadgroup")
+    grouped = bool(config.pluginmanager.has_plugin("xdist") and getattr(config.option, "loadgroup", False))
     for item in items:
         tier = tier_of(item)
         if tier is not None and item.get_closest_marker(tier) is None:

@@ -1,6 +1,6 @@
 """Hugging Face GPT-2 (tied embedding and LM head) and BERT (two inputs) through every synchronous schedule.
 
-Each schedule trains a few steps on 2 or 4 stages; the loss of every step and every parameter
+Each schedule trains ``STEPS`` (5) steps on 2 or 4 stages; the loss of every step and every parameter
 after the last step must equal one process training the whole model on the same batches with
 gradient accumulation over the same micro-batches (written plainly below), to 1e-5 (float32,
 the summation order of the micro-batch gradients differs), and the copies of a tied weight
@@ -173,14 +173,18 @@ ASYNC = [("async_1f1b", 1, False), ("async_1f1b", 1, False, {"mitigations": "ws"
          ("async_1f1b", 1, False, {"mitigations": "wp+ws+ga"})]
 
 
+#: Steps of every synchronous run (the issue's check: every parameter after 5 steps).
+STEPS = 5
+
+
 def _world_jobs(size):
     """The runs on ``size`` ranks: every schedule of GPT-2 and BERT on ``size`` stages, and on 2 ranks
     also GPT-2 interleaved (4 parts) and asynchronous."""
     stages = f"{size}stages"
-    jobs = {"gpt2": ("gpt2", GPT2_POINTS[stages], list(SYNC), gpt2_data(3), 4),
-            "bert": ("bert", BERT_POINTS[stages], list(SYNC), bert_data(3), 4)}
+    jobs = {"gpt2": ("gpt2", GPT2_POINTS[stages], list(SYNC), gpt2_data(STEPS), 4),
+            "bert": ("bert", BERT_POINTS[stages], list(SYNC), bert_data(STEPS), 4)}
     if size == 2:
-        jobs["interleaved"] = ("gpt2", GPT2_POINTS["4stages"], [("interleaved_1f1b", 2, False)], gpt2_data(3), 4)
+        jobs["interleaved"] = ("gpt2", GPT2_POINTS["4stages"], [("interleaved_1f1b", 2, False)], gpt2_data(STEPS), 4)
         jobs["async"] = ("gpt2", GPT2_POINTS["2stages"], ASYNC, gpt2_data(4), 4)
     return jobs
 
@@ -205,14 +209,14 @@ SLOW_4 = pytest.mark.slow  # 4 ranks on 2 cores: the exhaustive part, in the e2e
 @pytest.mark.parametrize("stages", ["2stages", pytest.param("4stages", marks=SLOW_4)])
 def test_gpt2_every_schedule_matches_one_process(hf_runs, stages):
     points = GPT2_POINTS[stages]
-    ref_state, ref_losses = one_process(gpt2(), gpt2_data(3), 4, lm_loss)
+    ref_state, ref_losses = one_process(gpt2(), gpt2_data(STEPS), 4, lm_loss)
     _check(hf_runs(len(points) + 1)["gpt2"], ref_state, ref_losses, ["transformer.wte.weight"])
 
 
 @pytest.mark.timeout(300)
 def test_gpt2_interleaved_matches_one_process(hf_runs):
     # 4 parts on 2 ranks: rank 0 holds parts 0 and 2, rank 1 parts 1 and 3 (the LM head, tied to part 0)
-    ref_state, ref_losses = one_process(gpt2(), gpt2_data(3), 4, lm_loss)
+    ref_state, ref_losses = one_process(gpt2(), gpt2_data(STEPS), 4, lm_loss)
     _check(hf_runs(2)["interleaved"], ref_state, ref_losses, ["transformer.wte.weight"])
 
 
@@ -220,7 +224,7 @@ def test_gpt2_interleaved_matches_one_process(hf_runs):
 @pytest.mark.parametrize("stages", ["2stages", pytest.param("4stages", marks=SLOW_4)])
 def test_bert_every_schedule_matches_one_process(hf_runs, stages):
     points = BERT_POINTS[stages]
-    ref_state, ref_losses = one_process(bert(), bert_data(3), 4, nn.functional.cross_entropy)
+    ref_state, ref_losses = one_process(bert(), bert_data(STEPS), 4, nn.functional.cross_entropy)
     _check(hf_runs(len(points) + 1)["bert"], ref_state, ref_losses, [])
 
 
