@@ -36,6 +36,22 @@ def sizes_seen(out: str) -> list[int]:
     return sizes
 
 
+def assert_one_state_per_step(out: str) -> None:
+    """Every ``step S ... state D`` line of the job, on any rank in any world, has the same D for each S.
+
+    So the state a survivor restores is bit for bit its last commit (it prints step S again after a
+    failure at step S), and the state a new worker receives is bit for bit rank 0's.
+    """
+    states: dict[int, set[str]] = {}
+    for line in out.splitlines():
+        if " state " in line and "step " in line and " rank " in line:
+            step = int(line.split("step ", 1)[1].split()[0])
+            states.setdefault(step, set()).add(line.rsplit(" state ", 1)[1].split()[0])
+    assert states, "no step printed a state digest"
+    differ = {step: found for step, found in states.items() if len(found) != 1}
+    assert not differ, f"the state differs at steps {sorted(differ)}: {differ}\n{out[-4000:]}"
+
+
 def discovery(tmp_path: Path, hosts: list[str]) -> Path:
     """A discovery script printing ``tmp_path/hosts`` (first written with ``hosts``)."""
     (tmp_path / "hosts").write_text("\n".join(hosts) + "\n")

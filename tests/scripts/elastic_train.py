@@ -5,10 +5,12 @@
 mean), a commit after every step, under ``@hvd.elastic.run``. The scenarios (failures, hosts
 added and removed) are ``elastic_scenarios.py``'s, shared with ``elastic_train_tf.py``.
 
-Every rank prints ``step S rank R size N host H`` before each step; rank 0 saves the final
+Every rank prints ``step S rank R size N host H ... state D`` before each step, D a digest of the
+bytes of its parameters and optimizer state (the momentum buffers); rank 0 saves the final
 parameters to ``OUT_DIR/final.pt``.
 """
 
+import hashlib
 import os
 import sys
 import time
@@ -36,12 +38,24 @@ host = os.environ["HOROVOD_HOSTNAME"]
 resets = []
 
 
+def digest():
+    """The state's bytes: parameters, then every tensor of the optimizer's state, in a fixed order."""
+    h = hashlib.sha256()
+    for t in model.state_dict().values():
+        h.update(t.detach().numpy().tobytes())
+    for slot in optimizer.state_dict()["state"].values():
+        for key in sorted(slot):
+            if torch.is_tensor(slot[key]):
+                h.update(slot[key].detach().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
 @hvd.elastic.run
 def train(state):
     while state.step < STEPS:
         rank, size = hvd.rank(), hvd.size()
-        print(f"step {state.step} rank {rank} size {size} host {host} env_rank {os.environ['HOROVOD_RANK']}",
-              flush=True)
+        print(f"step {state.step} rank {rank} size {size} host {host} env_rank {os.environ['HOROVOD_RANK']} "
+              f"state {digest()}", flush=True)
         act(hvd, scenario, out_dir, state.step, state)
         optimizer.zero_grad()
         rows = torch.arange(12)[rank::size]

@@ -3,10 +3,12 @@
 ``elastic_train_tf.py OUT_DIR SCENARIO``: full-batch gradient descent with momentum (Keras SGD) on
 the 12 rows of ``elastic_train.py``, a Dense(1) layer starting from fixed weights, gradients
 averaged by ``DistributedGradientTape``, a commit after every step under ``@hvd.elastic.run`` with
-``TensorFlowKerasState``. Every scenario of ``elastic_scenarios.py``, as there; rank 0 saves the
-final kernel and bias to ``OUT_DIR/final.json``.
+``TensorFlowKerasState``. Every scenario of ``elastic_scenarios.py``, as there, and the same
+``step S rank R size N host H state D`` lines (D: a digest of the bytes of the model's and the
+optimizer's variables); rank 0 saves the final kernel and bias to ``OUT_DIR/final.json``.
 """
 
+import hashlib
 import json
 import os
 import sys
@@ -38,11 +40,19 @@ optimizer.build(model.trainable_variables)
 host = os.environ["HOROVOD_HOSTNAME"]
 
 
+def digest():
+    """The state's bytes: the model's variables, then the optimizer's (iterations, momentum), in order."""
+    h = hashlib.sha256()
+    for v in [*model.variables, *optimizer.variables]:
+        h.update(np.asarray(v.numpy()).tobytes())
+    return h.hexdigest()[:16]
+
+
 @hvd.elastic.run
 def train(state):
     while state.step < STEPS:
         rank, size = hvd.rank(), hvd.size()
-        print(f"step {state.step} rank {rank} size {size} host {host}", flush=True)
+        print(f"step {state.step} rank {rank} size {size} host {host} state {digest()}", flush=True)
         act(hvd, scenario, out_dir, state.step, state)
         rows = np.arange(12)[rank::size]
         with tf.GradientTape() as tape:

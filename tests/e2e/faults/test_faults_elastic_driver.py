@@ -7,13 +7,15 @@ local ranks). Each scenario runs once with the PyTorch program (``tests/scripts/
 and once with the TensorFlow one (``elastic_train_tf.py``, ``TensorFlowKerasState`` and
 ``DistributedGradientTape``): full-batch gradient descent with momentum and a commit after every
 step, so whatever the membership changes, the final parameters equal the same descent written
-plainly in one process (``tests/elastic_jobs.py``'s oracle). The end states (Horovod's messages,
+plainly in one process (``tests/elastic_jobs.py``'s oracle), and every rank of every world prints
+the same digest of its parameters and optimizer state at each step: a survivor's restored state is
+its last commit bit for bit, and a new worker's is rank 0's. The end states (Horovod's messages,
 non-zero status) are read from the driver's output; no worker outlives the job.
 """
 
 import pytest
 
-from elastic_jobs import assert_oracle, run_job
+from elastic_jobs import assert_one_state_per_step, assert_oracle, run_job
 
 
 @pytest.mark.timeout(300)
@@ -26,6 +28,7 @@ def test_hosts_added_then_removed_rank_zero_moves_to_a_survivor(tmp_path, face):
     # rank 0 is now on 127.0.0.3 (its host was not removed), and the removed workers left cleanly
     assert "[127.0.0.3[0]]: done rank 0 size 2 host 127.0.0.3" in out, out
     assert "[127.0.0.4[0]]: done rank 1 size 2 host 127.0.0.4" in out, out
+    assert_one_state_per_step(out)
     assert_oracle(tmp_path, face)
 
 
@@ -39,6 +42,7 @@ def test_a_rank_failing_by_exception_then_one_killed_blacklists_their_hosts_and_
     assert "worker 127.0.0.3[0] failed (killed by signal SIGKILL); blacklisting host 127.0.0.3" in out, out
     assert "world 2: 2 worker(s) on 127.0.0.1:1, 127.0.0.3:1" in out, out
     assert "done rank 0 size 1 host 127.0.0.1" in out, out
+    assert_one_state_per_step(out)
     assert_oracle(tmp_path, face)
 
 
@@ -53,6 +57,7 @@ def test_a_world_lost_with_every_worker_alive_is_made_again_from_the_same_worker
     assert "world 2: 2 worker(s) on 127.0.0.1:1, 127.0.0.2:1" in out, out
     assert "blacklisting" not in out, out
     assert "[127.0.0.2[0]]: done rank 1 size 2 host 127.0.0.2" in out, out
+    assert_one_state_per_step(out)
     assert_oracle(tmp_path, face)
 
 
@@ -75,6 +80,7 @@ def test_a_blacklisted_host_comes_back_after_its_cooldown(tmp_path, face):
     assert sizes == [2, 1, 2], out
     assert "blacklisting host 127.0.0.2 for 2 s" in out, out  # 1 * 2**1 + U*1, clamped to 2
     assert "world 3: 2 worker(s) on 127.0.0.1:1, 127.0.0.2:1 (1 new)" in out, out
+    assert_one_state_per_step(out)
     assert_oracle(tmp_path, face)
 
 
@@ -93,6 +99,7 @@ def test_fixed_host_set_survives_a_killed_worker(tmp_path, face):
     assert code == 0, out
     assert sizes == [3, 2], out
     assert "blacklisting host 127.0.0.2" in out, out
+    assert_one_state_per_step(out)
     assert_oracle(tmp_path, face)
 
 

@@ -20,7 +20,7 @@ import time
 import pytest
 
 import sshhosts
-from elastic_jobs import PROGRAMS, STEPS, assert_oracle
+from elastic_jobs import PROGRAMS, STEPS, assert_one_state_per_step, assert_oracle
 
 REASON = sshhosts.can_run()
 pytestmark = [pytest.mark.netns, pytest.mark.skipif(REASON is not None, reason=REASON or "")]
@@ -79,4 +79,5 @@ def test_hosts_added_removed_and_lost_over_ssh(tmp_path, face):
     # B's worker sees B as HOROVOD_HOSTNAME (as discovery printed it) and rank 1
     assert f"[{b.addr}[0]]: step 2 rank 1 size 2 host {b.addr}" in out, out[-6000:]
     assert f"done rank 0 size 1 host {a.addr}" in out, out[-6000:]
+    assert_one_state_per_step(out)
     assert_oracle(tmp_path, face)
