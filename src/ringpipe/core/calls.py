@@ -46,7 +46,7 @@ class Call:
         key = self.key
         if key is not None:
             earlier = current().names.get(key)
-            if earlier is not None and not earlier.done():
+            if earlier is not None and not earlier.synchronized():
                 raise ValueError(
                     f"{what}: an operation named {name!r} is still in flight on this rank; synchronize it first or "
                     "use another name (Horovod: Requested to allreduce, allgather, or broadcast a tensor with the "

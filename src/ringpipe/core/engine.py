@@ -55,7 +55,7 @@ def _run_named(tensor: str, task: Callable[[], Any]) -> Any:
 class Handle:
     """The result of a submitted task: ``wait()`` returns it, ``done()`` polls without blocking."""
 
-    __slots__ = ("_event", "_value", "_error", "_then", "_finished", "_lock", "name", "key")
+    __slots__ = ("_event", "_value", "_error", "_then", "_finished", "_lock", "_waited", "name", "key")
 
     def __init__(self, then: Callable[[Any], Any] | None = None, name: str = "", key: str | None = None) -> None:
         self._event = threading.Event()
@@ -63,6 +63,7 @@ class Handle:
         self._error: BaseException | None = None
         self._then = then
         self._finished = False
+        self._waited = False  # wait() was called: returned or raised
         self._lock = threading.Lock()
         self.name = name
         self.key = key  # the name it matches by across ranks (None: by its place in the order)
@@ -97,11 +98,22 @@ class Handle:
             return self._value
 
     def wait(self) -> Any:
-        if not self._event.is_set():
-            t0 = time.perf_counter_ns()
-            self._event.wait()
-            add_blocked(time.perf_counter_ns() - t0)
-        return self._complete()
+        try:
+            if not self._event.is_set():
+                t0 = time.perf_counter_ns()
+                self._event.wait()
+                add_blocked(time.perf_counter_ns() - t0)
+            return self._complete()
+        finally:
+            self._waited = True
+
+    def synchronized(self) -> bool:
+        """Whether the caller waited for it (``synchronize``): until then its name stays in flight.
+
+        Not ``done()``: whether the operation finished before a rank posts the same name again
+        depends on timing, and every rank must refuse (or accept) that post alike.
+        """
+        return self._waited
 
     def done(self) -> bool:
         if not self._event.is_set():
