@@ -61,7 +61,9 @@ def act(hvd, scenario, out_dir, step, state):
     rank, size = hvd.rank(), hvd.size()
     host = os.environ["HOROVOD_HOSTNAME"]
     if scenario == "grow_shrink":
-        if size == 2 and step == 2:
+        # step 2 on 2 ranks comes twice: in the first world (grow there) and in the last, made after
+        # the shrink, which must go on (every rank of it sees the shrink's marker)
+        if size == 2 and step == 2 and not os.path.exists(os.path.join(out_dir, "shrink")):
             if rank == 0 and once(out_dir, "grow"):
                 write_hosts(out_dir, ["127.0.0.1:1", "127.0.0.2:1", "127.0.0.3:1", "127.0.0.4:1"])
             hold(state)  # until the new workers joined
