@@ -170,7 +170,7 @@ class World:
     def run(self, fn: Callable[..., Any], *args: Any, env: dict[str, str] | None = None,
             timeout: float | None = None) -> list[Any]:
         """``fn(comm, *args)`` on every rank; the results in rank order, or :class:`RankFailed`."""
-        from ringpipe.comm.rendezvous import free_port
+        from ringpipe.ports import free_port
 
         if not self.procs or not all(p.is_alive() for p in self.procs):
             self.stop()

@@ -20,7 +20,7 @@ from ringpipe.comm.stall import StallInspector
 from ringpipe.env import EnvironmentError_, Topology, detect
 from ringpipe.ports import free_port
 
-__all__ = ["BACKENDS", "init_world", "shutdown_world", "pin_device", "free_port", "default_backend",
+__all__ = ["BACKENDS", "init_world", "shutdown_world", "pin_device", "default_backend",
            "resolve_backend", "abort_mpi_job_on_exception", "stall_inspector", "init_world_on"]
 
 log = logging.getLogger(__name__)

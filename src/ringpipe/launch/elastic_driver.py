@@ -317,6 +317,10 @@ class ElasticDriver:
             self.store.delete_key(f"elastic/waiting/{name}")
             self.start_worker(place, self.version)
 
+    def live_members(self) -> list[SlotInfo]:
+        """The places of the current world whose workers run and were not told to leave."""
+        return [p for p in self.world if p.key in self.workers and not self.workers[p.key].leaving]
+
     def lost(self) -> bool:
         """Whether every live member of the current version came back to wait for a newer one.
 
@@ -328,7 +332,7 @@ class ElasticDriver:
         key = f"elastic/v{self.version}/lost"
         if not self.version or self.pending or not self.store.check([key]):
             return False
-        alive = [p for p in self.world if p.key in self.workers and not self.workers[p.key].leaving]
+        alive = self.live_members()
         return bool(alive) and int(self.store.add(key, 0)) >= len(alive)
 
     def formed(self) -> bool:
@@ -370,7 +374,7 @@ class ElasticDriver:
 
     def next_world(self, first: bool) -> list[SlotInfo] | None:
         """The next world from the live workers and the usable hosts, or None while too few slots."""
-        survivors = [p.key for p in self.world if p.key in self.workers and not self.workers[p.key].leaving]
+        survivors = [p.key for p in self.live_members()]
         now = self.clock()
         usable = [(h, s) for h, s in self.available if not self.blacklist.blocked(h, now)]
         world = assign(survivors, usable, self.max_np, self.host_order)
@@ -394,7 +398,7 @@ class ElasticDriver:
             self.replace_stuck()
             if self.succeeded_at is not None:
                 return self._finish()
-            members_alive = [p for p in self.world if p.key in self.workers and not self.workers[p.key].leaving]
+            members_alive = self.live_members()
             now = self.clock()
             blacklisted = bool(self.host_order) and all(self.blacklist.blocked(h, now) for h in self.host_order)
             if self.version and not members_alive:
@@ -414,7 +418,8 @@ class ElasticDriver:
                 settle_until = self.clock() + _SETTLE_S
                 if blacklisted and not members_alive:
                     raise JobEnded(f"{FAILED_MESSAGE}: every host is blacklisted (failed: {', '.join(self.failed)})")
-            if self.version and self.formed_at is None and not need_new and self.formed():
+            formed = not need_new and self.formed()  # one look at the store per turn of the loop
+            if formed and self.formed_at is None:
                 self.formed_at = self.clock()
             if not need_new and self.lost():
                 stable = self.formed_at is not None and self.clock() - self.formed_at >= _STABLE_S
@@ -427,7 +432,7 @@ class ElasticDriver:
                 _say(f"world {self.version} was lost with every worker alive (a collective failed or timed out, "
                      "or the process group could not be made): making it again")
             candidate = self.next_world(first=not self.version)
-            if candidate is not None and not need_new and self.formed():
+            if candidate is not None and not need_new and formed:
                 need_new = [p.key for p in candidate] != [p.key for p in self.world]
             if need_new and self.clock() >= settle_until:
                 if candidate is None:

@@ -27,6 +27,7 @@ from ringpipe.launch.options import LaunchOptions
 from ringpipe.launch.relay import Failure, last_error, lost_peer, report_failures
 from ringpipe.launch.remote import HostProblem, _node0_address, check_hosts, forwarded_env
 from ringpipe.launch.speaker import label
+from ringpipe.ports import free_port
 
 __all__ = ["run_mpi_hosts", "TagJoiner", "mpirun_hosts_command"]
 
@@ -122,7 +123,7 @@ def run_mpi_hosts(opts: LaunchOptions) -> int:
         print(f"{label()}: nothing was started", file=sys.stderr)
         return 1
     first = placement.hosts[0][0]
-    port = opts.master_port or (found[first] if isinstance(found.get(first), int) else runners.free_port(""))
+    port = opts.master_port or (found[first] if isinstance(found.get(first), int) else free_port(""))
     env = forwarded_env(opts)
     env.update({"RINGPIPE_BACKEND": "mpi", "MASTER_ADDR": _node0_address(placement), "MASTER_PORT": str(port),
                 "PYTHONUNBUFFERED": "1", PLACEMENT: ",".join(str(n) for _, n in placement.hosts)})

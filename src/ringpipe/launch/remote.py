@@ -212,7 +212,7 @@ def run_hosts(opts: LaunchOptions) -> int:
     elif hosts[0] in found:
         port = int(found[hosts[0]])  # type: ignore[arg-type]
     else:
-        from ringpipe.launch.runners import free_port
+        from ringpipe.ports import free_port
 
         port = free_port("")
     endpoint = f"{_node0_address(placement)}:{port}"

@@ -26,7 +26,7 @@ from ringpipe.launch.relay import Failure, OutputRelay, last_error, lost_peer, r
 from ringpipe.launch.speaker import label
 from ringpipe.ports import free_port
 
-__all__ = ["mpirun_command", "run_agent", "run_mpi", "run_mp", "free_port", "source_address"]
+__all__ = ["mpirun_command", "run_agent", "run_mpi", "run_mp", "source_address"]
 
 BOOTSTRAP = os.path.abspath(bootstrap.__file__)
 

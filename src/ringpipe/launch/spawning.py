@@ -22,7 +22,7 @@ import torch.multiprocessing as tmp
 
 from ringpipe.comm.base import Communicator
 from ringpipe.comm.events import default_log
-from ringpipe.comm.rendezvous import BACKENDS, free_port, init_world, shutdown_world
+from ringpipe.comm.rendezvous import BACKENDS, init_world, shutdown_world
 from ringpipe.launch.bootstrap import (
     VERBOSE,
     die_with_parent,
@@ -31,6 +31,7 @@ from ringpipe.launch.bootstrap import (
     verbose_tracebacks,
 )
 from ringpipe.launch.relay import PEER_LOST
+from ringpipe.ports import free_port
 
 __all__ = ["spawn", "local_rank_zero_first", "WorkerFailed"]
 

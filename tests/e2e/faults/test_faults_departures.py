@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from ringpipe.comm.rendezvous import free_port
+from ringpipe.ports import free_port
 
 HAVE_MPI = shutil.which("mpirun") is not None and __import__("importlib").util.find_spec("mpi4py") is not None
 RINGPIPE = [sys.executable, "-m", "ringpipe.cli"]

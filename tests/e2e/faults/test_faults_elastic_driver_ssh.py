@@ -20,14 +20,19 @@ import time
 import pytest
 
 import sshhosts
-from elastic_jobs import PROGRAMS, STEPS, assert_one_state_per_step, assert_oracle
+from elastic_jobs import (
+    PROGRAMS,
+    STEPS,
+    assert_one_state_per_step,
+    assert_oracle,
+    discovery,
+    sizes_seen,
+)
 
 REASON = sshhosts.can_run()
 pytestmark = [pytest.mark.netns, pytest.mark.skipif(REASON is not None, reason=REASON or "")]
 
 HOROVODRUN = [sys.executable, "-m", "ringpipe.launch.horovodrun"]
-
-
 
 
 def _nothing_left(marker: str, timeout: float = 30) -> list[str]:
@@ -41,10 +46,7 @@ def _nothing_left(marker: str, timeout: float = 30) -> list[str]:
 def test_hosts_added_removed_and_lost_over_ssh(tmp_path, face):
     with sshhosts.ssh_hosts(2) as sh:
         a, b = sh.hosts
-        (tmp_path / "hosts").write_text(f"{a.addr}:1\n")
-        discover = tmp_path / "discover.sh"
-        discover.write_text(f"#!/bin/sh\ncat {tmp_path / 'hosts'}\n")
-        discover.chmod(0o755)
+        discover = discovery(tmp_path, [f"{a.addr}:1"])
         env = {k: v for k, v in os.environ.items()
                if not k.startswith(("RINGPIPE_", "TORCHELASTIC_", "HOROVOD_", "GLOO_"))
                and k not in ("MASTER_ADDR", "MASTER_PORT")}
@@ -64,13 +66,7 @@ def test_hosts_added_removed_and_lost_over_ssh(tmp_path, face):
         left = _nothing_left(str(tmp_path))
     assert proc.returncode == 0, out[-6000:]
     assert left == [], left
-    sizes = []
-    for line in out.splitlines():
-        if " rank 0 size " in line and "step " in line:
-            size = int(line.split(" size ")[1].split()[0])
-            if not sizes or sizes[-1] != size:
-                sizes.append(size)
-    assert sizes == [1, 2, 1, 2, 1], out[-6000:]  # added, removed, added again, lost
+    assert sizes_seen(out) == [1, 2, 1, 2, 1], out[-6000:]  # added, removed, added again, lost
     assert f"world 2: 2 worker(s) on {a.addr}:1, {b.addr}:1 (1 new)" in out, out[-6000:]
     assert f"world 3: 1 worker(s) on {a.addr}:1" in out, out[-6000:]
     assert f"world 4: 2 worker(s) on {a.addr}:1, {b.addr}:1 (1 new)" in out, out[-6000:]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ringpipe.comm.rendezvous import free_port
+from ringpipe.ports import free_port
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 CHECKS = str(SCRIPTS / "comm_checks.py")

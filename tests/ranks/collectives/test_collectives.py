@@ -924,7 +924,7 @@ def test_bench_over_nccl():
 
 
 def _port() -> int:
-    from ringpipe.comm.rendezvous import free_port
+    from ringpipe.ports import free_port
 
     return free_port("127.0.0.1")
 
