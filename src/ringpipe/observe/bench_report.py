@@ -104,7 +104,7 @@ def compare(size_rows: list[dict[str, Any]], probed: tuple[str, dict[str, list[f
         if times.get("native") and others:
             shown = choice if choice != "native" else min(others, key=lambda a: (paired(times, a)[0], a))
             ratio, wins, rounds = paired(times, shown)
-            out.update(probe_chose=choice, probe_algorithm=shown, probe_ratio=round(ratio, 3), probe_wins=wins,
+            out.update(probe_chose=choice, probe_algorithm=shown, probe_ratio=ratio, probe_wins=wins,
                        probe_rounds=rounds, probe_verdict=verdict(ratio, wins, rounds))
     return out
 

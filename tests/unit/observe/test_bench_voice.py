@@ -49,6 +49,17 @@ def test_the_sweep_states_the_probes_figure_in_the_probes_words():
     assert row[-6:] == ["0.93", "3/3", "inconclusive", "0.36", "9/9", "faster"], row
 
 
+def test_the_probes_figure_is_rounded_once_as_the_probe_rounds_it():
+    # 0.7849: the probe says 0.78x; rounded to 3 places first (0.785) and then to 2 it would read 0.79x
+    probe_times = {"native": [1e-3] * 3, "recursive_doubling": [0.7849e-3] * 3}
+    table = Table([(4096, "recursive_doubling", probe_times)], ("gloo", 2, None))
+    assert "0.78x native's time, faster in 3/3 rounds" in repr(table)
+    rows = [_row("native", [100, 120, 90]), _row("recursive_doubling", [93, 110, 86]),
+            _row("auto", [93, 110, 86], chosen="recursive_doubling")]
+    line = format_comparison(compare(rows, (table.rows[0][1], table.rows[0][2])))
+    assert "auto's probe (recursive_doubling) 0.78x native's time, faster in 3/3 of its own rounds" in line, line
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_ringpipe_bench_prints_the_probes_figures_where_it_prints_the_sweeps():
