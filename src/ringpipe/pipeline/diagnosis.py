@@ -16,6 +16,16 @@ as :func:`~ringpipe.pipeline.bubble.simulate_timing` does), in three parts:
 - **transport and other**: the measured step time the simulation does not explain (messages
   between stages, a stage late for other reasons, the training loop's own work).
 
+The links between neighbour stages are measured on their own (:func:`link_times`): a message
+holds its receiver up for the time from when both sides were ready (the sender's pass that
+produced it had ended, the receiver's previous action had ended) to when the receiver's pass
+that needs it started. The schedule's simulation counts no time for messages, so all of this
+is beyond what the schedule predicts. Per link (stage ``i`` and ``i + 1``, both ways:
+activations down, gradients up) the waits of a step are summed and the median over steps is
+the link's figure; a link is named slow when it is :data:`LINK_RATIO` times the median of the
+other links and at least :data:`LINK_SHARE` of the step (with one link only, nothing to compare
+with: at least :data:`PROBLEM_SHARE` of the step).
+
 Findings name the largest part and the change that the same simulation says helps most:
 more micro-batches (pass times assumed proportional to the micro-batch size), interleaving
 with 2 chunks per rank, a zero-bubble schedule (``zb_h1``/``zb_h2``; with an unsplit backward
@@ -41,12 +51,17 @@ from ringpipe.pipeline.schedule_checks import list_schedule
 from ringpipe.pipeline.schedules import SCHEDULES, async_1f1b
 from ringpipe.pipeline.schedules_interleaved import interleaved_1f1b
 
-__all__ = ["StageTimes", "PipelineBreakdown", "breakdown", "pipeline_findings", "step_time", "actions_of"]
+__all__ = ["StageTimes", "LinkTimes", "PipelineBreakdown", "breakdown", "link_times", "slow_links",
+           "pipeline_findings", "step_time", "actions_of", "LINK_RATIO", "LINK_SHARE"]
 
 #: A part of the step this large (share of the measured step time) is named as a problem.
 PROBLEM_SHARE = 0.10
 #: A change is recommended when it is predicted this much faster.
 BETTER = 1.10
+#: A link is named slow when its waits are this many times the median of the other links' ...
+LINK_RATIO = 3.0
+#: ... and at least this share of the measured step (so that a link that costs little is left alone).
+LINK_SHARE = 0.05
 _OPS = {v: v.removeprefix("pipeline.") for v in ACTION_OPS.values()}
 
 
@@ -69,6 +84,26 @@ class StageTimes:
 
 
 @dataclass
+class LinkTimes:
+    """The link between two neighbour stages: how long its messages held the receivers up (seconds per step, medians)."""
+
+    up: int  # the stage that sends activations over it
+    down: int  # the stage that sends gradients back
+    up_host: str
+    down_host: str
+    activations: float  # the waits of ``down`` for ``up``'s activations
+    gradients: float  # the waits of ``up`` for ``down``'s gradients
+    total: float  # the median over steps of both summed
+    nbytes: int = 0  # sent over the link per step, both ways (0: not recorded)
+
+    def name(self, hosts: bool) -> str:
+        """``stage 1 (host a) and stage 2 (host b)``; without ``hosts``, the stages only."""
+        if not hosts:
+            return f"stage {self.up} and stage {self.down}"
+        return f"stage {self.up} (host {self.up_host}) and stage {self.down} (host {self.down_host})"
+
+
+@dataclass
 class PipelineBreakdown:
     """A pipeline run's step explained: measured, the schedule's bubble, imbalance, the rest (seconds per step)."""
 
@@ -83,6 +118,7 @@ class PipelineBreakdown:
     balanced: float  # simulated step time, every stage at the mean pass times
     predicted: float  # simulated step time, each stage at its own pass times
     detail: dict[str, Any] = field(default_factory=dict)
+    links: list[LinkTimes] = field(default_factory=list)
 
     @property
     def measured_idle(self) -> float:
@@ -224,9 +260,85 @@ def breakdown(job: JobEvents) -> PipelineBreakdown | None:
     predicted, _ = step_time(lists, _costs(per_stage))
     measured = _median(spans)
     bal = info.get("balance")
+    body = [[first[s][1][k] for s in range(stages)] for k in range(n)]
     return PipelineBreakdown(schedule, stages, m, chunks, list(bal) if bal else None, per_stage, measured,
                              statistics.fmean(busy_bal), balanced, predicted,
-                             {"recompute": bool(info.get("recompute")), "period": period, "cpu": cpu})
+                             {"recompute": bool(info.get("recompute")), "period": period, "cpu": cpu},
+                             link_times(body, [first[s][0] for s in range(stages)], chunks))
+
+
+def _waits(steps: Sequence[Sequence[list[Any]]], stages: int, chunks: int) -> dict[tuple[int, int], list[list[float]]]:
+    """Per link ``(up, down)`` and step (the first left out): [activation waits, gradient waits] in seconds."""
+    out: dict[tuple[int, int], list[list[float]]] = {}
+    for k in range(1, len(steps)):
+        when: list[dict[tuple[str, int, int], tuple[int, int, int]]] = []  # (kind, mb, chunk) -> start, end, free
+        for s in range(stages):
+            mine: dict[tuple[str, int, int], tuple[int, int, int]] = {}
+            free = steps[k - 1][s][-1].end_ns  # the previous step's last action
+            for e in steps[k][s]:
+                d = e.detail
+                mine[(_OPS[e.op], int(d.get("mb", -1)), int(d.get("chunk", 0)))] = (e.start_ns, e.end_ns, free)
+                free = e.end_ns
+            when.append(mine)
+        for g in range(stages * chunks - 1):  # virtual stage g sends to g + 1 (the next rank, or rank 0's next chunk)
+            (us, uc), (ds, dc) = divmod(g, stages)[::-1], divmod(g + 1, stages)[::-1]
+            per = out.setdefault((us, ds), [])
+            if len(per) < k:
+                per.append([0.0, 0.0])
+            row = per[-1]
+            for (kind, mb, c), (start, _, free) in when[ds].items():
+                if kind == "F" and c == dc and ("F", mb, uc) in when[us]:  # down waited for up's activation
+                    row[0] += (start - max(when[us][("F", mb, uc)][1], free)) / 1e9
+            for (kind, mb, c), (start, _, free) in when[us].items():
+                if kind == "B" and c == uc and ("B", mb, dc) in when[ds]:  # up waited for down's gradient
+                    row[1] += (start - max(when[ds][("B", mb, dc)][1], free)) / 1e9
+    return out
+
+
+def _link_bytes(rank: Any, peer: int, since: int, until: int) -> int:
+    """Bytes ``rank`` sent to stage ``peer`` between two times."""
+    return sum(e.nbytes for e in rank.events
+               if e.op in ("isend", "send") and e.peer == peer and since <= e.start_ns <= until)
+
+
+def link_times(steps: Sequence[Sequence[list[Any]]], ranks: Sequence[Any], chunks: int = 1) -> list[LinkTimes]:
+    """Every link between neighbour stages, from ``steps[k][stage]`` (that stage's actions of step ``k``,
+    in order, each step ending with its ``S``) and each stage's :class:`~ringpipe.observe.collect.RankEvents`.
+
+    A message's wait is the time from when both sides were ready (the sender's pass that made it
+    had ended, the receiver's previous action had ended) to the start of the receiver's pass that
+    uses it: the transfer and its latency, beyond the schedule's own waits (a receiver busy with
+    other work, a sender still computing) which are left out. Activations and gradients are summed
+    per step, and each figure is the median over the steps after the first (warm-up). Times are on
+    rank 0's clock: an error in a host's clock offset adds to one direction what it takes from the
+    other, so the sum of both directions is what is compared. Links with several chunks per rank
+    (interleaving) include the link from the last stage back to the first.
+    """
+    stages = len(ranks)
+    if stages < 2 or len(steps) < 2:
+        return []
+    since, until = min(s[0].start_ns for s in steps[1]), max(s[-1].end_ns for s in steps[-1])
+    out = []
+    for (up, down), rows in sorted(_waits(steps, stages, chunks).items()):
+        both = _link_bytes(ranks[up], down, since, until) + _link_bytes(ranks[down], up, since, until)
+        out.append(LinkTimes(up, down, ranks[up].host, ranks[down].host,
+                             max(0.0, _median([r[0] for r in rows])), max(0.0, _median([r[1] for r in rows])),
+                             max(0.0, _median([r[0] + r[1] for r in rows])), both // (len(steps) - 1)))
+    return out
+
+
+def slow_links(b: PipelineBreakdown) -> list[tuple[LinkTimes, float]]:
+    """The links named slow (see the module docstring), each with how many times the median of the others it is
+    (``inf`` when it is the only link)."""
+    if len(b.links) == 1:
+        only = b.links[0]
+        return [(only, float("inf"))] if b.measured and only.total >= PROBLEM_SHARE * b.measured else []
+    out = []
+    for link in b.links:
+        others = _median([x.total for x in b.links if x is not link])
+        if link.total >= LINK_SHARE * b.measured and link.total >= LINK_RATIO * others:
+            out.append((link, link.total / others if others > 0 else float("inf")))
+    return out
 
 
 # ----------------------------------------------------------------------------- what to change
@@ -313,6 +425,47 @@ def _per_stage_text(b: PipelineBreakdown) -> str:
     return "; ".join(rows)
 
 
+def _several_hosts(b: PipelineBreakdown) -> bool:
+    return len({x.up_host for x in b.links} | {x.down_host for x in b.links}) > 1
+
+
+def _links_text(b: PipelineBreakdown) -> str:
+    hosts = _several_hosts(b)
+    rows = []
+    for x in b.links:
+        sent = f", {x.nbytes / 1e6:.2f} MB sent" if x.nbytes else ""
+        rows.append(f"{x.name(hosts)}: {_ms(x.total)} (activations {_ms(x.activations)}, gradients "
+                    f"{_ms(x.gradients)}{sent})")
+    return "; ".join(rows)
+
+
+def _link_findings(b: PipelineBreakdown, slow: Sequence[tuple[LinkTimes, float]]) -> list[Finding]:
+    """A problem for each link named slow."""
+    hosts = _several_hosts(b)
+    out = []
+    for link, ratio in slow:
+        share = f"{100 * link.total / b.measured:.0f}% of the {_ms(b.measured)} step"
+        if ratio == float("inf") and len(b.links) == 1:
+            what = (f"the link between {link.name(hosts)} holds the pipeline up: {_ms(link.total)} per step "
+                    f"({share}; the only link, nothing to compare it with)")
+        else:
+            times = f"{ratio:.1f}x the other links" if ratio != float("inf") else "the other links wait for nothing"
+            what = f"the link between {link.name(hosts)} is slow: {_ms(link.total)} per step, {times} ({share})"
+        where = (f"the path between hosts {link.up_host} and {link.down_host} (NIC, cable, switch port, traffic "
+                 f"shaping: `tc qdisc show` on both)" if link.up_host != link.down_host
+                 else f"what else runs on host {link.up_host} (both stages are there)")
+        out.append(Finding(
+            "problem", what,
+            f"a message's wait runs from when both stages were ready (the sender's pass done, the receiver free) "
+            f"to the start of the receiver's pass that needs it, the median over {b.per_stage[0].steps} steps of "
+            f"each step's sum (the schedule's simulation counts none of it): {_links_text(b)}",
+            f"check {where}, or place stages {link.up} and {link.down} on hosts joined by a faster link; fewer, "
+            "larger micro-batches send fewer messages",
+            hosts=tuple(dict.fromkeys((link.up_host, link.down_host))) if hosts else (),
+        ))
+    return out
+
+
 def _crowded(job: JobEvents) -> str:
     """Why the job's hosts had no core to spare ("" when they had): a load average above the CPUs."""
     for r in job.ranks:
@@ -337,6 +490,8 @@ def pipeline_findings(job: JobEvents) -> list[Finding]:
     between = max(0.0, b.detail.get("period", 0.0) - b.measured)
     evidence = (f"{parts}. {_per_stage_text(b)}; simulated step {_ms(b.predicted)} (balanced {_ms(b.balanced)}); "
                 f"between steps (the loop's own work, outside the pipeline) {_ms(between)}")
+    if b.links:
+        evidence += f"; waits on the links between stages per step: {_links_text(b)}"
     largest = max(("bubble", b.bubble), ("imbalance", b.imbalance), ("transport", b.transport), key=lambda x: x[1])
     what = {"bubble": f"{head}: mostly the schedule's own bubble",
             "imbalance": f"{head}: mostly imbalance between stages",
@@ -374,6 +529,7 @@ def pipeline_findings(job: JobEvents) -> list[Finding]:
             f"({100 * skew:.1f}% longer){gain}",
             fix,
         ))
+    slow = slow_links(b)
     if b.transport >= PROBLEM_SHARE:
         found.append(Finding(
             "problem",
@@ -381,9 +537,11 @@ def pipeline_findings(job: JobEvents) -> list[Finding]:
             f"measured step {_ms(b.measured)}, simulated from the measured passes {_ms(b.predicted)}: "
             f"{_ms(b.measured - b.predicted)} per step ({100 * b.transport:.1f}%) is spent in messages between "
             "stages, a stage late for other reasons (a busy CPU, data loading) or the loop's own work",
-            "check the links between the stages' hosts (ringpipe doctor -n N --probe) and the CPU load; "
-            "larger micro-batches send fewer, larger messages",
+            ("see the slow link named below" if slow else
+             "check the links between the stages' hosts (ringpipe doctor -n N --probe) and the CPU load; "
+             "larger micro-batches send fewer, larger messages"),
         ))
+    found += _link_findings(b, slow)
     if b.bubble >= PROBLEM_SHARE / 2:
         cands = sorted((c for c in _candidates(b) if c[2] > 0), key=lambda c: c[2])
         if cands and b.predicted / cands[0][2] >= BETTER:

@@ -18,9 +18,13 @@ from ringpipe.pipeline.schedules import SCHEDULES
 MS = 1_000_000  # ns
 
 
-def run_events(p, m, forward, backward, *, latency=0.0, steps=6, schedule="1f1b", balance=None, gap=0.0, cpu=None):
+def run_events(p, m, forward, backward, *, latency=0.0, steps=6, schedule="1f1b", balance=None, gap=0.0, cpu=None,
+               links=None, hosts=None):
     """Every stage's events for ``steps`` steps; ``forward[s]``/``backward[s]`` in ms per micro-batch;
-    ``cpu``: ``(forward, backward)`` CPU times per stage, recorded with one intra-op thread."""
+    ``cpu``: ``(forward, backward)`` CPU times per stage, recorded with one intra-op thread; ``links``:
+    ``{s: ms}`` more latency on the link between stages ``s`` and ``s + 1`` (both ways); ``hosts``: each
+    stage's host."""
+    extra = links or {}
     lists = [SCHEDULES[schedule](p, m, s) for s in range(p)]
     info = {"schedule": schedule, "stages": p, "microbatches": m, "chunks": 1,
             "balance": balance or [2] * p, "recompute": False, "step_every": 1, "threads": 1}
@@ -34,11 +38,11 @@ def run_events(p, m, forward, backward, *, latency=0.0, steps=6, schedule="1f1b"
                     a = lists[s][pos[s]]
                     need = []
                     if a.kind == "F" and s > 0:
-                        need.append(("F", s - 1, a.mb, latency))
+                        need.append(("F", s - 1, a.mb, latency + extra.get(s - 1, 0.0)))
                     if a.kind == "B":
                         need.append(("F", s, a.mb, 0.0))
                         if s < p - 1:
-                            need.append(("B", s + 1, a.mb, latency))
+                            need.append(("B", s + 1, a.mb, latency + extra.get(s, 0.0)))
                     if any((k, g, mb) not in done for k, g, mb, _ in need):
                         break
                     start = max([free[s], *(done[(k, g, mb)] + lat for k, g, mb, lat in need)])
@@ -52,7 +56,7 @@ def run_events(p, m, forward, backward, *, latency=0.0, steps=6, schedule="1f1b"
                                            "pipeline", detail))
                     pos[s] += 1
         t0 = max(free) + gap
-    return JobEvents([RankEvents(s, "h", events[s]) for s in range(p)], {"size": p})
+    return JobEvents([RankEvents(s, (hosts or ["h"] * p)[s], events[s]) for s in range(p)], {"size": p})
 
 
 @pytest.mark.parametrize("p", [2, 3, 4])

@@ -1,0 +1,82 @@
+"""The pipeline doctor's links: the waits that messages between neighbour stages add, and which link it names slow.
+
+Synthetic runs from :func:`unit.pipeline.test_diagnosis.run_events`: each message between two
+stages arrives ``latency`` ms after the pass that made it (more on a chosen link). The oracle is
+plain arithmetic on GPipe with equal passes: stage ``s + 1``'s forwards come every ``f`` ms, as
+stage ``s``'s do, so only the first micro-batch of a step waits for its message (the later ones
+arrive while the previous one runs), and the same on the way back: a link of latency ``L`` holds
+its receivers up ``2 L`` per step.
+"""
+
+import pytest
+
+from ringpipe.pipeline.diagnosis import LINK_RATIO, breakdown, pipeline_findings, slow_links
+from unit.pipeline.test_diagnosis import run_events
+
+HOSTS = ["rp-host-a", "rp-host-b", "rp-host-c", "rp-host-d"]
+
+
+def _links(found):
+    return [f for f in found if f.what.startswith("the link between")]
+
+
+def test_one_slow_link_of_gpipe_waits_twice_its_latency_per_step_and_is_named_with_its_hosts():
+    job = run_events(3, 4, [1.0] * 3, [2.0] * 3, latency=0.1, links={1: 3.0}, schedule="gpipe", hosts=HOSTS[:3])
+    b = breakdown(job)
+    got = {(x.up, x.down): x for x in b.links}
+    assert sorted(got) == [(0, 1), (1, 2)]
+    assert got[(0, 1)].total * 1e3 == pytest.approx(2 * 0.1, abs=1e-3)
+    assert got[(1, 2)].total * 1e3 == pytest.approx(2 * 3.1, abs=1e-3)
+    assert got[(1, 2)].activations * 1e3 == pytest.approx(3.1, abs=1e-3)
+    assert got[(1, 2)].gradients * 1e3 == pytest.approx(3.1, abs=1e-3)
+    assert (got[(1, 2)].up_host, got[(1, 2)].down_host) == ("rp-host-b", "rp-host-c")
+    named = _links(pipeline_findings(job))
+    assert len(named) == 1 and named[0].severity == "problem", named
+    assert named[0].what.startswith("the link between stage 1 (host rp-host-b) and stage 2 (host rp-host-c) is slow: "
+                                    "6.2 ms per step, 31.0x the other links")
+    assert named[0].hosts == ("rp-host-b", "rp-host-c")
+    assert "rp-host-b and rp-host-c" in named[0].fix
+
+
+@pytest.mark.parametrize("p", [2, 3, 4])
+def test_equal_links_get_no_link_finding_even_when_messages_are_slow(p):
+    job = run_events(p, 8, [1.0] * p, [2.0] * p, latency=0.5, hosts=HOSTS[:p], steps=8)
+    b = breakdown(job)
+    assert len(b.links) == p - 1
+    found = pipeline_findings(job)
+    if p > 2:  # with two stages the one link may be named by its share of the step alone
+        assert _links(found) == [], found
+    assert "waits on the links between stages per step" in found[0].evidence
+
+
+def test_a_heavy_stage_is_not_taken_for_a_slow_link():
+    """Stage 1 is late with its messages because it computes twice as long, not because of its links."""
+    job = run_events(4, 8, [1.0, 2.0, 1.0, 1.0], [2.0, 4.0, 2.0, 2.0], latency=0.2, hosts=HOSTS)
+    found = pipeline_findings(job)
+    assert any("stage 1 is the heaviest" in f.what for f in found)
+    assert _links(found) == []
+
+
+def test_a_slow_link_in_the_middle_of_four_stages_is_the_one_named():
+    job = run_events(4, 8, [1.0] * 4, [2.0] * 4, latency=0.2, links={1: 4.0}, hosts=HOSTS)
+    slow = slow_links(breakdown(job))
+    assert [(x.up, x.down) for x, _ in slow] == [(1, 2)]
+    assert slow[0][1] >= LINK_RATIO
+    assert len(_links(pipeline_findings(job))) == 1
+
+
+def test_the_only_link_of_two_stages_is_named_when_it_takes_a_large_share_of_the_step():
+    job = run_events(2, 4, [1.0, 1.0], [2.0, 2.0], latency=3.0, schedule="gpipe", hosts=HOSTS[:2])
+    named = _links(pipeline_findings(job))
+    assert len(named) == 1
+    assert named[0].what.startswith("the link between stage 0 (host rp-host-a) and stage 1 (host rp-host-b) holds "
+                                    "the pipeline up: 6.0 ms per step")
+    fast = run_events(2, 4, [1.0, 1.0], [2.0, 2.0], latency=0.1, schedule="gpipe", hosts=HOSTS[:2])
+    assert _links(pipeline_findings(fast)) == []
+
+
+def test_on_one_host_the_link_is_named_by_its_stages_only():
+    job = run_events(3, 4, [1.0] * 3, [2.0] * 3, latency=0.1, links={0: 3.0}, schedule="gpipe")
+    named = _links(pipeline_findings(job))
+    assert [f.what.split(" is slow")[0] for f in named] == ["the link between stage 0 and stage 1"]
+    assert named[0].hosts == ()
