@@ -22,9 +22,12 @@ produced it had ended, the receiver's previous action had ended) to when the rec
 that needs it started. The schedule's simulation counts no time for messages, so all of this
 is beyond what the schedule predicts. Per link (stage ``i`` and ``i + 1``, both ways:
 activations down, gradients up) the waits of a step are summed and the median over steps is
-the link's figure; a link is named slow when it is :data:`LINK_RATIO` times the median of the
-other links and at least :data:`LINK_SHARE` of the step (with one link only, nothing to compare
-with: at least :data:`PROBLEM_SHARE` of the step).
+the link's figure (the two directions' waits are different stages' idle times and may overlap,
+so a figure can exceed the step). A link is named slow when it is :data:`LINK_RATIO` times the
+median of the other links and at least :data:`LINK_SHARE` of the step; the one link of two
+stages, having no other to compare with, when it is :data:`LINK_RATIO` times the stages' mean
+busy time per step (a receiver that waits for a core, on a crowded host, waits about a pass;
+a slow link, many).
 
 Findings name the largest part and the change that the same simulation says helps most:
 more micro-batches (pass times assumed proportional to the micro-batch size), interleaving
@@ -329,10 +332,13 @@ def link_times(steps: Sequence[Sequence[list[Any]]], ranks: Sequence[Any], chunk
 
 def slow_links(b: PipelineBreakdown) -> list[tuple[LinkTimes, float]]:
     """The links named slow (see the module docstring), each with how many times the median of the others it is
-    (``inf`` when it is the only link)."""
-    if len(b.links) == 1:
+    (the only link of two stages: how many times the stages' mean busy time per step)."""
+    if len(b.links) == 1:  # nothing to compare with but the work of the two stages it joins
         only = b.links[0]
-        return [(only, float("inf"))] if b.measured and only.total >= PROBLEM_SHARE * b.measured else []
+        work = statistics.fmean(st.busy for st in b.per_stage)
+        if b.measured and work and only.total >= LINK_SHARE * b.measured and only.total >= LINK_RATIO * work:
+            return [(only, only.total / work)]
+        return []
     out = []
     for link in b.links:
         others = _median([x.total for x in b.links if x is not link])
@@ -444,13 +450,13 @@ def _link_findings(b: PipelineBreakdown, slow: Sequence[tuple[LinkTimes, float]]
     hosts = _several_hosts(b)
     out = []
     for link, ratio in slow:
-        share = f"{100 * link.total / b.measured:.0f}% of the {_ms(b.measured)} step"
-        if ratio == float("inf") and len(b.links) == 1:
-            what = (f"the link between {link.name(hosts)} holds the pipeline up: {_ms(link.total)} per step "
-                    f"({share}; the only link, nothing to compare it with)")
+        step = f"on a {_ms(b.measured)} step"
+        if len(b.links) == 1:
+            what = (f"the link between {link.name(hosts)} is slow: its messages hold the stages up {_ms(link.total)} "
+                    f"per step, {ratio:.1f}x the stages' own work ({step}; the only link, no other to compare with)")
         else:
             times = f"{ratio:.1f}x the other links" if ratio != float("inf") else "the other links wait for nothing"
-            what = f"the link between {link.name(hosts)} is slow: {_ms(link.total)} per step, {times} ({share})"
+            what = f"the link between {link.name(hosts)} is slow: {_ms(link.total)} per step, {times} ({step})"
         where = (f"the path between hosts {link.up_host} and {link.down_host} (NIC, cable, switch port, traffic "
                  f"shaping: `tc qdisc show` on both)" if link.up_host != link.down_host
                  else f"what else runs on host {link.up_host} (both stages are there)")
