@@ -16,18 +16,9 @@ as :func:`~ringpipe.pipeline.bubble.simulate_timing` does), in three parts:
 - **transport and other**: the measured step time the simulation does not explain (messages
   between stages, a stage late for other reasons, the training loop's own work).
 
-The links between neighbour stages are measured on their own (:func:`link_times`): a message
-holds its receiver up for the time from when both sides were ready (the sender's pass that
-produced it had ended, the receiver's previous action had ended) to when the receiver's pass
-that needs it started. The schedule's simulation counts no time for messages, so all of this
-is beyond what the schedule predicts. Per link (stage ``i`` and ``i + 1``, both ways:
-activations down, gradients up) the waits of a step are summed and the median over steps is
-the link's figure (the two directions' waits are different stages' idle times and may overlap,
-so a figure can exceed the step). A link is named slow when it is :data:`LINK_RATIO` times the
-median of the other links and at least :data:`LINK_SHARE` of the step; the one link of two
-stages, having no other to compare with, when it is :data:`LINK_RATIO` times the stages' mean
-busy time per step (a receiver that waits for a core, on a crowded host, waits about a pass;
-a slow link, many).
+The links between neighbour stages are measured on their own (:mod:`ringpipe.pipeline.stage_links`:
+how long each link's messages held the stages up, beyond the schedule's own waits), and a link
+clearly slower than the others is named with its stages and hosts.
 
 Findings name the largest part and the change that the same simulation says helps most:
 more micro-batches (pass times assumed proportional to the micro-batch size), interleaving
@@ -53,18 +44,14 @@ from ringpipe.pipeline.partition import balance_by_size
 from ringpipe.pipeline.schedule_checks import list_schedule
 from ringpipe.pipeline.schedules import SCHEDULES, async_1f1b
 from ringpipe.pipeline.schedules_interleaved import interleaved_1f1b
+from ringpipe.pipeline.stage_links import LinkTimes, link_times, slow_links
 
-__all__ = ["StageTimes", "LinkTimes", "PipelineBreakdown", "breakdown", "link_times", "slow_links",
-           "pipeline_findings", "step_time", "actions_of", "LINK_RATIO", "LINK_SHARE"]
+__all__ = ["StageTimes", "PipelineBreakdown", "breakdown", "pipeline_findings", "step_time", "actions_of"]
 
 #: A part of the step this large (share of the measured step time) is named as a problem.
 PROBLEM_SHARE = 0.10
 #: A change is recommended when it is predicted this much faster.
 BETTER = 1.10
-#: A link is named slow when its waits are this many times the median of the other links' ...
-LINK_RATIO = 3.0
-#: ... and at least this share of the measured step (so that a link that costs little is left alone).
-LINK_SHARE = 0.05
 _OPS = {v: v.removeprefix("pipeline.") for v in ACTION_OPS.values()}
 
 
@@ -84,26 +71,6 @@ class StageTimes:
     @property
     def idle(self) -> float:
         return max(0.0, self.period - self.busy)
-
-
-@dataclass
-class LinkTimes:
-    """The link between two neighbour stages: how long its messages held the receivers up (seconds per step, medians)."""
-
-    up: int  # the stage that sends activations over it
-    down: int  # the stage that sends gradients back
-    up_host: str
-    down_host: str
-    activations: float  # the waits of ``down`` for ``up``'s activations
-    gradients: float  # the waits of ``up`` for ``down``'s gradients
-    total: float  # the median over steps of both summed
-    nbytes: int = 0  # sent over the link per step, both ways (0: not recorded)
-
-    def name(self, hosts: bool) -> str:
-        """``stage 1 (host a) and stage 2 (host b)``; without ``hosts``, the stages only."""
-        if not hosts:
-            return f"stage {self.up} and stage {self.down}"
-        return f"stage {self.up} (host {self.up_host}) and stage {self.down} (host {self.down_host})"
 
 
 @dataclass
@@ -270,83 +237,6 @@ def breakdown(job: JobEvents) -> PipelineBreakdown | None:
                              link_times(body, [first[s][0] for s in range(stages)], chunks))
 
 
-def _waits(steps: Sequence[Sequence[list[Any]]], stages: int, chunks: int) -> dict[tuple[int, int], list[list[float]]]:
-    """Per link ``(up, down)`` and step (the first left out): [activation waits, gradient waits] in seconds."""
-    out: dict[tuple[int, int], list[list[float]]] = {}
-    for k in range(1, len(steps)):
-        when: list[dict[tuple[str, int, int], tuple[int, int, int]]] = []  # (kind, mb, chunk) -> start, end, free
-        for s in range(stages):
-            mine: dict[tuple[str, int, int], tuple[int, int, int]] = {}
-            free = steps[k - 1][s][-1].end_ns  # the previous step's last action
-            for e in steps[k][s]:
-                d = e.detail
-                mine[(_OPS[e.op], int(d.get("mb", -1)), int(d.get("chunk", 0)))] = (e.start_ns, e.end_ns, free)
-                free = e.end_ns
-            when.append(mine)
-        for g in range(stages * chunks - 1):  # virtual stage g sends to g + 1 (the next rank, or rank 0's next chunk)
-            (us, uc), (ds, dc) = divmod(g, stages)[::-1], divmod(g + 1, stages)[::-1]
-            per = out.setdefault((us, ds), [])
-            if len(per) < k:
-                per.append([0.0, 0.0])
-            row = per[-1]
-            for (kind, mb, c), (start, _, free) in when[ds].items():
-                if kind == "F" and c == dc and ("F", mb, uc) in when[us]:  # down waited for up's activation
-                    row[0] += (start - max(when[us][("F", mb, uc)][1], free)) / 1e9
-            for (kind, mb, c), (start, _, free) in when[us].items():
-                if kind == "B" and c == uc and ("B", mb, dc) in when[ds]:  # up waited for down's gradient
-                    row[1] += (start - max(when[ds][("B", mb, dc)][1], free)) / 1e9
-    return out
-
-
-def _link_bytes(rank: Any, peer: int, since: int, until: int) -> int:
-    """Bytes ``rank`` sent to stage ``peer`` between two times."""
-    return sum(e.nbytes for e in rank.events
-               if e.op in ("isend", "send") and e.peer == peer and since <= e.start_ns <= until)
-
-
-def link_times(steps: Sequence[Sequence[list[Any]]], ranks: Sequence[Any], chunks: int = 1) -> list[LinkTimes]:
-    """Every link between neighbour stages, from ``steps[k][stage]`` (that stage's actions of step ``k``,
-    in order, each step ending with its ``S``) and each stage's :class:`~ringpipe.observe.collect.RankEvents`.
-
-    A message's wait is the time from when both sides were ready (the sender's pass that made it
-    had ended, the receiver's previous action had ended) to the start of the receiver's pass that
-    uses it: the transfer and its latency, beyond the schedule's own waits (a receiver busy with
-    other work, a sender still computing) which are left out. Activations and gradients are summed
-    per step, and each figure is the median over the steps after the first (warm-up). Times are on
-    rank 0's clock: an error in a host's clock offset adds to one direction what it takes from the
-    other, so the sum of both directions is what is compared. Links with several chunks per rank
-    (interleaving) include the link from the last stage back to the first.
-    """
-    stages = len(ranks)
-    if stages < 2 or len(steps) < 2:
-        return []
-    since, until = min(s[0].start_ns for s in steps[1]), max(s[-1].end_ns for s in steps[-1])
-    out = []
-    for (up, down), rows in sorted(_waits(steps, stages, chunks).items()):
-        both = _link_bytes(ranks[up], down, since, until) + _link_bytes(ranks[down], up, since, until)
-        out.append(LinkTimes(up, down, ranks[up].host, ranks[down].host,
-                             max(0.0, _median([r[0] for r in rows])), max(0.0, _median([r[1] for r in rows])),
-                             max(0.0, _median([r[0] + r[1] for r in rows])), both // (len(steps) - 1)))
-    return out
-
-
-def slow_links(b: PipelineBreakdown) -> list[tuple[LinkTimes, float]]:
-    """The links named slow (see the module docstring), each with how many times the median of the others it is
-    (the only link of two stages: how many times the stages' mean busy time per step)."""
-    if len(b.links) == 1:  # nothing to compare with but the work of the two stages it joins
-        only = b.links[0]
-        work = statistics.fmean(st.busy for st in b.per_stage)
-        if b.measured and work and only.total >= LINK_SHARE * b.measured and only.total >= LINK_RATIO * work:
-            return [(only, only.total / work)]
-        return []
-    out = []
-    for link in b.links:
-        others = _median([x.total for x in b.links if x is not link])
-        if link.total >= LINK_SHARE * b.measured and link.total >= LINK_RATIO * others:
-            out.append((link, link.total / others if others > 0 else float("inf")))
-    return out
-
-
 # ----------------------------------------------------------------------------- what to change
 
 
@@ -445,13 +335,16 @@ def _links_text(b: PipelineBreakdown) -> str:
     return "; ".join(rows)
 
 
-def _link_findings(b: PipelineBreakdown, slow: Sequence[tuple[LinkTimes, float]]) -> list[Finding]:
-    """A problem for each link named slow."""
+def _link_findings(b: PipelineBreakdown, slow: Sequence[tuple[LinkTimes, float]], crowded: str) -> list[Finding]:
+    """A problem for each link named slow; the one link of two stages on a host short of cores (``crowded``
+    says why) is information only: compared with nothing but the stages' work, its waits may be the receivers
+    waiting for a core after their message arrived."""
     hosts = _several_hosts(b)
     out = []
     for link, ratio in slow:
+        alone = len(b.links) == 1
         step = f"on a {_ms(b.measured)} step"
-        if len(b.links) == 1:
+        if alone:
             what = (f"the link between {link.name(hosts)} is slow: its messages hold the stages up {_ms(link.total)} "
                     f"per step, {ratio:.1f}x the stages' own work ({step}; the only link, no other to compare with)")
         else:
@@ -460,11 +353,13 @@ def _link_findings(b: PipelineBreakdown, slow: Sequence[tuple[LinkTimes, float]]
         where = (f"the path between hosts {link.up_host} and {link.down_host} (NIC, cable, switch port, traffic "
                  f"shaping: `tc qdisc show` on both)" if link.up_host != link.down_host
                  else f"what else runs on host {link.up_host} (both stages are there)")
+        caveat = (f"; {crowded}: a receiver that waits for a core after its message arrived reads as a slow link, "
+                  "and with one link there is no other to tell them apart" if alone and crowded else "")
         out.append(Finding(
-            "problem", what,
+            "info" if caveat else "problem", what,
             f"a message's wait runs from when both stages were ready (the sender's pass done, the receiver free) "
             f"to the start of the receiver's pass that needs it, the median over {b.per_stage[0].steps} steps of "
-            f"each step's sum (the schedule's simulation counts none of it): {_links_text(b)}",
+            f"each step's sum (the schedule's simulation counts none of it): {_links_text(b)}{caveat}",
             f"check {where}, or place stages {link.up} and {link.down} on hosts joined by a faster link; fewer, "
             "larger micro-batches send fewer messages",
             hosts=tuple(dict.fromkeys((link.up_host, link.down_host))) if hosts else (),
@@ -535,7 +430,7 @@ def pipeline_findings(job: JobEvents) -> list[Finding]:
             f"({100 * skew:.1f}% longer){gain}",
             fix,
         ))
-    slow = slow_links(b)
+    slow = slow_links(b.links, b.measured, statistics.fmean(st.busy for st in b.per_stage))
     if b.transport >= PROBLEM_SHARE:
         found.append(Finding(
             "problem",
@@ -547,7 +442,7 @@ def pipeline_findings(job: JobEvents) -> list[Finding]:
              "check the links between the stages' hosts (ringpipe doctor -n N --probe) and the CPU load; "
              "larger micro-batches send fewer, larger messages"),
         ))
-    found += _link_findings(b, slow)
+    found += _link_findings(b, slow, _crowded(job))
     if b.bubble >= PROBLEM_SHARE / 2:
         cands = sorted((c for c in _candidates(b) if c[2] > 0), key=lambda c: c[2])
         if cands and b.predicted / cands[0][2] >= BETTER:

@@ -10,7 +10,8 @@ its receivers up ``2 L`` per step.
 
 import pytest
 
-from ringpipe.pipeline.diagnosis import LINK_RATIO, breakdown, pipeline_findings, slow_links
+from ringpipe.pipeline.diagnosis import breakdown, pipeline_findings
+from ringpipe.pipeline.stage_links import LINK_RATIO, boundaries, slow_links
 from unit.pipeline.test_diagnosis import run_events
 
 HOSTS = ["rp-host-a", "rp-host-b", "rp-host-c", "rp-host-d"]
@@ -58,7 +59,8 @@ def test_a_heavy_stage_is_not_taken_for_a_slow_link():
 
 def test_a_slow_link_in_the_middle_of_four_stages_is_the_one_named():
     job = run_events(4, 8, [1.0] * 4, [2.0] * 4, latency=0.2, links={1: 4.0}, hosts=HOSTS)
-    slow = slow_links(breakdown(job))
+    b = breakdown(job)
+    slow = slow_links(b.links, b.measured, sum(st.busy for st in b.per_stage) / 4)
     assert [(x.up, x.down) for x, _ in slow] == [(1, 2)]
     assert slow[0][1] >= LINK_RATIO
     assert len(_links(pipeline_findings(job))) == 1
@@ -75,8 +77,30 @@ def test_the_only_link_of_two_stages_is_named_when_it_waits_three_times_the_stag
     assert _links(pipeline_findings(under)) == []  # 34 ms: under 3 x 12.1
 
 
+def test_the_only_link_on_hosts_short_of_cores_is_information_not_a_problem():
+    """With one link there is no other to tell a slow link from receivers waiting for a core."""
+    job = run_events(2, 4, [1.0, 1.0], [2.0, 2.0], latency=20.0, schedule="gpipe", hosts=HOSTS[:2])
+    job.ranks[1].info.update(loadavg=9.0, cpu_count=2)
+    named = _links(pipeline_findings(job))
+    assert [f.severity for f in named] == ["info"]
+    assert "rp-host-b ran a load average of 9.0 on 2 CPUs" in named[0].evidence
+    three = run_events(3, 4, [1.0] * 3, [2.0] * 3, latency=0.1, links={1: 3.0}, schedule="gpipe", hosts=HOSTS[:3])
+    for r in three.ranks:
+        r.info.update(loadavg=9.0, cpu_count=2)
+    assert [f.severity for f in _links(pipeline_findings(three))] == ["problem"]  # compared with the other link
+
+
 def test_on_one_host_the_link_is_named_by_its_stages_only():
     job = run_events(3, 4, [1.0] * 3, [2.0] * 3, latency=0.1, links={0: 3.0}, schedule="gpipe")
     named = _links(pipeline_findings(job))
     assert [f.what.split(" is slow")[0] for f in named] == ["the link between stage 0 and stage 1"]
     assert named[0].hosts == ()
+
+
+def test_interleaved_boundaries_are_grouped_by_the_rank_pair_they_cross():
+    # virtual stage g is chunk g // p of rank g % p and sends to g + 1
+    assert boundaries(3, 1) == {(0, 1): [(0, 0, 1, 0)], (1, 2): [(1, 0, 2, 0)]}
+    assert boundaries(3, 2) == {(0, 1): [(0, 0, 1, 0), (0, 1, 1, 1)], (1, 2): [(1, 0, 2, 0), (1, 1, 2, 1)],
+                                (0, 2): [(2, 0, 0, 1)]}
+    # two ranks: one link, both directions
+    assert boundaries(2, 2) == {(0, 1): [(0, 0, 1, 0), (1, 0, 0, 1), (0, 1, 1, 1)]}
