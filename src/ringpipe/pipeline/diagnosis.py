@@ -331,7 +331,7 @@ def _links_text(b: PipelineBreakdown) -> str:
     for x in b.links:
         sent = f", {x.nbytes / 1e6:.2f} MB sent" if x.nbytes else ""
         rows.append(f"{x.name(hosts)}: {_ms(x.total)} (activations {_ms(x.activations)}, gradients "
-                    f"{_ms(x.gradients)}{sent})")
+                    f"{_ms(x.gradients)}; {_ms(x.message)} per message, median{sent})")
     return "; ".join(rows)
 
 
@@ -344,12 +344,14 @@ def _link_findings(b: PipelineBreakdown, slow: Sequence[tuple[LinkTimes, float]]
     for link, ratio in slow:
         alone = len(b.links) == 1
         step = f"on a {_ms(b.measured)} step"
+        each = f"its messages wait {_ms(link.message)} each (median)"
         if alone:
-            what = (f"the link between {link.name(hosts)} is slow: its messages hold the stages up {_ms(link.total)} "
-                    f"per step, {ratio:.1f}x the stages' own work ({step}; the only link, no other to compare with)")
+            what = (f"the link between {link.name(hosts)} is slow: {each}, {ratio:.1f}x a typical pass of the "
+                    f"stages; {_ms(link.total)} per step ({step}; the only link, no other to compare with)")
         else:
-            times = f"{ratio:.1f}x the other links" if ratio != float("inf") else "the other links wait for nothing"
-            what = f"the link between {link.name(hosts)} is slow: {_ms(link.total)} per step, {times} ({step})"
+            times = (f"{ratio:.1f}x the other links'" if ratio != float("inf") else "where the other links' wait "
+                     "for nothing")
+            what = f"the link between {link.name(hosts)} is slow: {each}, {times}; {_ms(link.total)} per step ({step})"
         where = (f"the path between hosts {link.up_host} and {link.down_host} (NIC, cable, switch port, traffic "
                  f"shaping: `tc qdisc show` on both)" if link.up_host != link.down_host
                  else f"what else runs on host {link.up_host} (both stages are there)")
@@ -358,8 +360,8 @@ def _link_findings(b: PipelineBreakdown, slow: Sequence[tuple[LinkTimes, float]]
         out.append(Finding(
             "info" if caveat else "problem", what,
             f"a message's wait runs from when both stages were ready (the sender's pass done, the receiver free) "
-            f"to the start of the receiver's pass that needs it, the median over {b.per_stage[0].steps} steps of "
-            f"each step's sum (the schedule's simulation counts none of it): {_links_text(b)}{caveat}",
+            f"to the start of the receiver's pass that needs it (the schedule's simulation counts none of it); per "
+            f"step: the median over {b.per_stage[0].steps} steps of each step's sum: {_links_text(b)}{caveat}",
             f"check {where}, or place stages {link.up} and {link.down} on hosts joined by a faster link; fewer, "
             "larger micro-batches send fewer messages",
             hosts=tuple(dict.fromkeys((link.up_host, link.down_host))) if hosts else (),
@@ -430,7 +432,8 @@ def pipeline_findings(job: JobEvents) -> list[Finding]:
             f"({100 * skew:.1f}% longer){gain}",
             fix,
         ))
-    slow = slow_links(b.links, b.measured, statistics.fmean(st.busy for st in b.per_stage))
+    passes = [v for st in b.per_stage for kind in (st.forward, st.backward) for v in kind.values()]
+    slow = slow_links(b.links, b.measured, _median(passes))
     if b.transport >= PROBLEM_SHARE:
         found.append(Finding(
             "problem",

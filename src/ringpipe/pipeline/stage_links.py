@@ -7,21 +7,20 @@ receiver's pass that uses it: the transfer and its latency as far as they held t
 A sender still computing or a receiver busy with other work is the schedule's own waiting and is
 left out; the schedule's simulation (:mod:`ringpipe.pipeline.diagnosis`) counts no time for
 messages, so all of a wait is beyond what the schedule predicts. Per link (stage ``i`` and
-``i + 1``, both ways: activations down, gradients up) the waits of a step are summed and the
-median over the steps after the first is the link's figure (the two directions' waits are
-different stages' idle times and may overlap, so a figure can exceed the step). With
-interleaving a link between two ranks carries several boundaries between virtual stages (and
-the last rank's link to the first one fewer): links are compared per boundary.
+``i + 1``, both ways: activations down, gradients up) two figures: what it costs, the median over
+the steps after the first of each step's summed waits (the two directions' waits are different
+stages' idle times and may overlap, so it can exceed the step); and how slow it is, the median
+wait of one of its messages. With interleaving a link between two ranks carries several
+boundaries between virtual stages (on two ranks, both directions); its messages are pooled.
 
-:func:`slow_links` names a link slow when it is :data:`LINK_RATIO` times the median of the other
-links and at least :data:`LINK_SHARE` of the step: in an even pipeline every link carries the
-same messages, so on a fair network their figures differ by noise (at most 1.5x the other links
-in ``benchmarks/pipeline_doctor.py --cases link`` on a crowded 2-core machine, where receivers
-often wait for a core; a link shaped to 20 Mbit/s, 4.4x or more), and the share keeps a link
-that costs little out of the findings. The
-one link of two stages, having no other to compare with, is named when it is :data:`LINK_RATIO`
-times the stages' mean busy time per step (a receiver waiting for a core waits about a pass; a
-slow link, many).
+:func:`slow_links` names a link slow when its messages' median wait is :data:`LINK_RATIO` times
+the other links' (the median of theirs) and it costs at least :data:`LINK_SHARE` of the step more
+than they do. In an even pipeline every link carries the same messages, so on a fair network
+the links differ by noise; a median over messages leaves out the few that waited long for a core
+on a crowded host, which a sum over a step does not. The one link of two stages, having no other
+to compare with, is named when its messages' median wait is :data:`LINK_RATIO` times a typical
+pass of the stages (a receiver waiting for a core after its message arrived waits about a pass
+on a crowded host; a slow link, many) and it costs :data:`LINK_SHARE` of the step.
 """
 
 from __future__ import annotations
@@ -57,13 +56,8 @@ class LinkTimes:
     activations: float  # the waits of ``down`` for ``up``'s activations
     gradients: float  # the waits of ``up`` for ``down``'s gradients
     total: float  # the median over steps of both summed
+    message: float  # the median wait of one message, either way (what links are compared by)
     nbytes: int = 0  # sent over the link per step, both ways (0: not recorded)
-    crossings: int = 1  # boundaries between virtual stages over the link (more than 1 with interleaving)
-
-    @property
-    def per_crossing(self) -> float:
-        """The figure per boundary that crosses the link: what links are compared by."""
-        return self.total / self.crossings
 
     def name(self, hosts: bool) -> str:
         """``stage 1 (host a) and stage 2 (host b)``; without ``hosts``, the stages only."""
@@ -85,9 +79,10 @@ def boundaries(stages: int, chunks: int) -> dict[tuple[int, int], list[tuple[int
     return out
 
 
-def _waits(steps: Sequence[Sequence[list[Any]]], stages: int, chunks: int) -> dict[tuple[int, int], list[list[float]]]:
-    """Per link (:func:`boundaries`) and step (the first left out): [activation waits, gradient waits] in seconds."""
-    out: dict[tuple[int, int], list[list[float]]] = {}
+def _waits(steps: Sequence[Sequence[list[Any]]], stages: int,
+           chunks: int) -> dict[tuple[int, int], list[tuple[list[float], list[float]]]]:
+    """Per link (:func:`boundaries`) and step (the first left out): (each activation's wait, each gradient's), s."""
+    out: dict[tuple[int, int], list[tuple[list[float], list[float]]]] = {}
     crossing = boundaries(stages, chunks)
     for k in range(1, len(steps)):
         when: list[dict[tuple[str, int, int], tuple[int, int, int]]] = []  # (kind, mb, chunk) -> start, end, free
@@ -100,15 +95,16 @@ def _waits(steps: Sequence[Sequence[list[Any]]], stages: int, chunks: int) -> di
                 free = e.end_ns
             when.append(mine)
         for pair, crossings in crossing.items():
-            row = [0.0, 0.0]
-            out.setdefault(pair, []).append(row)
+            acts: list[float] = []
+            grads: list[float] = []
+            out.setdefault(pair, []).append((acts, grads))
             for us, uc, ds, dc in crossings:
                 for (kind, mb, c), (start, _, free) in when[ds].items():
                     if kind == "F" and c == dc and ("F", mb, uc) in when[us]:  # down waited for up's activation
-                        row[0] += (start - max(when[us][("F", mb, uc)][1], free)) / 1e9
+                        acts.append((start - max(when[us][("F", mb, uc)][1], free)) / 1e9)
                 for (kind, mb, c), (start, _, free) in when[us].items():
                     if kind == "B" and c == uc and ("B", mb, dc) in when[ds]:  # up waited for down's gradient
-                        row[1] += (start - max(when[ds][("B", mb, dc)][1], free)) / 1e9
+                        grads.append((start - max(when[ds][("B", mb, dc)][1], free)) / 1e9)
     return out
 
 
@@ -136,29 +132,30 @@ def link_times(steps: Sequence[Sequence[list[Any]]], ranks: Sequence[Any], chunk
         return []
     since, until = min(s[0].start_ns for s in steps[1]), max(s[-1].end_ns for s in steps[-1])
     out = []
-    crossing = boundaries(stages, chunks)
     for (up, down), rows in sorted(_waits(steps, stages, chunks).items()):
         both = _link_bytes(ranks[up], down, since, until) + _link_bytes(ranks[down], up, since, until)
-        out.append(LinkTimes(up, down, ranks[up].host, ranks[down].host,
-                             max(0.0, _median([r[0] for r in rows])), max(0.0, _median([r[1] for r in rows])),
-                             max(0.0, _median([r[0] + r[1] for r in rows])), both // (len(steps) - 1),
-                             len(crossing[(up, down)])))
+        acts, grads = [sum(r[0]) for r in rows], [sum(r[1]) for r in rows]
+        out.append(LinkTimes(up, down, ranks[up].host, ranks[down].host, max(0.0, _median(acts)),
+                             max(0.0, _median(grads)), max(0.0, _median([a + g for a, g in zip(acts, grads, strict=True)])),
+                             max(0.0, _median([w for r in rows for w in (*r[0], *r[1])])), both // (len(steps) - 1)))
     return out
 
 
 
-def slow_links(links: Sequence[LinkTimes], step: float, work: float) -> list[tuple[LinkTimes, float]]:
-    """The links named slow (see the module docstring), each with how many times the median of the others it is;
-    ``step``: the measured step time, ``work``: the stages' mean busy time per step (what the one link of two
-    stages is compared with, returned as its ratio)."""
+def slow_links(links: Sequence[LinkTimes], step: float, pass_time: float) -> list[tuple[LinkTimes, float]]:
+    """The links named slow (see the module docstring), each with how many times the other links' typical
+    message wait its own is; ``step``: the measured step time; ``pass_time``: a typical pass of the stages
+    (what the one link of two stages is compared with, returned as its ratio)."""
     if len(links) == 1:  # nothing to compare with but the work of the two stages it joins
         only = links[0]
-        if step and work and only.total >= LINK_SHARE * step and only.total >= LINK_RATIO * work:
-            return [(only, only.total / work)]
+        if pass_time and only.total >= LINK_SHARE * step and only.message >= LINK_RATIO * pass_time:
+            return [(only, only.message / pass_time)]
         return []
     out = []
     for link in links:
-        others = _median([x.per_crossing for x in links if x is not link])
-        if link.total >= LINK_SHARE * step and link.per_crossing >= LINK_RATIO * others:
-            out.append((link, link.per_crossing / others if others > 0 else float("inf")))
+        others = [x for x in links if x is not link]
+        typical = _median([x.message for x in others])
+        excess = link.total - _median([x.total for x in others])
+        if excess >= LINK_SHARE * step and link.message >= LINK_RATIO * typical:
+            out.append((link, link.message / typical if typical > 0 else float("inf")))
     return out
