@@ -337,7 +337,7 @@ def _links_text(b: PipelineBreakdown) -> str:
 
 def _link_findings(b: PipelineBreakdown, slow: Sequence[tuple[LinkTimes, float]], crowded: str) -> list[Finding]:
     """A problem for each link named slow; the one link of two stages on a host short of cores (``crowded``
-    says why) is information only: compared with nothing but the stages' work, its waits may be the receivers
+    says why) is information only: compared with nothing but a typical pass, its waits may be the receivers
     waiting for a core after their message arrived."""
     hosts = _several_hosts(b)
     out = []
@@ -349,8 +349,8 @@ def _link_findings(b: PipelineBreakdown, slow: Sequence[tuple[LinkTimes, float]]
             what = (f"the link between {link.name(hosts)} is slow: {each}, {ratio:.1f}x a typical pass of the "
                     f"stages; {_ms(link.total)} per step ({step}; the only link, no other to compare with)")
         else:
-            times = (f"{ratio:.1f}x the other links'" if ratio != float("inf") else "where the other links' wait "
-                     "for nothing")
+            times = (f"{ratio:.1f}x the other links'" if ratio != float("inf") else "where the other links' messages "
+                     "wait for nothing")
             what = f"the link between {link.name(hosts)} is slow: {each}, {times}; {_ms(link.total)} per step ({step})"
         where = (f"the path between hosts {link.up_host} and {link.down_host} (NIC, cable, switch port, traffic "
                  f"shaping: `tc qdisc show` on both)" if link.up_host != link.down_host
