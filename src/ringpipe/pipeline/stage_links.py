@@ -34,9 +34,11 @@ from ringpipe.pipeline.action_events import ACTION_OPS
 
 __all__ = ["LinkTimes", "boundaries", "link_times", "slow_links", "LINK_RATIO", "LINK_SHARE"]
 
-#: A link is named slow when its waits are this many times the median of the other links' ...
+#: A link is named slow when its messages' median wait is this many times the other links' (the one link of
+#: two stages: a typical pass) ...
 LINK_RATIO = 3.0
-#: ... and at least this share of the measured step (so that a link that costs little is left alone).
+#: ... and it costs at least this share of the measured step more than they do (the one link: this share), so
+#: that a link that costs little is left alone.
 LINK_SHARE = 0.05
 _OPS = {v: v.removeprefix("pipeline.") for v in ACTION_OPS.values()}
 
@@ -121,10 +123,11 @@ def link_times(steps: Sequence[Sequence[list[Any]]], ranks: Sequence[Any], chunk
     A message's wait is the time from when both sides were ready (the sender's pass that made it
     had ended, the receiver's previous action had ended) to the start of the receiver's pass that
     uses it: the transfer and its latency, beyond the schedule's own waits (a receiver busy with
-    other work, a sender still computing) which are left out. Activations and gradients are summed
-    per step, and each figure is the median over the steps after the first (warm-up). Times are on
-    rank 0's clock: an error in a host's clock offset adds to one direction what it takes from the
-    other, so the sum of both directions is what is compared. Links with several chunks per rank
+    other work, a sender still computing) which are left out. Per link, the activation waits, the
+    gradient waits and both are summed per step and their medians taken over the steps after the
+    first (warm-up); the median wait of one message pools both directions of those steps. Times are
+    on rank 0's clock: an error in a host's clock offset adds to one direction what it takes from
+    the other, which pooling both directions keeps from deciding. Links with several chunks per rank
     (interleaving) include the link from the last stage back to the first.
     """
     stages = len(ranks)
