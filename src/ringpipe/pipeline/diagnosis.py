@@ -336,13 +336,16 @@ def _links_text(b: PipelineBreakdown) -> str:
 
 
 def _link_findings(b: PipelineBreakdown, slow: Sequence[tuple[LinkTimes, float]], crowded: str) -> list[Finding]:
-    """A problem for each link named slow; the one link of two stages on a host short of cores (``crowded``
+    """A problem for each link named slow; the one link of two stages on hosts short of cores (``crowded``
     says why) is information only: compared with nothing but a typical pass, its waits may be the receivers
-    waiting for a core after their message arrived."""
+    waiting for a core after their message arrived; on one such host (no network between the stages) it is
+    not named at all."""
     hosts = _several_hosts(b)
     out = []
     for link, ratio in slow:
         alone = len(b.links) == 1
+        if alone and crowded and link.up_host == link.down_host:
+            continue  # two stages on one busy host: no network between them, and the busy host is its own finding
         step = f"on a {_ms(b.measured)} step"
         each = f"its messages wait {_ms(link.message)} each (median)"
         if alone:

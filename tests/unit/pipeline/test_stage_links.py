@@ -87,7 +87,7 @@ def test_the_only_link_of_two_stages_is_named_when_its_messages_wait_three_typic
     assert _links(pipeline_findings(under)) == []
 
 
-def test_the_only_link_on_hosts_short_of_cores_is_information_not_a_problem():
+def test_the_only_link_on_hosts_short_of_cores_is_information_and_on_one_such_host_not_named():
     """With one link there is no other to tell a slow link from receivers waiting for a core."""
     job = run_events(2, 4, [1.0, 1.0], [2.0, 2.0], latency=0.1, links={0: 10.0}, schedule="gpipe", hosts=HOSTS[:2])
     job.ranks[1].info.update(loadavg=9.0, cpu_count=2)
@@ -98,6 +98,11 @@ def test_the_only_link_on_hosts_short_of_cores_is_information_not_a_problem():
     for r in three.ranks:
         r.info.update(loadavg=9.0, cpu_count=2)
     assert [f.severity for f in _links(pipeline_findings(three))] == ["problem"]  # compared with the other link
+    # both stages on one busy host: no network between them; the link is not named
+    one = run_events(2, 4, [1.0, 1.0], [2.0, 2.0], latency=0.1, links={0: 10.0}, schedule="gpipe")
+    one.ranks[0].info.update(loadavg=9.0, cpu_count=2)
+    assert _links(pipeline_findings(one)) == []
+    assert "waits on the links between stages per step: stage 0 and stage 1" in pipeline_findings(one)[0].evidence
 
 
 def test_on_one_host_the_link_is_named_by_its_stages_only():
