@@ -1,7 +1,8 @@
 """How often the pipeline doctor names the right cause, and whether the change it recommends is faster.
 
-    python benchmarks/pipeline_doctor.py --trials 10          # 2, 3 and 4 stages
-    python benchmarks/pipeline_doctor.py --quick              # seconds: 2 stages, 1 trial
+    python benchmarks/pipeline_doctor.py --trials 10          # 2, 3 and 4 stages, every case
+    python benchmarks/pipeline_doctor.py --trials 10 --cases link   # only the link cases (root)
+    python benchmarks/pipeline_doctor.py --quick              # seconds: 2 stages, 1 trial, no link cases
 
 Each trial trains an MLP of equal blocks (``--width``, 2 blocks per stage and a small head on the
 last, batches of 128) with ``PipelineTrainer``
@@ -16,9 +17,26 @@ on real gloo ranks, the stages' passes recorded (:mod:`ringpipe.pipeline.action_
 - ``few``: ``m = p / 2`` (at least 1) micro-batches; expected: more micro-batches or interleaving
   recommended.
 
+The link cases (``--cases link``; need root for network namespaces, ``tests/netns.py``) put each
+stage on a host of its own (namespaces joined by a bridge) under ``ringpipe launch --nnodes p``,
+and run ``tests/scripts/pipeline_link.py`` (1F1B, blocks of width 1024, batches of 192 in 6
+micro-batches: 128 KiB per message), ``--trials`` trials in one launch:
+
+- ``shaped link``: only the path between two neighbour stages' hosts is shaped with ``tc tbf``
+  (``--link-rate``, both ways): stages 0 and 1 for 2 stages, 1 and 2 for 3 and 4 (the middle
+  link of 4 stages, whose hosts each have another link); expected: that link named, and no
+  other link (another named, as a problem or as information: a false accusation). The one link
+  of 2 stages is named as information only on hosts short of cores (counted as named, and said);
+- ``fair network``: the same hosts unshaped; any link named (a problem or information) is a
+  false accusation.
+
+Every case also counts a link named where none is shaped (the one-host cases above) as a false
+accusation.
+
 A recommended change (a ``fix``: on a host whose load exceeds its CPUs the bubble changes are only
 mentioned, as they cannot help there) is then run (the verification) and its median step time
-compared with the trial's. A false accusation: an imbalance named in ``balanced`` or ``few``. Steps are timed as the
+compared with the trial's. A false accusation: an imbalance named in ``balanced`` or ``few``, or a
+link named in any of the three. Steps are timed as the
 doctor does (a step's span over the stages, the first step left out). The machine's other load
 changes the step times (a 2-core machine with other jobs: see the load line); counts of named
 causes are what the table claims.
@@ -31,19 +49,23 @@ import os
 import re
 import statistics
 import sys
+import tempfile
+from pathlib import Path
 
 import torch
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from lib import report  # noqa: E402
+from lib import report, testhelpers  # noqa: E402
 
 from ringpipe.comm.events import EventLog  # noqa: E402
 from ringpipe.launch import spawn  # noqa: E402
-from ringpipe.observe.collect import collect_events  # noqa: E402
+from ringpipe.observe.collect import collect_events, load_events  # noqa: E402
 from ringpipe.pipeline import PipelineTrainer  # noqa: E402
 from ringpipe.pipeline.action_events import record_actions  # noqa: E402
 from ringpipe.pipeline.diagnosis import breakdown, pipeline_findings  # noqa: E402
+
+LINK = "the link between"
 
 
 def blocks(n: int, width: int) -> nn.Sequential:
@@ -120,18 +142,60 @@ def worker(comm, cases, trials: int, width: int, steps: int):
     return out
 
 
-def score(row: dict, p: int) -> tuple[bool, bool]:
-    """(the expected cause named, a false accusation)."""
+def score(row: dict, p: int) -> tuple[bool, bool, bool]:
+    """(the expected cause named, a false accusation, of which a link named)."""
     whats = [f[1] for f in row["findings"]]
     fixes = [f for f in row["findings"] if f[0] == "fix" or f[1].startswith("once every stage has a core")]
     imbalance = any("heaviest" in w for w, f in zip(whats, row["findings"], strict=True) if f[0] == "problem")
+    link = any(w.startswith(LINK) for w in whats)  # no link is shaped in these cases
     if row["case"] == "balanced":
         paper = (p - 1) / (row["m"] + p - 1)
         named = any(w.startswith("the schedule's own bubble") for w in whats) and abs(row["bubble"] - paper) <= 0.05
-        return named, imbalance
+        return named, imbalance or link, link
     if row["case"] == "heavy":
-        return imbalance and any("pipeline.balance=" in f[3] for f in row["findings"]), False
-    return any("micro-batches" in f[1] or "interleaving" in f[1] for f in fixes), imbalance
+        return imbalance and any("pipeline.balance=" in f[3] for f in row["findings"]), link, link
+    return any("micro-batches" in f[1] or "interleaving" in f[1] for f in fixes), imbalance or link, link
+
+
+def shaped_pair(p: int) -> tuple[int, int]:
+    """The stages whose link the shaped case slows: 0-1 of 2 stages, else 1-2."""
+    return (0, 1) if p == 2 else (1, 2)
+
+
+def link_trials(p: int, trials: int, rate: str | None, port: int, steps: int) -> list[dict]:
+    """``trials`` runs of ``pipeline_link.py`` on ``p`` namespace hosts (one stage each) in one launch,
+    the link between :func:`shaped_pair`'s hosts shaped to ``rate`` (None: none shaped); each scored."""
+    netns = testhelpers.module("netns")
+    script = str(testhelpers.path("scripts/pipeline_link.py"))
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MASTER_ADDR", "MASTER_PORT", "RINGPIPE_BACKEND", "WORLD_SIZE", "RANK")}
+    env["OMP_NUM_THREADS"] = "1"
+    pair = shaped_pair(p)
+    with tempfile.TemporaryDirectory() as tmp, \
+            netns.bridged_hosts(p, pair_rates={pair: rate} if rate else None) as hosts:
+        out = str(Path(tmp) / "events")
+        done = netns.launch_across(hosts, (1,) * p, [script, out, "--trials", str(trials), "--steps", str(steps)],
+                                   port, env, timeout=600)
+        for o in done:
+            if o.returncode != 0:
+                raise RuntimeError(f"a launcher failed: {o.stderr[-3000:]}")
+        rows = []
+        for t in range(trials):
+            job = load_events(f"{out}.{t}.json")
+            b = breakdown(job)
+            named = [f for f in pipeline_findings(job) if f.what.startswith(LINK)]  # a problem or information
+            right = [f for f in named if f.what.startswith(f"{LINK} stage {pair[0]} (host {hosts[pair[0]].hostname}) "
+                                                           f"and stage {pair[1]} (host {hosts[pair[1]].hostname})")]
+            links = {(x.up, x.down): x for x in b.links} if b else {}
+            passes = [v for st in b.per_stage for kind in (st.forward, st.backward) for v in kind.values()] if b else []
+            mine = links.get(pair)
+            rows.append({"named": bool(rate) and len(right) == 1, "false": len(named) - (len(right) if rate else 0),
+                         "as_info": bool(rate) and len(right) == 1 and right[0].severity == "info",
+                         "cost": mine.total if mine else None, "message": mine.message if mine else None,
+                         "others": [x.message for k, x in links.items() if k != pair],
+                         "pass": statistics.median(passes) if passes else None,
+                         "measured": b.measured if b else None})
+    return rows
 
 
 def main() -> None:
@@ -140,37 +204,83 @@ def main() -> None:
     ap.add_argument("--stages", default="2,3,4")
     ap.add_argument("--width", type=int, default=768)
     ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--cases", default="schedule,link",
+                    help="schedule: balanced, heavy, few (one host); link: a shaped link and a fair network "
+                         "(namespace hosts, root)")
+    ap.add_argument("--link-rate", default="20mbit", help="the shaped link's rate (tc tbf)")
+    ap.add_argument("--link-steps", type=int, default=8)
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
     stage_counts = [2] if args.quick else [int(s) for s in args.stages.split(",")]
     trials = 1 if args.quick else args.trials
     steps = 6 if args.quick else args.steps
+    cases = {"schedule"} if args.quick else set(args.cases.split(","))
     report.header("pipeline_doctor")
+    if "schedule" in cases:
+        schedule_table(stage_counts, trials, args.width, steps)
+    if "link" in cases:
+        reason = testhelpers.module("netns").can_create()
+        if reason:
+            print(f"link cases skipped: {reason}")
+        else:
+            link_table(stage_counts, trials, args.link_rate, args.link_steps)
+    report.footer()
+
+
+def link_table(stage_counts: list[int], trials: int, rate: str, steps: int) -> None:
+    rows = []
+    for i, p in enumerate(stage_counts):
+        pair = shaped_pair(p)
+        for case, r in ((f"shaped link {pair[0]}-{pair[1]} ({rate})", rate), ("fair network", None)):
+            got = link_trials(p, trials, r, 29700 + 4 * i + (0 if r else 2), steps)
+            cost = [g["cost"] for g in got if g["cost"] is not None]
+            message = [g["message"] for g in got if g["message"] is not None]
+            others = [statistics.median(g["others"]) for g in got if g["others"]]
+            # as the doctor compares: with the other links' median message wait; the one link of 2 stages, a pass
+            ratio = [g["message"] / (statistics.median(g["others"]) if g["others"] else g["pass"])
+                     for g in got if g["message"] is not None and (g["others"] or g["pass"])]
+            info = sum(g["as_info"] for g in got)
+            named = f"{sum(g['named'] for g in got)}" + (f" ({info} as information)" if info else "")
+            rows.append([p, case, len(got), named if r else "-", sum(g["false"] for g in got),
+                         f"{1e3 * statistics.median(cost):.1f}" if cost else "-",
+                         f"{1e3 * statistics.median(message):.2f}" if message else "-",
+                         f"{1e3 * statistics.median(others):.2f}" if others else "-",
+                         f"{statistics.median(ratio):.1f}x ({min(ratio):.1f}-{max(ratio):.1f})" if ratio else "-",
+                         f"{1e3 * statistics.median(g['measured'] for g in got if g['measured']):.1f}"])
+            print(f"  {p} stages, {case}: {rows[-1]}", flush=True)
+    print(report.table(["stages", "case", "trials", "link named", "false accusations",
+                        "shaped pair's link: waits ms/step", "its message wait ms", "other links' message wait ms",
+                        "ratio (to the other links; 2 stages: to a pass), median (range)", "step ms"], rows,
+                       [True, False, True, True, True, True, True, True, False, True]))
+    print("medians over the trials; a message wait is the doctor's median wait of one message of the link")
+
+
+def schedule_table(stage_counts: list[int], trials: int, width: int, steps: int) -> None:
     rows = []
     for p in stage_counts:
         even = [2] * (p - 1) + [3]  # 2 blocks per stage, the last also the head
         heavy = list(even)
         heavy[1] += 2
         cases = [("balanced", 2 * p, even), ("heavy", 2 * p, heavy), ("few", max(1, p // 2), even)]
-        got = spawn(worker, p, args=(cases, trials, args.width, steps), env={"OMP_NUM_THREADS": "1"})[0]
+        got = spawn(worker, p, args=(cases, trials, width, steps), env={"OMP_NUM_THREADS": "1"})[0]
         for case, m, _ in cases:
             mine = [r for r in got if r["case"] == case]
             scores = [score(r, p) for r in mine]
             faster = [r for r in mine if r["verify"] is not None and r["measured"]]
             ratio = [r["measured"] / r["verify"] for r in faster]
             paper = (p - 1) / (m + p - 1)
-            rows.append([p, case, m, len(mine), sum(s[0] for s in scores), sum(s[1] for s in scores),
+            rows.append([p, case, m, len(mine), sum(s[0] for s in scores),
+                         f"{sum(s[1] for s in scores)} ({sum(s[2] for s in scores)} links)",
                          f"{100 * statistics.median(r['bubble'] for r in mine):.1f}%",
                          f"{100 * paper:.1f}%",
                          f"{100 * statistics.median(r['idle'] for r in mine):.1f}%",
                          f"{1e3 * statistics.median(r['measured'] for r in mine):.1f}",
                          f"{statistics.median(ratio):.2f}x ({sum(x > 1 for x in ratio)}/{len(ratio)} faster)"
                          if ratio else "-"])
-    print(report.table(["stages", "case", "m", "trials", "cause named", "false accusations",
+    print(report.table(["stages", "case", "m", "trials", "cause named", "false accusations (of which links named)",
                         "predicted bubble (median)", "paper (p-1)/(m+p-1)", "measured idle (median)",
                         "step ms (median)", "recommended change, verified (speed-up)"], rows,
                        [True, False, True, True, True, True, True, True, True, True, False]))
-    report.footer()
 
 
 if __name__ == "__main__":

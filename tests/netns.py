@@ -96,14 +96,31 @@ def _tbf(ns: str, dev: str, rate: str) -> list[str]:
             "burst", "64kb", "latency", "500ms"]
 
 
+def _pair_tbf(ns: str, dev: str, dst: str, rate: str) -> list[list[str]]:
+    """A token bucket on ``dev``'s egress inside ``ns`` for the packets to address ``dst`` only: an HTB root
+    (unclassified packets go out unshaped) whose one class, chosen by a u32 match on the destination,
+    holds the ``tbf``."""
+    tc = ["ip", "netns", "exec", ns, "tc"]
+    return [[*tc, "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb"],
+            [*tc, "class", "add", "dev", dev, "parent", "1:", "classid", "1:1", "htb", "rate", "40gbit"],
+            [*tc, "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:", "tbf", "rate", rate,
+             "burst", "64kb", "latency", "500ms"],
+            [*tc, "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1", "u32",
+             "match", "ip", "dst", f"{dst}/32", "flowid", "1:1"]]
+
+
 @contextlib.contextmanager
 def bridged_hosts(count: int = 3, rates: dict[int, str] | None = None,
-                  cpus: dict[int, str] | None = None) -> Iterator[tuple[Host, ...]]:
+                  cpus: dict[int, str] | None = None,
+                  pair_rates: dict[tuple[int, int], str] | None = None) -> Iterator[tuple[Host, ...]]:
     """Yield ``count`` hosts (``rp-host-a``, ``rp-host-b``, ...) joined by a bridge in a switch namespace.
 
     ``rates`` shapes host ``i``'s link in both directions (``{2: "50mbit"}``: host c's egress and
-    the switch's egress towards it), as a slow NIC, cable or switch port would. ``cpus``
-    confines what runs on host ``i`` to some CPUs (``{2: "1"}``), as a smaller host would.
+    the switch's egress towards it), as a slow NIC, cable or switch port would. ``pair_rates``
+    shapes only the path between hosts ``i`` and ``j`` (``{(1, 2): "50mbit"}``: what b sends to c
+    and c to b; their traffic with other hosts is not shaped), as a slow route between two hosts
+    would. ``cpus`` confines what runs on host ``i`` to some CPUs (``{2: "1"}``), as a smaller
+    host would.
     """
     tag = f"{os.getpid() % 100000}"
     switch = f"rpd-sw-{tag}"
@@ -129,6 +146,10 @@ def bridged_hosts(count: int = 3, rates: dict[int, str] | None = None,
             if rate:
                 subprocess.run(_tbf(h.ns, h.ifname, rate), check=True, capture_output=True)
                 subprocess.run(_tbf(switch, port, rate), check=True, capture_output=True)
+        for (i, j), rate in (pair_rates or {}).items():
+            for a, b in ((hosts[i], hosts[j]), (hosts[j], hosts[i])):
+                for cmd in _pair_tbf(a.ns, a.ifname, b.addr, rate):
+                    subprocess.run(cmd, check=True, capture_output=True)
         yield hosts
     finally:
         for ns in reversed(made):

@@ -16,6 +16,10 @@ as :func:`~ringpipe.pipeline.bubble.simulate_timing` does), in three parts:
 - **transport and other**: the measured step time the simulation does not explain (messages
   between stages, a stage late for other reasons, the training loop's own work).
 
+The links between neighbour stages are measured on their own (:mod:`ringpipe.pipeline.stage_links`:
+how long each link's messages held the stages up, beyond the schedule's own waits), and a link
+clearly slower than the others is named with its stages and hosts.
+
 Findings name the largest part and the change that the same simulation says helps most:
 more micro-batches (pass times assumed proportional to the micro-batch size), interleaving
 with 2 chunks per rank, a zero-bubble schedule (``zb_h1``/``zb_h2``; with an unsplit backward
@@ -40,6 +44,7 @@ from ringpipe.pipeline.partition import balance_by_size
 from ringpipe.pipeline.schedule_checks import list_schedule
 from ringpipe.pipeline.schedules import SCHEDULES, async_1f1b
 from ringpipe.pipeline.schedules_interleaved import interleaved_1f1b
+from ringpipe.pipeline.stage_links import LinkTimes, link_times, slow_links
 
 __all__ = ["StageTimes", "PipelineBreakdown", "breakdown", "pipeline_findings", "step_time", "actions_of"]
 
@@ -83,6 +88,7 @@ class PipelineBreakdown:
     balanced: float  # simulated step time, every stage at the mean pass times
     predicted: float  # simulated step time, each stage at its own pass times
     detail: dict[str, Any] = field(default_factory=dict)
+    links: list[LinkTimes] = field(default_factory=list)
 
     @property
     def measured_idle(self) -> float:
@@ -224,9 +230,11 @@ def breakdown(job: JobEvents) -> PipelineBreakdown | None:
     predicted, _ = step_time(lists, _costs(per_stage))
     measured = _median(spans)
     bal = info.get("balance")
+    body = [[first[s][1][k] for s in range(stages)] for k in range(n)]
     return PipelineBreakdown(schedule, stages, m, chunks, list(bal) if bal else None, per_stage, measured,
                              statistics.fmean(busy_bal), balanced, predicted,
-                             {"recompute": bool(info.get("recompute")), "period": period, "cpu": cpu})
+                             {"recompute": bool(info.get("recompute")), "period": period, "cpu": cpu},
+                             link_times(body, [first[s][0] for s in range(stages)], chunks))
 
 
 # ----------------------------------------------------------------------------- what to change
@@ -313,6 +321,57 @@ def _per_stage_text(b: PipelineBreakdown) -> str:
     return "; ".join(rows)
 
 
+def _several_hosts(b: PipelineBreakdown) -> bool:
+    return len({x.up_host for x in b.links} | {x.down_host for x in b.links}) > 1
+
+
+def _links_text(b: PipelineBreakdown) -> str:
+    hosts = _several_hosts(b)
+    rows = []
+    for x in b.links:
+        sent = f", {x.nbytes / 1e6:.2f} MB sent" if x.nbytes else ""
+        rows.append(f"{x.name(hosts)}: {_ms(x.total)} (activations {_ms(x.activations)}, gradients "
+                    f"{_ms(x.gradients)}; {_ms(x.message)} per message, median{sent})")
+    return "; ".join(rows)
+
+
+def _link_findings(b: PipelineBreakdown, slow: Sequence[tuple[LinkTimes, float]], crowded: str) -> list[Finding]:
+    """A problem for each link named slow; the one link of two stages on hosts short of cores (``crowded``
+    says why) is information only: compared with nothing but a typical pass, its waits may be the receivers
+    waiting for a core after their message arrived; on one such host (no network between the stages) it is
+    not named at all."""
+    hosts = _several_hosts(b)
+    out = []
+    for link, ratio in slow:
+        alone = len(b.links) == 1
+        if alone and crowded and link.up_host == link.down_host:
+            continue  # two stages on one busy host: no network between them, and the busy host is its own finding
+        step = f"on a {_ms(b.measured)} step"
+        each = f"its messages wait {_ms(link.message)} each (median)"
+        if alone:
+            what = (f"the link between {link.name(hosts)} is slow: {each}, {ratio:.1f}x a typical pass of the "
+                    f"stages; {_ms(link.total)} per step ({step}; the only link, no other to compare with)")
+        else:
+            times = (f"{ratio:.1f}x the other links'" if ratio != float("inf") else "where the other links' messages "
+                     "wait for nothing")
+            what = f"the link between {link.name(hosts)} is slow: {each}, {times}; {_ms(link.total)} per step ({step})"
+        where = (f"the path between hosts {link.up_host} and {link.down_host} (NIC, cable, switch port, traffic "
+                 f"shaping: `tc qdisc show` on both)" if link.up_host != link.down_host
+                 else f"what else runs on host {link.up_host} (both stages are there)")
+        caveat = (f"; {crowded}: a receiver that waits for a core after its message arrived reads as a slow link, "
+                  "and with one link there is no other to tell them apart" if alone and crowded else "")
+        out.append(Finding(
+            "info" if caveat else "problem", what,
+            f"a message's wait runs from when both stages were ready (the sender's pass done, the receiver free) "
+            f"to the start of the receiver's pass that needs it (the schedule's simulation counts none of it); per "
+            f"step: the median over {b.per_stage[0].steps} steps of each step's sum: {_links_text(b)}{caveat}",
+            f"check {where}, or place stages {link.up} and {link.down} on hosts joined by a faster link; fewer, "
+            "larger micro-batches send fewer messages",
+            hosts=tuple(dict.fromkeys((link.up_host, link.down_host))) if hosts else (),
+        ))
+    return out
+
+
 def _crowded(job: JobEvents) -> str:
     """Why the job's hosts had no core to spare ("" when they had): a load average above the CPUs."""
     for r in job.ranks:
@@ -337,6 +396,8 @@ def pipeline_findings(job: JobEvents) -> list[Finding]:
     between = max(0.0, b.detail.get("period", 0.0) - b.measured)
     evidence = (f"{parts}. {_per_stage_text(b)}; simulated step {_ms(b.predicted)} (balanced {_ms(b.balanced)}); "
                 f"between steps (the loop's own work, outside the pipeline) {_ms(between)}")
+    if b.links:
+        evidence += f"; waits on the links between stages per step: {_links_text(b)}"
     largest = max(("bubble", b.bubble), ("imbalance", b.imbalance), ("transport", b.transport), key=lambda x: x[1])
     what = {"bubble": f"{head}: mostly the schedule's own bubble",
             "imbalance": f"{head}: mostly imbalance between stages",
@@ -374,6 +435,8 @@ def pipeline_findings(job: JobEvents) -> list[Finding]:
             f"({100 * skew:.1f}% longer){gain}",
             fix,
         ))
+    passes = [v for st in b.per_stage for kind in (st.forward, st.backward) for v in kind.values()]
+    slow = slow_links(b.links, b.measured, _median(passes))
     if b.transport >= PROBLEM_SHARE:
         found.append(Finding(
             "problem",
@@ -381,9 +444,11 @@ def pipeline_findings(job: JobEvents) -> list[Finding]:
             f"measured step {_ms(b.measured)}, simulated from the measured passes {_ms(b.predicted)}: "
             f"{_ms(b.measured - b.predicted)} per step ({100 * b.transport:.1f}%) is spent in messages between "
             "stages, a stage late for other reasons (a busy CPU, data loading) or the loop's own work",
-            "check the links between the stages' hosts (ringpipe doctor -n N --probe) and the CPU load; "
-            "larger micro-batches send fewer, larger messages",
+            ("see the slow link named below" if slow else
+             "check the links between the stages' hosts (ringpipe doctor -n N --probe) and the CPU load; "
+             "larger micro-batches send fewer, larger messages"),
         ))
+    found += _link_findings(b, slow, _crowded(job))
     if b.bubble >= PROBLEM_SHARE / 2:
         cands = sorted((c for c in _candidates(b) if c[2] > 0), key=lambda c: c[2])
         if cands and b.predicted / cands[0][2] >= BETTER:

@@ -18,9 +18,26 @@ from ringpipe.pipeline.schedules import SCHEDULES
 MS = 1_000_000  # ns
 
 
-def run_events(p, m, forward, backward, *, latency=0.0, steps=6, schedule="1f1b", balance=None, gap=0.0, cpu=None):
+def run_events(p, m, forward, backward, *, latency=0.0, steps=6, schedule="1f1b", balance=None, gap=0.0, cpu=None,
+               links=None, hosts=None):
     """Every stage's events for ``steps`` steps; ``forward[s]``/``backward[s]`` in ms per micro-batch;
-    ``cpu``: ``(forward, backward)`` CPU times per stage, recorded with one intra-op thread."""
+    ``cpu``: ``(forward, backward)`` CPU times per stage, recorded with one intra-op thread; ``links``:
+    ``{s: ms}`` the transfer time of a message on the link between stages ``s`` and ``s + 1``, one message
+    at a time each way (a message is sent when its pass ends and the link is free), before its ``latency``;
+    ``hosts``: each stage's host."""
+    extra = links or {}
+    arrived, link_free = {}, {}
+
+    def arrival(k, g, mb, link):
+        """When message (k, g, mb) is there for its receiver: computed once, in the order they are used."""
+        if (k, g, mb) not in arrived:
+            t = done[(k, g, mb)]
+            if link in extra:
+                t = max(t, link_free.get((k, link), 0.0)) + extra[link]
+                link_free[(k, link)] = t
+            arrived[(k, g, mb)] = t + latency
+        return arrived[(k, g, mb)]
+
     lists = [SCHEDULES[schedule](p, m, s) for s in range(p)]
     info = {"schedule": schedule, "stages": p, "microbatches": m, "chunks": 1,
             "balance": balance or [2] * p, "recompute": False, "step_every": 1, "threads": 1}
@@ -28,20 +45,22 @@ def run_events(p, m, forward, backward, *, latency=0.0, steps=6, schedule="1f1b"
     t0 = 0.0
     for _ in range(steps):
         done, free, pos = {}, [t0] * p, [0] * p
+        arrived.clear()
         while any(pos[s] < len(lists[s]) for s in range(p)):
             for s in range(p):
                 while pos[s] < len(lists[s]):
                     a = lists[s][pos[s]]
                     need = []
                     if a.kind == "F" and s > 0:
-                        need.append(("F", s - 1, a.mb, latency))
+                        need.append(("F", s - 1, a.mb, s - 1))
                     if a.kind == "B":
-                        need.append(("F", s, a.mb, 0.0))
+                        need.append(("F", s, a.mb, None))
                         if s < p - 1:
-                            need.append(("B", s + 1, a.mb, latency))
+                            need.append(("B", s + 1, a.mb, s))
                     if any((k, g, mb) not in done for k, g, mb, _ in need):
                         break
-                    start = max([free[s], *(done[(k, g, mb)] + lat for k, g, mb, lat in need)])
+                    start = max([free[s], *(done[(k, g, mb)] if link is None else arrival(k, g, mb, link)
+                                            for k, g, mb, link in need)])
                     cost = {"F": forward[s], "B": backward[s], "S": 0.1}[a.kind]
                     free[s] = start + cost
                     done[(a.kind, s, a.mb)] = free[s]
@@ -52,7 +71,7 @@ def run_events(p, m, forward, backward, *, latency=0.0, steps=6, schedule="1f1b"
                                            "pipeline", detail))
                     pos[s] += 1
         t0 = max(free) + gap
-    return JobEvents([RankEvents(s, "h", events[s]) for s in range(p)], {"size": p})
+    return JobEvents([RankEvents(s, (hosts or ["h"] * p)[s], events[s]) for s in range(p)], {"size": p})
 
 
 @pytest.mark.parametrize("p", [2, 3, 4])

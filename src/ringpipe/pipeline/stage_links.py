@@ -1,0 +1,164 @@
+"""The links between neighbour stages of a pipeline run: how long their messages held the stages up.
+
+From the action events of a run (:mod:`ringpipe.pipeline.action_events`), cut into steps, a
+message between two neighbour stages **waits** from when both sides were ready (the sender's pass
+that produced it had ended, the receiver's previous action had ended) to the start of the
+receiver's pass that uses it: the transfer and its latency as far as they held the receiver up.
+A sender still computing or a receiver busy with other work is the schedule's own waiting and is
+left out; the schedule's simulation (:mod:`ringpipe.pipeline.diagnosis`) counts no time for
+messages, so all of a wait is beyond what the schedule predicts. Per link (stage ``i`` and
+``i + 1``, both ways: activations down, gradients up) two figures: what it costs, the median over
+the steps after the first of each step's summed waits (the two directions' waits are different
+stages' idle times and may overlap, so it can exceed the step); and how slow it is, the median
+wait of one of its messages. With interleaving a link between two ranks carries several
+boundaries between virtual stages (on two ranks, both directions); its messages are pooled.
+
+:func:`slow_links` names a link slow when its messages' median wait is :data:`LINK_RATIO` times
+the other links' (the median of theirs) and it costs at least :data:`LINK_SHARE` of the step more
+than they do. In an even pipeline every link carries the same messages, so on a fair network
+the links differ by noise; a median over messages leaves out the few that waited long for a core
+on a crowded host, which a sum over a step does not. The one link of two stages, having no other
+to compare with, is named when its messages' median wait is :data:`LINK_RATIO` times a typical
+pass of the stages (a receiver waiting for a core after its message arrived waits about a pass
+on a crowded host; a slow link, many) and it costs :data:`LINK_SHARE` of the step.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ringpipe.pipeline.action_events import ACTION_OPS
+
+__all__ = ["LinkTimes", "boundaries", "link_times", "slow_links", "LINK_RATIO", "LINK_SHARE"]
+
+#: A link is named slow when its messages' median wait is this many times the other links' (the one link of
+#: two stages: a typical pass) ...
+LINK_RATIO = 3.0
+#: ... and it costs at least this share of the measured step more than they do (the one link: this share), so
+#: that a link that costs little is left alone.
+LINK_SHARE = 0.05
+_OPS = {v: v.removeprefix("pipeline.") for v in ACTION_OPS.values()}
+
+
+def _median(values: Sequence[float]) -> float:
+    return statistics.median(values) if values else 0.0
+
+
+@dataclass
+class LinkTimes:
+    """The link between two neighbour stages: how long its messages held the receivers up (seconds per step, medians)."""
+
+    up: int  # the stage that sends activations over it (of two interleaved ranks: the lower)
+    down: int  # the stage that sends gradients back
+    up_host: str
+    down_host: str
+    activations: float  # the waits of ``down`` for ``up``'s activations
+    gradients: float  # the waits of ``up`` for ``down``'s gradients
+    total: float  # the median over steps of both summed
+    message: float  # the median wait of one message, either way (what links are compared by)
+    nbytes: int = 0  # sent over the link per step, both ways (0: not recorded)
+
+    def name(self, hosts: bool) -> str:
+        """``stage 1 (host a) and stage 2 (host b)``; without ``hosts``, the stages only."""
+        if not hosts:
+            return f"stage {self.up} and stage {self.down}"
+        return f"stage {self.up} (host {self.up_host}) and stage {self.down} (host {self.down_host})"
+
+
+def boundaries(stages: int, chunks: int) -> dict[tuple[int, int], list[tuple[int, int, int, int]]]:
+    """Per link, the rank pair ``(a, b)`` with ``a < b``: the boundaries between virtual stages that cross it, each
+    ``(up rank, up chunk, down rank, down chunk)`` (virtual stage ``g`` is chunk ``g // stages`` of rank
+    ``g % stages``, and sends to ``g + 1``). With interleaving, two ranks' link carries several boundaries,
+    and on two ranks both directions."""
+    out: dict[tuple[int, int], list[tuple[int, int, int, int]]] = {}
+    for g in range(stages * chunks - 1):
+        uc, us = divmod(g, stages)
+        dc, ds = divmod(g + 1, stages)
+        out.setdefault((min(us, ds), max(us, ds)), []).append((us, uc, ds, dc))
+    return out
+
+
+def _waits(steps: Sequence[Sequence[list[Any]]], stages: int,
+           chunks: int) -> dict[tuple[int, int], list[tuple[list[float], list[float]]]]:
+    """Per link (:func:`boundaries`) and step (the first left out): (each activation's wait, each gradient's), s."""
+    out: dict[tuple[int, int], list[tuple[list[float], list[float]]]] = {}
+    crossing = boundaries(stages, chunks)
+    for k in range(1, len(steps)):
+        when: list[dict[tuple[str, int, int], tuple[int, int, int]]] = []  # (kind, mb, chunk) -> start, end, free
+        for s in range(stages):
+            mine: dict[tuple[str, int, int], tuple[int, int, int]] = {}
+            free = steps[k - 1][s][-1].end_ns  # the previous step's last action
+            for e in steps[k][s]:
+                d = e.detail
+                mine[(_OPS[e.op], int(d.get("mb", -1)), int(d.get("chunk", 0)))] = (e.start_ns, e.end_ns, free)
+                free = e.end_ns
+            when.append(mine)
+        for pair, crossings in crossing.items():
+            acts: list[float] = []
+            grads: list[float] = []
+            out.setdefault(pair, []).append((acts, grads))
+            for us, uc, ds, dc in crossings:
+                for (kind, mb, c), (start, _, free) in when[ds].items():
+                    if kind == "F" and c == dc and ("F", mb, uc) in when[us]:  # down waited for up's activation
+                        acts.append((start - max(when[us][("F", mb, uc)][1], free)) / 1e9)
+                for (kind, mb, c), (start, _, free) in when[us].items():
+                    if kind == "B" and c == uc and ("B", mb, dc) in when[ds]:  # up waited for down's gradient
+                        grads.append((start - max(when[ds][("B", mb, dc)][1], free)) / 1e9)
+    return out
+
+
+def _link_bytes(rank: Any, peer: int, since: int, until: int) -> int:
+    """Bytes ``rank`` sent to stage ``peer`` between two times."""
+    return sum(e.nbytes for e in rank.events
+               if e.op in ("isend", "send") and e.peer == peer and since <= e.start_ns <= until)
+
+
+def link_times(steps: Sequence[Sequence[list[Any]]], ranks: Sequence[Any], chunks: int = 1) -> list[LinkTimes]:
+    """Every link between neighbour stages, from ``steps[k][stage]`` (that stage's actions of step ``k``,
+    in order, each step ending with its ``S``) and each stage's :class:`~ringpipe.observe.collect.RankEvents`.
+
+    A message's wait is the time from when both sides were ready (the sender's pass that made it
+    had ended, the receiver's previous action had ended) to the start of the receiver's pass that
+    uses it: the transfer and its latency, beyond the schedule's own waits (a receiver busy with
+    other work, a sender still computing) which are left out. Per link, the activation waits, the
+    gradient waits and both are summed per step and their medians taken over the steps after the
+    first (warm-up); the median wait of one message pools both directions of those steps. Times are
+    on rank 0's clock: an error in a host's clock offset adds to one direction what it takes from
+    the other, which pooling both directions keeps from deciding. Links with several chunks per rank
+    (interleaving) include the link from the last stage back to the first.
+    """
+    stages = len(ranks)
+    if stages < 2 or len(steps) < 2:
+        return []
+    since, until = min(s[0].start_ns for s in steps[1]), max(s[-1].end_ns for s in steps[-1])
+    out = []
+    for (up, down), rows in sorted(_waits(steps, stages, chunks).items()):
+        both = _link_bytes(ranks[up], down, since, until) + _link_bytes(ranks[down], up, since, until)
+        acts, grads = [sum(r[0]) for r in rows], [sum(r[1]) for r in rows]
+        out.append(LinkTimes(up, down, ranks[up].host, ranks[down].host, max(0.0, _median(acts)),
+                             max(0.0, _median(grads)), max(0.0, _median([a + g for a, g in zip(acts, grads, strict=True)])),
+                             max(0.0, _median([w for r in rows for w in (*r[0], *r[1])])), both // (len(steps) - 1)))
+    return out
+
+
+
+def slow_links(links: Sequence[LinkTimes], step: float, pass_time: float) -> list[tuple[LinkTimes, float]]:
+    """The links named slow (see the module docstring), each with how many times the other links' typical
+    message wait its own is; ``step``: the measured step time; ``pass_time``: a typical pass of the stages
+    (what the one link of two stages is compared with, returned as its ratio)."""
+    if len(links) == 1:  # nothing to compare with but the work of the two stages it joins
+        only = links[0]
+        if pass_time and only.total >= LINK_SHARE * step and only.message >= LINK_RATIO * pass_time:
+            return [(only, only.message / pass_time)]
+        return []
+    out = []
+    for link in links:
+        others = [x for x in links if x is not link]
+        typical = _median([x.message for x in others])
+        excess = link.total - _median([x.total for x in others])
+        if excess >= LINK_SHARE * step and link.message >= LINK_RATIO * typical:
+            out.append((link, link.message / typical if typical > 0 else float("inf")))
+    return out

@@ -1,0 +1,121 @@
+"""The pipeline doctor's links: the waits that messages between neighbour stages add, and which link it names slow.
+
+Synthetic runs from :func:`unit.pipeline.test_diagnosis.run_events`: a message is sent when its
+pass ends, crosses a link one at a time in ``links[s]`` ms (the link between stages ``s`` and
+``s + 1``; none: at once) and arrives ``latency`` ms later. The oracle is plain arithmetic on GPipe
+with equal passes (forward ``f = 1``, backward ``b = 2`` ms, 4 micro-batches): on a link of
+transfer time ``T > f`` the first activation of a step waits ``T`` plus the latency (its receiver
+is idle), each later one ``T - f`` (it arrives ``T`` after the previous one, whose forward took
+``f``); gradients likewise with ``b``.
+"""
+
+import pytest
+
+from ringpipe.pipeline.diagnosis import breakdown, pipeline_findings
+from ringpipe.pipeline.stage_links import LINK_RATIO, boundaries, slow_links
+from unit.pipeline.test_diagnosis import run_events
+
+HOSTS = ["rp-host-a", "rp-host-b", "rp-host-c", "rp-host-d"]
+
+
+def _links(found):
+    return [f for f in found if f.what.startswith("the link between")]
+
+
+def test_one_slow_link_of_gpipe_waits_as_the_arithmetic_says_and_is_named_with_its_hosts():
+    job = run_events(3, 4, [1.0] * 3, [2.0] * 3, latency=0.1, links={1: 5.0}, schedule="gpipe", hosts=HOSTS[:3])
+    b = breakdown(job)
+    got = {(x.up, x.down): x for x in b.links}
+    assert sorted(got) == [(0, 1), (1, 2)]
+    slow = got[(1, 2)]
+    acts, grads = [5.1, 4.0, 4.0, 4.0], [5.1, 3.0, 3.0, 3.0]  # T + latency, then T - f (T - b)
+    assert slow.activations * 1e3 == pytest.approx(sum(acts), abs=1e-3)
+    assert slow.gradients * 1e3 == pytest.approx(sum(grads), abs=1e-3)
+    assert slow.total * 1e3 == pytest.approx(sum(acts) + sum(grads), abs=1e-3)
+    assert slow.message * 1e3 == pytest.approx(4.0, abs=1e-3)  # the median of the eight
+    # the fast link: the first activation waits the latency (later ones arrive while the previous runs);
+    # every gradient does (stage 1's backwards come every T = 5 ms, stage 0's take 2)
+    fast = got[(0, 1)]
+    assert fast.total * 1e3 == pytest.approx(0.1 + 4 * 0.1, abs=1e-3)
+    assert fast.message * 1e3 == pytest.approx(0.1, abs=1e-3)
+    assert (slow.up_host, slow.down_host) == ("rp-host-b", "rp-host-c")
+    named = _links(pipeline_findings(job))
+    assert len(named) == 1 and named[0].severity == "problem", named
+    assert named[0].what.startswith("the link between stage 1 (host rp-host-b) and stage 2 (host rp-host-c) is slow: "
+                                    "its messages wait 4.0 ms each (median), 40.0x the other links'; 31.2 ms per step")
+    assert named[0].hosts == ("rp-host-b", "rp-host-c")
+    assert "rp-host-b and rp-host-c" in named[0].fix
+
+
+@pytest.mark.parametrize("p", [2, 3, 4])
+def test_equal_links_get_no_link_finding_even_when_messages_are_slow(p):
+    job = run_events(p, 8, [1.0] * p, [2.0] * p, latency=0.5, links={s: 0.8 for s in range(p - 1)}, hosts=HOSTS[:p],
+                     steps=8)
+    b = breakdown(job)
+    assert len(b.links) == p - 1 and all(x.total > 0 for x in b.links)
+    found = pipeline_findings(job)
+    assert _links(found) == [], found
+    assert "waits on the links between stages per step" in found[0].evidence
+
+
+def test_a_heavy_stage_is_not_taken_for_a_slow_link():
+    """Stage 1 is late with its messages because it computes twice as long, not because of its links."""
+    job = run_events(4, 8, [1.0, 2.0, 1.0, 1.0], [2.0, 4.0, 2.0, 2.0], latency=0.2, hosts=HOSTS)
+    found = pipeline_findings(job)
+    assert any("stage 1 is the heaviest" in f.what for f in found)
+    assert _links(found) == []
+
+
+def test_a_slow_link_in_the_middle_of_four_stages_is_the_one_named():
+    job = run_events(4, 8, [1.0] * 4, [2.0] * 4, latency=0.2, links={1: 4.0}, hosts=HOSTS)
+    b = breakdown(job)
+    slow = slow_links(b.links, b.measured, 1.5e-3)
+    assert [(x.up, x.down) for x, _ in slow] == [(1, 2)]
+    assert slow[0][1] >= LINK_RATIO
+    assert len(_links(pipeline_findings(job))) == 1
+
+
+def test_the_only_link_of_two_stages_is_named_when_its_messages_wait_three_typical_passes():
+    # passes of 1 and 2 ms: a typical pass is 1.5 ms. T = 10: waits 10.1, 9, 9, 9 and 10.1, 8, 8, 8: median 9
+    job = run_events(2, 4, [1.0, 1.0], [2.0, 2.0], latency=0.1, links={0: 10.0}, schedule="gpipe", hosts=HOSTS[:2])
+    named = _links(pipeline_findings(job))
+    assert len(named) == 1 and named[0].severity == "problem"
+    assert named[0].what.startswith("the link between stage 0 (host rp-host-a) and stage 1 (host rp-host-b) is slow: "
+                                    "its messages wait 9.0 ms each (median), 6.0x a typical pass of the stages")
+    # T = 4: waits 4.1, 3, 3, 3 and 4.1, 2, 2, 2: median 3, twice a pass
+    under = run_events(2, 4, [1.0, 1.0], [2.0, 2.0], latency=0.1, links={0: 4.0}, schedule="gpipe", hosts=HOSTS[:2])
+    assert _links(pipeline_findings(under)) == []
+
+
+def test_the_only_link_on_hosts_short_of_cores_is_information_and_on_one_such_host_not_named():
+    """With one link there is no other to tell a slow link from receivers waiting for a core."""
+    job = run_events(2, 4, [1.0, 1.0], [2.0, 2.0], latency=0.1, links={0: 10.0}, schedule="gpipe", hosts=HOSTS[:2])
+    job.ranks[1].info.update(loadavg=9.0, cpu_count=2)
+    named = _links(pipeline_findings(job))
+    assert [f.severity for f in named] == ["info"]
+    assert "rp-host-b ran a load average of 9.0 on 2 CPUs" in named[0].evidence
+    three = run_events(3, 4, [1.0] * 3, [2.0] * 3, latency=0.1, links={1: 5.0}, schedule="gpipe", hosts=HOSTS[:3])
+    for r in three.ranks:
+        r.info.update(loadavg=9.0, cpu_count=2)
+    assert [f.severity for f in _links(pipeline_findings(three))] == ["problem"]  # compared with the other link
+    # both stages on one busy host: no network between them; the link is not named
+    one = run_events(2, 4, [1.0, 1.0], [2.0, 2.0], latency=0.1, links={0: 10.0}, schedule="gpipe")
+    one.ranks[0].info.update(loadavg=9.0, cpu_count=2)
+    assert _links(pipeline_findings(one)) == []
+    assert "waits on the links between stages per step: stage 0 and stage 1" in pipeline_findings(one)[0].evidence
+
+
+def test_on_one_host_the_link_is_named_by_its_stages_only():
+    job = run_events(3, 4, [1.0] * 3, [2.0] * 3, latency=0.1, links={0: 5.0}, schedule="gpipe")
+    named = _links(pipeline_findings(job))
+    assert [f.what.split(" is slow")[0] for f in named] == ["the link between stage 0 and stage 1"]
+    assert named[0].hosts == ()
+
+
+def test_interleaved_boundaries_are_grouped_by_the_rank_pair_they_cross():
+    # virtual stage g is chunk g // p of rank g % p and sends to g + 1
+    assert boundaries(3, 1) == {(0, 1): [(0, 0, 1, 0)], (1, 2): [(1, 0, 2, 0)]}
+    assert boundaries(3, 2) == {(0, 1): [(0, 0, 1, 0), (0, 1, 1, 1)], (1, 2): [(1, 0, 2, 0), (1, 1, 2, 1)],
+                                (0, 2): [(2, 0, 0, 1)]}
+    # two ranks: one link, both directions
+    assert boundaries(2, 2) == {(0, 1): [(0, 0, 1, 0), (1, 0, 0, 1), (0, 1, 1, 1)]}
