@@ -128,7 +128,7 @@ def _train(comm, which, points, configs, data, microbatches):
         losses, tied_equal = [], []
         for x, y in data:
             losses.append(t.train_step(x if t.is_first else None, y if t.is_last else None))
-            mine = [p.detach().clone() for params, _ in t.tied for p in params]  # this rank's tied copies
+            mine = [p.detach().clone() for group in t.tied for p in group.params]  # this rank's tied copies
             held = [c for c in comm.allgather_object(mine) if c]
             tied_equal.append(all(torch.equal(a, b) for h in held[1:] for a, b in zip(held[0], h, strict=True)))
             if t.tied_names:
