@@ -418,7 +418,9 @@ class PipelineTrainer:
         as in one :meth:`train_stream` over all the batches fed. Call :meth:`drain` (on every
         rank) to finish them before a checkpoint or whenever the weights must be final.
         ``step_every`` must divide ``microbatches``: the stream's length is not known in
-        advance, so no optimizer step may straddle a batch boundary.
+        advance, so no optimizer step may straddle a batch boundary. Weights tied across stages
+        stay open too: the first holder steps them, the others keep mirrors a few steps late
+        (:mod:`~ringpipe.pipeline.tied_owner`), equal again after :meth:`drain`.
         """
         if not self.is_async:
             raise ValueError(
