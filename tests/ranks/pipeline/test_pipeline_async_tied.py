@@ -336,7 +336,11 @@ def _train(comm, stages, cases, data):
                 optimizer_factory=lambda ps: torch.optim.SGD(ps, lr=LR, momentum=MOMENTUM, weight_decay=DECAY),
             )
             feed = t.stream_step if stream else t.train_step
-            losses = [feed(x if t.is_first else None, y if t.is_last else None) for x, y in data]
+            losses = []
+            for x, y in data:
+                losses.append(feed(x if t.is_first else None, y if t.is_last else None))
+                # a collective of the caller's between batches (logging): no stage waits across it
+                comm.allreduce(torch.zeros(1, dtype=DT))
             if stream:
                 assert t.streaming and t.in_flight == stages - 1 - t.stage  # the stream stayed open
                 t.drain()
