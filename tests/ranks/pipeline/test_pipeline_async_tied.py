@@ -38,7 +38,10 @@ messages allow. It follows docs/pipelines.md ("Tied weights") and PipeDream's de
   weight stashing keeps it with the stage's other weights.
 
 Every run must end with the oracle's weights on every stage (both copies of ``E`` included) and
-give the oracle's loss per batch, to 1e-10 in float64.
+give the oracle's loss per batch, to 1e-10 in float64: through ``train_step`` per batch, and through
+``stream_step`` over the same batches (a collective of the caller's between them, which a stage
+waiting across batches would deadlock) then ``drain``; and with 2 replicas of the pipeline fed the
+same batches (the same run).
 """
 
 import itertools
@@ -386,3 +389,38 @@ def test_the_oracle_tells_stale_from_ws_and_keeps_the_copies_equal():
         assert float((stale[0]["l1.W"] - stashed[0]["l1.W"]).abs().max()) > 1e-6
         # both copies of the tied weight stay equal in the oracle too
         assert torch.equal(stale[0]["E"], stale[-1]["E"])
+
+
+def _train_replicated(comm, cases, data):
+    """2 stages x 2 replicas, each replica fed the same batches: the same run as one pipeline."""
+    out = {}
+    for names, k in cases:
+        t = PipelineTrainer(
+            comm, TiedNet(), split_points=POINTS[2], sample=data[0][0], schedule="async_1f1b", replicas=2,
+            microbatches=MICRO, mitigations=names, step_every=k, loss_fn=nn.functional.cross_entropy,
+            optimizer_factory=lambda ps: torch.optim.SGD(ps, lr=LR, momentum=MOMENTUM, weight_decay=DECAY),
+        )
+        for x, y in data:
+            t.stream_step(x if t.is_first else None, y if t.is_last else None)
+        t.drain()
+        state = {n.removeprefix("graph_module."): v.detach().clone() for n, v in t.module.state_dict().items()}
+        out[(names, k)] = (t.stage, state)
+    return out
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.slow  # 4 ranks on 2 cores
+def test_replicas_of_a_pipeline_with_a_tied_weight_match_the_oracle(worlds):
+    # each replica's owner and mirror talk to each other only; the replicas average every gradient first
+    data = make_data()
+    cases = [("wp+ws+ga", 1), ("ws", 2)]
+    results = worlds.spawn(_train_replicated, 4, args=(cases, data))
+    for names, k in cases:
+        chosen = names.split("+")
+        want, _ = oracle_state(2, "ws" in chosen, k, data, "wp" in chosen, "ga" in chosen, stream=True)
+        for rank_out in results:
+            stage, state = rank_out[(names, k)]
+            got = {TIED.get(n, n): v for n, v in state.items()}
+            assert set(got) == set(want[stage])
+            for n, v in want[stage].items():
+                assert float((got[n] - v).abs().max()) <= ATOL, (names, k, stage, n)
