@@ -19,8 +19,8 @@ gradient; ``S`` sums the gradients of weights tied across stages (synchronous sc
 averages gradients over the stage's replicas, gathers a tied weight's gradients on its owner
 (asynchronous schedules, :mod:`ringpipe.pipeline.tied_owner`), then runs the weight policy's
 ``before_step``, ``optimizer.step()`` over every chunk's parameters, the tied owner's send or
-the mirror's update, the LR scheduler, ``after_step`` and clears the gradients. Receives are posted one action ahead, one per
-channel, so transfers overlap compute.
+the mirror's update, the LR scheduler, ``after_step`` and clears the gradients. Receives are
+posted one action ahead, one per channel, so transfers overlap compute.
 
 Each micro-batch's staleness (optimizer steps between its forward and its backward on this
 stage, 0 for flushing schedules) is given to the weight policy at forward time.
