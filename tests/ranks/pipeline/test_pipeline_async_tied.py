@@ -1,12 +1,14 @@
-"""The asynchronous 1F1B pipeline with a weight tied between the first and the last stage, against a one-process oracle.
+"""The asynchronous 1F1B pipeline with a weight tied across stages, against a one-process oracle.
 
 The model: an embedding ``E``, linear+tanh blocks, and a head whose weight *is* ``E`` (logits
 ``h E^T``), split with ``split_points`` into 2 and 3 stages, so that the first stage (embedding)
-and the last (head) each hold a copy of ``E``. The oracle below shares no code with ringpipe's
-executor, staleness policies or schedules: it writes the schedule, each stage's forward and
-backward (by hand, no autograd) and SGD with momentum out plainly, and runs the stages in one
-process, each on its own copy of its weights (the tied one included), in any order the
-messages allow. It follows docs/pipelines.md ("Tied weights") and PipeDream's definitions:
+and the last (head) each hold a copy of ``E``; and on 3 stages a variant with ``mix`` (``tanh(h E^T E
+/ V)``) beginning the middle stage, so that all three stages hold ``E``: two mirrors, one of them
+on a stage whose micro-batches are stale (weight prediction must leave it alone). The oracle
+below shares no code with ringpipe's executor, staleness policies or schedules: it writes the
+schedule, each stage's forward and backward (by hand, no autograd) and SGD with momentum out
+plainly, and runs the stages in one process, each on its own copy of its weights (the tied one
+included), in any order the messages allow. It follows docs/pipelines.md ("Tied weights") and PipeDream's definitions:
 
 - **schedule** (PipeDream's asynchronous 1F1B): stage ``i`` of ``N`` runs forwards ``F0 ..
   F(N-1-i)``, then ``B j`` and the next ``F`` alternately, then the remaining backwards; an
@@ -60,12 +62,25 @@ ATOL = 1e-10
 BLOCKS = ["l1", "l2", "l3", "l4"]
 #: stages -> split points; the first stage holds emb, l1, l2 (two blocks: weight stashing changes its gradients)
 POINTS = {2: ["l3"], 3: ["l3", "l4"]}
+#: the model with ``mix`` on 3 stages: emb, l1, l2 | mix, l3 | l4, head (three holders of E)
+MID_POINTS = ["mix", "l4"]
+
+
+class Mix(nn.Module):
+    """``tanh(h E^T E / V)``: a middle use of the embedding's weight (a mirror on a stale stage)."""
+
+    def __init__(self, weight):
+        super().__init__()
+        self.weight = weight
+
+    def forward(self, h):
+        return torch.tanh(h @ self.weight.T @ self.weight / V)
 
 
 class TiedNet(nn.Module):
-    """Embedding, four linear+tanh blocks, and a head whose weight is the embedding's."""
+    """Embedding, four linear+tanh blocks, and a head whose weight is the embedding's (``mid``: and ``mix`` after l2)."""
 
-    def __init__(self):
+    def __init__(self, mid=False):
         super().__init__()
         torch.manual_seed(0)
         self.emb = nn.Embedding(V, D, dtype=DT)
@@ -73,10 +88,15 @@ class TiedNet(nn.Module):
             setattr(self, name, nn.Linear(D, D, dtype=DT))
         self.head = nn.Linear(D, V, bias=False, dtype=DT)
         self.head.weight = self.emb.weight
+        self.mid = mid
+        if mid:
+            self.mix = Mix(self.emb.weight)
 
     def forward(self, x):
         h = self.emb(x)
         for name in BLOCKS:
+            if name == "l3" and self.mid:
+                h = self.mix(h)
             h = torch.tanh(getattr(self, name)(h))
         return self.head(h)
 
@@ -90,8 +110,10 @@ def make_data():
 # ---------------------------------------------------------------------------------------- the oracle
 
 
-def stage_layers(stages: int) -> list[list[str]]:
-    """Each stage's operations: ``emb``, a block's name (linear then tanh), ``head``."""
+def stage_layers(stages: int, mid: bool = False) -> list[list[str]]:
+    """Each stage's operations: ``emb``, a block's name (linear then tanh), ``mix``, ``head``."""
+    if mid:
+        return [["emb", "l1", "l2"], ["mix", "l3"], ["l4", "head"]]
     if stages == 2:
         return [["emb", "l1", "l2"], ["l3", "l4", "head"]]
     return [["emb", "l1", "l2"], ["l3"], ["l4", "head"]]
@@ -122,6 +144,11 @@ def forward(layers, w, x):
         elif op == "head":
             saved.append(h)
             h = h @ w["E"].T
+        elif op == "mix":  # tanh(h E^T E / V)
+            a = h @ w["E"].T
+            saved += [h, a]
+            h = torch.tanh(a @ w["E"] / V)
+            saved.append(h)
         else:
             saved.append(h)
             h = torch.tanh(h @ w[op + ".W"].T + w[op + ".b"])
@@ -141,6 +168,13 @@ def backward(layers, w, saved, dy):
             a = saved.pop()
             grads["E"] += dy.T @ a
             dy = dy @ w["E"]
+        elif op == "mix":
+            out, a, h = saved.pop(), saved.pop(), saved.pop()
+            dz = dy * (1 - out * out) / V
+            grads["E"] += a.T @ dz  # through the second use, z = a E
+            da = dz @ w["E"].T
+            grads["E"] += da.T @ h  # through the first, a = h E^T
+            dy = da @ w["E"]
         else:
             out, a = saved.pop(), saved.pop()
             dz = dy * (1 - out * out)
@@ -180,14 +214,16 @@ def predict(theta, v, g0, horizon):
     return th
 
 
-def oracle(stages: int, ws: bool, k: int, data, wp: bool = False, ga: bool = False, stream: bool = False):
+def oracle(stages: int, ws: bool, k: int, data, wp: bool = False, ga: bool = False, stream: bool = False,
+           mid: bool = False):
     """Each stage's final weights (its own copy of ``E`` included) and the loss of each batch.
 
     ``stream``: the batches are one stream (``stream_step`` then ``drain``), else one run each.
+    ``mid``: the model with ``mix`` (3 stages, ``E`` on each).
     """
-    model = TiedNet()
-    layers = stage_layers(stages)
-    holders = [s for s in range(stages) if "emb" in layers[s] or "head" in layers[s]]
+    model = TiedNet(mid)
+    layers = stage_layers(stages, mid)
+    holders = [s for s in range(stages) if {"emb", "head", "mix"} & set(layers[s])]
     owner = holders[0]
     delay = {s: -(-(s - owner) // k) for s in holders[1:]}  # D = ceil((s - f) / step_every)
     w = []
@@ -305,9 +341,9 @@ def oracle(stages: int, ws: bool, k: int, data, wp: bool = False, ga: bool = Fal
     return w, losses
 
 
-def oracle_state(stages, ws, k, data, wp=False, ga=False, stream=False):
-    """The oracle's weights under the model's names, per stage (``emb.weight`` for either copy of ``E``)."""
-    w, losses = oracle(stages, ws, k, data, wp, ga, stream)
+def oracle_state(stages, ws, k, data, wp=False, ga=False, stream=False, mid=False):
+    """The oracle's weights under the model's names, per stage (``emb.weight`` for every copy of ``E``)."""
+    w, losses = oracle(stages, ws, k, data, wp, ga, stream, mid)
     out = []
     for mine in w:
         state = {}
@@ -323,18 +359,19 @@ def oracle_state(stages, ws, k, data, wp=False, ga=False, stream=False):
 
 # ---------------------------------------------------------------------------------------- the pipeline
 
-TIED = {"head.weight": "emb.weight"}  # the tied weight's two names
+TIED = {"head.weight": "emb.weight", "mix.weight": "emb.weight"}  # the tied weight's names
 #: (mitigations, step_every)
 CASES = [("stale", 1), ("stale", 2), ("ws", 1), ("ws", 2), ("wp", 1), ("wp+ws", 1), ("wp", 2), ("wp+ws", 2),
          ("ws+ga", 1), ("ws+ga", 2), ("wp+ws+ga", 1)]
 
 
-def _train(comm, stages, cases, data):
+def _train(comm, stages, cases, data, mid=False):
     out = {}
     for names, k in cases:
         for stream in (False, True):
             t = PipelineTrainer(
-                comm, TiedNet(), split_points=POINTS[stages], sample=data[0][0], schedule="async_1f1b",
+                comm, TiedNet(mid), split_points=MID_POINTS if mid else POINTS[stages], sample=data[0][0],
+                schedule="async_1f1b",
                 microbatches=MICRO, mitigations=names, step_every=k, loss_fn=nn.functional.cross_entropy,
                 optimizer_factory=lambda ps: torch.optim.SGD(ps, lr=LR, momentum=MOMENTUM, weight_decay=DECAY),
             )
@@ -354,16 +391,21 @@ def _train(comm, stages, cases, data):
 
 
 @pytest.mark.timeout(300)
-# 3 stages in the full suite only (slow counts as e2e), to keep the inner loop short
-@pytest.mark.parametrize("stages", [2, pytest.param(3, marks=pytest.mark.slow)])
+# 3 stages in the full suite only (slow counts as e2e), to keep the inner loop short; "3mid": the model
+# with mix, whose E is held by all 3 stages (two mirrors, one of them on a stale stage)
+@pytest.mark.parametrize("stages", [2, pytest.param(3, marks=pytest.mark.slow),
+                                    pytest.param("3mid", marks=pytest.mark.slow)])
 def test_async_with_a_tied_weight_matches_the_oracle(worlds, stages):
     data = make_data()
-    results = worlds.spawn(_train, stages, args=(stages, CASES, data))
-    start = {n: v.detach() for n, v in TiedNet().state_dict().items()}
+    mid = stages == "3mid"
+    stages = 3 if mid else stages
+    results = worlds.spawn(_train, stages, args=(stages, CASES, data, mid))
+    start = {TIED.get(n, n): v.detach() for n, v in TiedNet(mid).state_dict().items()}
     bad = []
     for (names, k), stream in itertools.product(CASES, (False, True)):
         chosen = names.split("+")
-        want, want_losses = oracle_state(stages, "ws" in chosen, k, data, "wp" in chosen, "ga" in chosen, stream)
+        want, want_losses = oracle_state(stages, "ws" in chosen, k, data, "wp" in chosen, "ga" in chosen, stream,
+                                         mid)
         how = "stream_step+drain" if stream else "train_step"
         for s, rank_out in enumerate(results):
             state, losses, is_last = rank_out[(names, k, stream)]
