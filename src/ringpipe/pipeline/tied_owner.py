@@ -25,8 +25,9 @@ micro-batch ``j*step_every - 1``, which follows its forward of micro-batch
 when ``D*step_every >= s - f``. So the owner's update lies in the same window of an open stream
 (:meth:`~ringpipe.pipeline.trainer.PipelineTrainer.stream_step`) as the mirror's step or an
 earlier one, and in the steady state it comes ``s - f`` slots or more before it: the mirror does
-not wait, and never across a batch boundary. With ``D - 1`` the owner's update comes after the
-mirror's step in the steady state and, for some windows, in the next window.
+not wait, and never across a batch boundary. With ``D - 1`` the owner's update would depend on a
+forward the mirror has already passed (the mirror would wait in the steady state), and on 2 stages
+it would fall into the next window (``tests/unit/pipeline/test_tied_owner.py``).
 
 The messages cannot deadlock: the owner's step ``k`` waits only for gradients the mirrors sent at
 their step ``k``, and the mirror's step ``j`` only for the owner's update ``j - D``, whose own
