@@ -12,9 +12,11 @@ is the next id modulo the vocabulary, a task the loss can fall on), batch, micro
 (token cross-entropy on the logits), one thread per process, warm-up.
 
 GPT-2's LM head is its token embedding: split, stage 0 holds the embedding and stage 1 the head.
-ringpipe sums the two copies' gradients before every step (one small allreduce per step: the tied
-weights stay equal, as in one process); torch.distributed.pipelining keeps two untied copies, so its
-stage 1 trains a different model. The comparison is therefore ringpipe doing a little more work.
+ringpipe's synchronous schedules sum the two copies' gradients before every step (one small
+allreduce per step: the tied weights stay equal, as in one process); its asynchronous pipeline lets
+stage 0 own the weight and stage 1 keep a mirror one step late (point-to-point messages, the stream
+stays open; docs/pipelines.md, "Tied weights"); torch.distributed.pipelining keeps two untied copies,
+so its stage 1 trains a different model. The comparison is therefore ringpipe doing a little more work.
 
 The variants run in blocks (each variant once per block, built afresh, the order rotated from block
 to block) so that drift of a shared machine falls on all of them; reported: samples/s median and
@@ -22,8 +24,9 @@ spread over blocks, ratios as medians of per-block ratios, and each rank's peak 
 and gradients it holds plus the live bytes of the storages autograd saves for backward (a
 saved-tensors hook, each storage counted once, a parameter's not at all; ringpipe's asynchronous
 stages are hooked through their own weight-stash hooks). The asynchronous pipeline's accuracy
-figure: the mean loss of the last quarter of the timed steps, against ringpipe's 1F1B in the same
-block (same data, same number of steps).
+figure: the mean training loss of the last quarter of the timed steps, and the loss on a held-out
+batch after all the steps (warm-up and timed, the stream drained; ringpipe's variants), against
+ringpipe's 1F1B in the same block (same data, same number of optimizer steps: one per batch).
 
     python benchmarks/pipeline_gpt2_vs_torch.py --steps 20 --repeats 5
 """
@@ -73,6 +76,12 @@ def batches(args: argparse.Namespace, n: int) -> list[tuple[torch.Tensor, torch.
     return out
 
 
+def held_out(args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch none of the training steps sees (its own seed), for the loss after training."""
+    x = torch.randint(0, args.vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(2))
+    return x, (x + 1) % args.vocab
+
+
 def lm_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
@@ -102,9 +111,13 @@ def ringpipe_variant(comm: Any, args: argparse.Namespace, schedule: str, data: l
         feed = (x if t.is_first else None, y if t.is_last else None)
         return t.stream_step(*feed) if is_async else t.train_step(*feed)
 
+    def evaluate() -> float | None:
+        x, y = held_out(args)
+        return t.eval_step(x if t.is_first else None, y if t.is_last else None)[0]
+
     try:
         with meter.hooks():
-            return timed_steps(comm, args, data, step, t.drain, meter, held_bytes(params))
+            return timed_steps(comm, args, data, step, t.drain, meter, held_bytes(params), evaluate)
     finally:
         if orig is not None:
             stage_mod.live_weights = orig  # type: ignore[assignment]
@@ -140,7 +153,7 @@ def torch_variant(comm: Any, args: argparse.Namespace, schedule: str, data: list
 
 
 def timed_steps(comm: Any, args: argparse.Namespace, data: list, step: Any, drain: Any,
-                meter: ActivationMeter, held: int) -> dict[str, Any]:
+                meter: ActivationMeter, held: int, evaluate: Any = None) -> dict[str, Any]:
     for x, y in data[: args.warmup]:
         step(x, y)
     drain()
@@ -153,7 +166,8 @@ def timed_steps(comm: Any, args: argparse.Namespace, data: list, step: Any, drai
     dt = time.perf_counter() - t0
     tail = [v for v in losses[-max(1, args.steps // 4):] if v is not None]
     return {"samples_per_s": args.steps * args.batch / dt, "peak_mib": (held + meter.peak) / 2**20,
-            "params_mib": held / 2 / 2**20, "loss_tail": statistics.mean(tail) if tail else None}
+            "params_mib": held / 2 / 2**20, "loss_tail": statistics.mean(tail) if tail else None,
+            "loss_after": evaluate() if evaluate is not None else None}
 
 
 def worker(comm: Any, args: argparse.Namespace, names: list[str]) -> dict[str, list[dict]]:
@@ -213,13 +227,17 @@ def main(argv: list[str] | None = None) -> int:
         xs = [r["samples_per_s"] for r in r0[n]]
         med[n] = stats.median(xs)
         losses = [r["loss_tail"] for r in r1[n] if r["loss_tail"] is not None]
+        after = [r["loss_after"] for r in r1[n] if r["loss_after"] is not None]
         rows.append([n, f"{med[n]:.1f}", f"{min(xs):.1f}-{max(xs):.1f}",
                      f"{stats.median([r['peak_mib'] for r in r0[n]]):.2f} / {stats.median([r['peak_mib'] for r in r1[n]]):.2f}",
                      f"{r0[n][0]['params_mib']:.2f} / {r1[n][0]['params_mib']:.2f}",
-                     f"{stats.median(losses):.4f}" if losses else "n/a"])
+                     f"{stats.median(losses):.4f}" if losses else "n/a",
+                     f"{stats.median(after):.4f}" if after else "n/a"])
+    total_steps = args.warmup + args.steps
     print(report.table(["variant", "samples/s (median)", "spread (min-max)", "peak MiB rank 0 / 1",
-                        "parameters MiB rank 0 / 1", "loss, last quarter of the steps"], rows,
-                       [False, True, False, True, True, True]))
+                        "parameters MiB rank 0 / 1", "loss, last quarter of the steps",
+                        f"held-out loss after {total_steps} steps"], rows,
+                       [False, True, False, True, True, True, True]))
 
     def per_block(a: str, b: str) -> stats.Spread:
         return stats.ratios([x["samples_per_s"] for x in r0[a]], [y["samples_per_s"] for y in r0[b]])
@@ -240,6 +258,10 @@ def main(argv: list[str] | None = None) -> int:
     if "ringpipe async_1f1b" in names and "ringpipe 1f1b" in names:
         s = per_block("ringpipe async_1f1b", "ringpipe 1f1b")
         print(f"- asynchronous against 1F1B, speed: {s.fmt()}")
+        a_loss = stats.median([r["loss_after"] for r in r1["ringpipe async_1f1b"]])
+        s_loss = stats.median([r["loss_after"] for r in r1["ringpipe 1f1b"]])
+        print(f"- asynchronous against 1F1B, held-out loss after {total_steps} steps (same data, one step per "
+              f"batch): {a_loss:.4f} against {s_loss:.4f} ({a_loss - s_loss:+.4f}, {100 * (a_loss / s_loss - 1):+.2f} %)")
         headline.append(("GPT-2 pipeline step time, ringpipe async_1f1b", "ringpipe 1f1b",
                          per_block("ringpipe 1f1b", "ringpipe async_1f1b")))
     if headline:

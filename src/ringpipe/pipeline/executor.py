@@ -15,10 +15,12 @@ data, the others from the previous one), runs the chunk forward and sends the ou
 ``B m.c`` takes the output gradient (the last virtual stage starts from its loss), runs the
 backward and sends the input gradient back (only the input gradient where the list holds
 ``W`` actions for the chunk: the runtime's split backward); ``W m.c`` computes the weight
-gradient; ``S`` averages gradients over the stage's replicas, then runs the weight policy's
-``before_step``, ``optimizer.step()`` over every chunk's parameters, the LR scheduler,
-``after_step`` and clears the gradients. Receives are posted one action ahead, one per
-channel, so transfers overlap compute.
+gradient; ``S`` sums the gradients of weights tied across stages (synchronous schedules),
+averages gradients over the stage's replicas, gathers a tied weight's gradients on its owner
+(asynchronous schedules, :mod:`ringpipe.pipeline.tied_owner`), then runs the weight policy's
+``before_step``, ``optimizer.step()`` over every chunk's parameters, the tied owner's send or
+the mirror's update, the LR scheduler, ``after_step`` and clears the gradients. Receives are
+posted one action ahead, one per channel, so transfers overlap compute.
 
 Each micro-batch's staleness (optimizer steps between its forward and its backward on this
 stage, 0 for flushing schedules) is given to the weight policy at forward time.
@@ -49,13 +51,10 @@ from ringpipe.pipeline.channel import (
 )
 from ringpipe.pipeline.model_io import batch_to
 from ringpipe.pipeline.recompute import microbatch_seed
-from ringpipe.pipeline.replicas import (
-    average_gradients,
-    share_first_tied_gradients,
-    sum_tied_gradients,
-)
+from ringpipe.pipeline.replicas import TiedGroup, average_gradients, sum_tied_gradients
 from ringpipe.pipeline.schedules import Action
 from ringpipe.pipeline.stage import StageError, StageRuntime
+from ringpipe.pipeline.tied_owner import TiedOwnership
 
 __all__ = ["ChunkedExecutor", "PipelineExecutor", "Ports", "RunResult", "TAG_STRIDE", "TaggedComm", "staleness_of"]
 
@@ -142,10 +141,10 @@ class PipelineExecutor:
     given, every forward of micro-batch ``m`` on virtual stage ``g`` runs with the generators
     seeded by ``microbatch_seed(seed, g, m + offset)``, so dropout masks do not depend on how the
     model is split (a single-process reference can reproduce them). ``tied``: weights held by
-    several stages, each with the communicator of its holders; ``tied_after_policy``
-    (asynchronous schedules): after the policy's ``before_step``, the holders of a tied weight
-    take the first holder's gradient (decided alike on every holder, whatever each stage's
-    policy is).
+    several stages, each group with the communicator of its holders, whose gradients are summed
+    before every step (synchronous schedules). ``tied_owned``: this rank's side of each group
+    under the asynchronous rule (:class:`~ringpipe.pipeline.tied_owner.TiedOwnership`: the
+    first holder steps the weight, the others keep mirrors of it).
     """
 
     def __init__(
@@ -160,14 +159,14 @@ class PipelineExecutor:
         replica_comm: Communicator | None = None,
         seed: int | None = None,
         device: torch.device | None = None,
-        tied: Sequence[tuple[Sequence[torch.nn.Parameter], Communicator]] = (),
-        tied_after_policy: bool = False,
+        tied: Sequence[TiedGroup] = (),
+        tied_owned: Sequence[TiedOwnership] = (),
     ) -> None:
         self.comm, self.runtimes, self.optimizer = comm, list(runtimes), optimizer
         self.scheduler, self.replica_comm, self.seed = scheduler, replica_comm, seed
         self.device = device or torch.device("cpu")
         self.tied = list(tied)
-        self.tied_after_policy = tied_after_policy
+        self.tied_owned = list(tied_owned)
         self.num_stages, self.stage, self.chunks = num_stages, stage, len(self.runtimes)
         self.total = num_stages * self.chunks
         #: the weight policy (one for the rank: every chunk's runtime holds the same)
@@ -230,14 +229,16 @@ class PipelineExecutor:
     # ------------------------------------------------------------------ step
 
     def step(self) -> None:
-        """Average over replicas, then the policy hooks around optimizer (and scheduler) step."""
+        """Tied weights' and replicas' gradients, then the policy hooks around optimizer (and scheduler) step."""
         sum_tied_gradients(self.tied)
         if self.replica_comm is not None:
             average_gradients(self.params, self.replica_comm)
+        for owned in self.tied_owned:  # the owner's sum is what its policy (Gap Aware) acts on
+            owned.gather()
         self.policy.before_step()
-        if self.tied and self.tied_after_policy:  # a mitigation may have rescaled them, differently per stage
-            share_first_tied_gradients(self.tied)
         self.optimizer.step()
+        for owned in self.tied_owned:  # the owner sends the new weights; a mirror takes an earlier update
+            owned.after_step()
         if self.scheduler is not None:
             self.scheduler.step()
         self.policy.after_step()
@@ -284,6 +285,8 @@ class PipelineExecutor:
         metas = self._metas
         result = RunResult()
         self._reset_channels()
+        for owned in self.tied_owned:
+            owned.begin_run(sum(1 for a in actions if a.kind == "S"))
         for c, ports in enumerate(self.ports):
             if ports.act_in is not None and fwd_left[c]:
                 ports.act_in.prefetch()
@@ -337,6 +340,8 @@ class PipelineExecutor:
         except BaseException:
             for rt in self.runtimes:
                 rt.clear()
+            for owned in self.tied_owned:
+                owned.abandon()
             self._metas.clear()
             self._stream_base = None
             raise
@@ -346,6 +351,8 @@ class PipelineExecutor:
         self._stream_base = None
         self._metas.clear()
         self._wait_sends()
+        for owned in self.tied_owned:  # the mirrors take the updates still pending: every copy is equal again
+            owned.close()
         if self.in_flight:
             raise StageError(
                 f"stage {self.stage}: {self.in_flight} micro-batches are still in flight at the end of "

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from ringpipe.comm.base import Communicator
 from ringpipe.core.engine import Engine
 
-__all__ = ["PipelineGrid", "make_grid", "replica_group", "average_gradients", "tied_groups", "sum_tied_gradients", "share_first_tied_gradients"]
+__all__ = ["PipelineGrid", "TiedGroup", "make_grid", "replica_group", "average_gradients", "tied_groups", "sum_tied_gradients"]
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,15 @@ class PipelineGrid:
 
     def stage_ranks(self, stage: int) -> list[int]:
         return [self.rank_of(stage, r) for r in range(self.replicas)]
+
+
+class TiedGroup(NamedTuple):
+    """Weights tied across stages as one rank holds them: its copies, the holders' communicator
+    (one pipeline replica; member ``i`` holds stage ``stages[i]``) and the holding stages, ascending."""
+
+    params: list[torch.nn.Parameter]
+    comm: Communicator
+    stages: tuple[int, ...]
 
 
 def make_grid(world_size: int, rank: int, num_stages: int, replicas: int = 1) -> PipelineGrid:
@@ -107,24 +117,25 @@ def average_gradients(params: Sequence[torch.nn.Parameter], comm: Communicator) 
     _reduce_gradients(params, comm, "average", "pipeline-replica-grads")
 
 
-def sum_tied_gradients(tied: Sequence[tuple[Sequence[torch.nn.Parameter], Communicator]]) -> None:
-    """Sum the gradients of weights tied across stages over the ranks holding a copy.
+def sum_tied_gradients(tied: Sequence[TiedGroup]) -> None:
+    """Sum the gradients of weights tied across stages over the ranks holding a copy (synchronous schedules).
 
     ``tied``: for each group of stages sharing weights, this rank's copies of them and the
     communicator of the ranks holding them (one pipeline replica). After the sum every copy
     steps with the gradient one module holding the weight once would have (the sum of its uses),
-    so the copies stay equal. Missing gradients count as zeros.
+    so the copies stay equal. Missing gradients count as zeros. The asynchronous pipeline uses
+    another rule (:mod:`ringpipe.pipeline.tied_owner`).
     """
-    for params, comm in tied:
-        _reduce_gradients(params, comm, "sum", "pipeline-tied-grads")
+    for group in tied:
+        _reduce_gradients(group.params, group.comm, "sum", "pipeline-tied-grads")
 
 
 def tied_groups(
     comm: Communicator,
     grid: PipelineGrid,
     holders: Sequence[tuple[torch.nn.Parameter, Sequence[int]]],
-) -> list[tuple[list[torch.nn.Parameter], Communicator]]:
-    """The groups :func:`sum_tied_gradients` reduces over. Collective over ``comm`` (every rank, same ``holders``).
+) -> list[TiedGroup]:
+    """The groups of tied weights this rank holds. Collective over ``comm`` (every rank, same ``holders``).
 
     ``holders``: each tied weight (this rank's object, which every rank builds alike) and the
     stages holding a copy. Weights held by the same stages share one communicator per replica.
@@ -140,26 +151,5 @@ def tied_groups(
             ranks = [grid.rank_of(s, replica) for s in key]
             sub = comm.split(ranks, name=f"{comm.name}/tied{'-'.join(map(str, key))}r{replica}")
             if sub is not None and grid.stage in key and replica == grid.replica:
-                out.append((by_stages[key], sub))
+                out.append(TiedGroup(by_stages[key], sub, key))
     return out
-
-
-def share_first_tied_gradients(tied: Sequence[tuple[Sequence[torch.nn.Parameter], Communicator]]) -> None:
-    """Give every holder of a tied weight the gradient of its first (lowest) stage.
-
-    Called after a weight policy's ``before_step`` in the asynchronous pipeline: Gap Aware
-    rescales a stage's gradient by that stage's own statistics (and not on the last stage), so
-    the holders would step their copies apart; they all take the first holder's, the most
-    stale stage's, gradient instead. Every holder has a gradient here (after
-    :func:`sum_tied_gradients`).
-    """
-    for params, comm in tied:
-        if comm.size == 1 or not params:
-            continue
-        flat = torch.cat([p.grad.reshape(-1) for p in params])  # type: ignore[union-attr]
-        Engine.of(comm).run(lambda c=comm, f=flat: c.broadcast(f, 0), name="pipeline-tied-grads")
-        offset = 0
-        for p in params:
-            assert p.grad is not None
-            p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
-            offset += p.numel()

@@ -49,6 +49,7 @@ from ringpipe.pipeline.schedules import (
 )
 from ringpipe.pipeline.schedules_interleaved import interleaved_1f1b
 from ringpipe.pipeline.stage import LossFn, MetricsFn, StageRuntime
+from ringpipe.pipeline.tied_owner import TiedOwnership
 from ringpipe.pipeline.tracing import split_model, tied_parameters
 
 __all__ = ["PipelineTrainer", "split_microbatches", "SCHEDULE_ALIASES", "CHUNKED_SCHEDULES"]
@@ -192,10 +193,12 @@ class PipelineTrainer:
             raise ValueError("optimizer_factory is required, e.g. lambda params: torch.optim.SGD(params, lr=0.1)")
         self.optimizer = optimizer_factory(list(self.module.parameters()))
         self.scheduler = scheduler_factory(self.optimizer) if scheduler_factory is not None else None
-        self.policy = self._make_policy(mitigations, recompute, mitigation_options or {})
         self.replica_comm = replica_group(comm, self.grid)
         self.tied = tied_groups(comm, self.grid, [(p, sorted(st)) for p, st in holders.values() if len(st) > 1])
         del holders
+        # asynchronous schedules: the first holder of a tied weight steps it, the others keep mirrors
+        self.tied_owned = [TiedOwnership(g.params, g.comm, g.stages, step_every) for g in self.tied] if self.is_async else []
+        self.policy = self._make_policy(mitigations, recompute, mitigation_options or {})
         split = self.schedule in SPLIT_BACKWARD_SCHEDULES
         self.runtimes = [
             StageRuntime(m, g, num_parts, loss_fn if g == num_parts - 1 else None, metrics_fn, recompute, self.policy,
@@ -205,12 +208,11 @@ class PipelineTrainer:
         self.executor = PipelineExecutor(
             comm, self.runtimes, self.optimizer, num_stages, self.stage,
             lambda s: self.grid.rank_of(s, self.grid.replica), self.scheduler, self.replica_comm, seed, device,
-            tied=self.tied, tied_after_policy=self.is_async,
+            tied=[] if self.is_async else self.tied, tied_owned=self.tied_owned,
         )
         self.runtime = self.runtimes[0]
         self.last_metrics: dict[str, float] = {}
         self._warned_uneven = False
-        self._warned_tied_stream = False
         self._streamed = 0  # micro-batches fed into the open stream (0: no stream open)
 
     def _split_traced(self, model: Any, split_points: Sequence[str] | None, balance: Any, sample: Any,
@@ -245,7 +247,7 @@ class PipelineTrainer:
         return make_policy(
             mitigations, list(self.module.parameters()), self.optimizer, scheduler=self.scheduler,
             stage=self.stage, num_stages=self.num_stages, step_every=self.step_every,
-            recompute=recompute, **options,
+            recompute=recompute, mirrors=[p for owned in self.tied_owned for p in owned.mirrors], **options,
         )
 
     # ------------------------------------------------------------------ schedules
@@ -416,22 +418,15 @@ class PipelineTrainer:
         as in one :meth:`train_stream` over all the batches fed. Call :meth:`drain` (on every
         rank) to finish them before a checkpoint or whenever the weights must be final.
         ``step_every`` must divide ``microbatches``: the stream's length is not known in
-        advance, so no optimizer step may straddle a batch boundary.
+        advance, so no optimizer step may straddle a batch boundary. Weights tied across stages
+        stay open too: the first holder steps them, the others keep mirrors a few steps late
+        (:mod:`~ringpipe.pipeline.tied_owner`), equal again after :meth:`drain`.
         """
         if not self.is_async:
             raise ValueError(
                 f"stream_step needs schedule 'async_1f1b'; schedule {self.schedule!r} flushes every batch: "
                 "use train_step"
             )
-        if self.tied:
-            # A tied weight's holders pair their k-th steps; in an open stream the first stage's k-th step
-            # falls into the next window, after whatever collective the caller runs between batches
-            # (logging, evaluation), which would deadlock. So each batch fills and drains, as train_step.
-            if not self._warned_tied_stream:
-                log.warning("stage %d: weights tied across stages (%s): stream_step runs each batch as "
-                            "train_step (the pipeline drains at every batch)", self.stage, ", ".join(self.tied_names))
-                self._warned_tied_stream = True
-            return self.train_step(inputs, targets)
         m, k = self.microbatches, self.step_every
         if m % k:
             raise ValueError(

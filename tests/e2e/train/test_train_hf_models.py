@@ -47,7 +47,8 @@ def test_gpt2_factory_trains_alike_in_single_1f1b_split_and_dp(tmp_path, monkeyp
     assert rc == 0, capsys.readouterr().err
     assert summary["global_batch"] == 16 and summary["steps"] == ref["steps"]
     assert _losses(metrics) == pytest.approx(_losses(ref_metrics), rel=1e-4, abs=1e-5)
-    # async with the tied embedding and LM head on two stages (each batch drains: see docs/pipelines.md)
+    # async with the tied embedding and LM head on two stages (the stream stays open across batches: the
+    # embedding's stage owns the weight, the LM head's keeps a mirror; see docs/pipelines.md)
     rc, summary, metrics = train(tmp_path / "async", *sets([*BASE, "mode=async", "nprocs=2", "pipeline.microbatches=4",
                                                             "pipeline.mitigations=wp+ws"]))
     assert rc == 0, capsys.readouterr().err

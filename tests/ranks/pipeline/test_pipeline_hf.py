@@ -117,6 +117,7 @@ def _train(comm, which, points, configs, data, microbatches):
     out = {}
     for schedule, chunks, by_points, *options in configs:
         extra = dict(options[0]) if options else {}
+        stream = extra.pop("stream", False)  # async: stream_step batch after batch, then drain
         if by_points:  # the API path: the model and its split points
             t = PipelineTrainer(comm, make(), split_points=points, sample=sample, schedule=schedule,
                                 microbatches=microbatches, optimizer_factory=sgd, loss_fn=loss_fn, chunks=chunks,
@@ -126,9 +127,15 @@ def _train(comm, which, points, configs, data, microbatches):
                                 schedule=schedule, microbatches=microbatches, optimizer_factory=sgd,
                                 loss_fn=loss_fn, chunks=chunks, **extra)
         losses, tied_equal = [], []
-        for x, y in data:
-            losses.append(t.train_step(x if t.is_first else None, y if t.is_last else None))
-            mine = [p.detach().clone() for params, _ in t.tied for p in params]  # this rank's tied copies
+        for i, (x, y) in enumerate(data):
+            feed = t.stream_step if stream else t.train_step
+            losses.append(feed(x if t.is_first else None, y if t.is_last else None))
+            if stream and i < len(data) - 1:
+                continue
+            if stream:  # the copies are compared once the stream is drained
+                assert t.streaming
+                t.drain()
+            mine = [p.detach().clone() for group in t.tied for p in group.params]  # this rank's tied copies
             held = [c for c in comm.allgather_object(mine) if c]
             tied_equal.append(all(torch.equal(a, b) for h in held[1:] for a, b in zip(held[0], h, strict=True)))
             if t.tied_names:
@@ -170,7 +177,9 @@ GPT2_POINTS = {"2stages": ["transformer.h.2"], "4stages": ["transformer.h.1", "t
 BERT_POINTS = {"2stages": ["bert.encoder.layer.2"],
                "4stages": ["bert.encoder.layer.1", "bert.encoder.layer.2", "bert.encoder.layer.3"]}
 ASYNC = [("async_1f1b", 1, False), ("async_1f1b", 1, False, {"mitigations": "ws", "step_every": 2}),
-         ("async_1f1b", 1, False, {"mitigations": "wp+ws+ga"})]
+         ("async_1f1b", 1, False, {"mitigations": "wp+ws+ga"}),
+         ("async_1f1b", 1, False, {"mitigations": "wp+ws+ga", "stream": True}),
+         ("async_1f1b", 1, False, {"mitigations": "ws", "step_every": 2, "stream": True})]
 
 
 #: Steps of every synchronous run (the issue's check: every parameter after 5 steps).
@@ -230,11 +239,12 @@ def test_bert_every_schedule_matches_one_process(hf_runs, stages):
 
 @pytest.mark.timeout(300)
 def test_gpt2_async_keeps_the_tied_copies_equal(hf_runs):
-    # The asynchronous rule: each holder's k-th optimizer step uses the sum of the holders' k-th step
-    # gradients, so the copies stay bit-identical though their stages step at different times.
-    # With a mitigation, the holders then take the first holder's gradient (Gap Aware rescales per stage).
-    # Checked here for the copies and finite losses; the whole run against a one-process oracle of the rule
-    # (stale and ws, on a small tied model): tests/ranks/pipeline/test_pipeline_async_tied.py.
+    # The asynchronous rule: the first holder (the embedding's stage) owns the weight and steps it with the
+    # holders' summed gradient; the LM head's stage keeps a mirror, replaced by the owner's weights one step
+    # late. Every run that closes the stream (train_step, drain after stream_step) ends with the pending
+    # updates taken, so the copies are bit-identical after it. Checked here for the copies and finite
+    # losses; the whole run against a one-process oracle of the rule (every mitigation, train_step and
+    # stream_step, on a small tied model): tests/ranks/pipeline/test_pipeline_async_tied.py.
     for rank_out in hf_runs(2)["async"]:
         for key, (_, losses, is_last, tied_equal, tied_names) in rank_out.items():
             assert [ALIAS.get(n, n) for n in tied_names] == ["transformer.wte.weight"], key

@@ -138,3 +138,26 @@ def test_gap_aware_without_a_stash_is_refused_beyond_staleness_1():
     pol = make_policy("ga", [p], opt, stage=1, num_stages=4, step_every=2)
     with pytest.raises(ValueError, match="stage 1: micro-batch 5 has staleness 2.*add 'ws'"):
         pol.before_forward(5, 2)
+
+
+def test_a_mirror_is_stashed_but_never_predicted():
+    # a stage's own weight and the mirror of a tied weight owned by an earlier stage: the mirror gets no
+    # gradient at the step (the owner steps it), so its optimizer keeps no state for it, and prediction,
+    # which decays it with weight decay even without momentum, must leave it as received
+    own, mirror = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([own, mirror], lr=0.1, momentum=0.9, weight_decay=0.01)
+    policy = make_policy("wp+ws", [own, mirror], opt, stage=0, num_stages=3, mirrors=[mirror])
+    own.grad = torch.ones(2)
+    opt.step()
+    assert mirror not in opt.state or not opt.state[mirror]
+    before_own, before_mirror = own.detach().clone(), mirror.detach().clone()
+    policy.before_forward(0, 2)
+    assert not torch.equal(own.detach(), before_own)  # predicted two steps ahead
+    assert torch.equal(mirror.detach(), before_mirror)  # as received
+    policy.after_forward(0)
+    with torch.no_grad():
+        mirror.copy_(torch.full((2,), 5.0))  # the owner's update lands on the current weights
+    policy.before_backward(0)
+    assert torch.equal(mirror.detach(), before_mirror)  # the stash: the mirror the forward used
+    policy.after_backward(0)
+    assert torch.equal(mirror.detach(), torch.full((2,), 5.0))  # and the update is back, not undone

@@ -93,6 +93,7 @@ def make_policy(
     ga_stages: str = "all_except_last",
     ga_big_gamma: float = 0.999,
     ga_eps: float = 1e-8,
+    mirrors: Iterable[torch.Tensor] = (),
 ) -> WeightPolicy:
     """The weight policy of stage ``stage`` of ``num_stages`` for the mitigations ``names``.
 
@@ -113,6 +114,13 @@ def make_policy(
     that ran on the same weights (see :mod:`~ringpipe.pipeline.staleness.combine`). The caller
     clears gradients only after ``after_step`` (the SGD statistics read ``p.grad`` when there
     is no momentum buffer), and ``aggmsnag`` expects ``p.grad`` cleared after every step.
+
+    ``mirrors``: parameters the stage holds but does not step, mirrors of a weight tied to an
+    earlier stage that owns it (:mod:`~ringpipe.pipeline.tied_owner`). They have no optimizer
+    state here, so they are not predicted (a forward uses the mirror as received); Gap Aware
+    leaves them alone as they have no gradient at the step (the owner's policy acts on the
+    weight's summed gradient); a stash keeps
+    them with the stage's other weights, so a stashed backward uses the mirror its forward used.
     """
     if num_stages < 1 or not 0 <= stage < num_stages:
         raise ValueError(f"stage {stage} is not in [0, num_stages={num_stages})")
@@ -125,6 +133,8 @@ def make_policy(
     if chosen == {"stale"}:
         return WeightPolicy()
     params = [p for p in params if p.requires_grad]
+    mirrored = {id(p) for p in mirrors}
+    stepped = [p for p in params if id(p) not in mirrored]
     kind = optimizer_kind(optimizer)
     ga_here = stage in gap_aware_stages(ga_stages, num_stages)
     ga_name = "ga" if "ga" in chosen else "ga_jfl" if "ga_jfl" in chosen else None
@@ -136,7 +146,7 @@ def make_policy(
     predictor = None
     if chosen & {"msnag", "aggmsnag"}:
         predictor = WeightPredictor(
-            params,
+            stepped,
             optimizer,
             scheduler,
             aggregate="aggmsnag" in chosen,
