@@ -110,12 +110,19 @@ def _traced(which, points, sample):
     return _SPLITS[key]
 
 
-def _train(comm, which, points, configs, data, microbatches):
-    """Per config (schedule, chunks, by_points): losses, the model's weights, tied copies equal after each step."""
+class _Results(dict):
+    trainer = None  # with ``keep``: the last config's trainer
+
+
+def _train(comm, which, points, configs, data, microbatches, keep=False, state=None):
+    """Per config (schedule, chunks, by_points): losses, the model's weights, tied copies equal after each step.
+
+    ``state``: a trainer's ``state_dict()`` to load before training (resuming); ``keep``: return the last
+    trainer too (as ``.trainer``)."""
     make, loss_fn = (gpt2, lm_loss) if which == "gpt2" else (bert, nn.functional.cross_entropy)
     sample = data[0][0]
     split = _traced(which, points, sample)  # traced once per rank; each config trains a fresh copy
-    out = {}
+    out = _Results()
     for schedule, chunks, by_points, *options in configs:
         extra = dict(options[0]) if options else {}
         stream = extra.pop("stream", False)  # async: stream_step batch after batch, then drain
@@ -127,6 +134,8 @@ def _train(comm, which, points, configs, data, microbatches):
             t = PipelineTrainer(comm, copy.deepcopy(split.stages), balance=[1] * len(split.stages),
                                 schedule=schedule, microbatches=microbatches, optimizer_factory=sgd,
                                 loss_fn=loss_fn, chunks=chunks, **extra)
+        if state is not None:
+            t.load_state_dict(state)
         losses, tied_equal = [], []
         for i, (x, y) in enumerate(data):
             feed = t.stream_step if stream else t.train_step
@@ -142,9 +151,31 @@ def _train(comm, which, points, configs, data, microbatches):
             if t.tied_names:
                 assert len(held) >= 2  # the copies live on two ranks
         # a list of stages is named as nn.Sequential(*stages) names it: "<part>.graph_module.<the model's name>"
-        state = {k.split("graph_module.")[-1]: v.numpy() for k, v in t.model_state_dict().items()}
+        weights = {k.split("graph_module.")[-1]: v.numpy() for k, v in t.model_state_dict().items()}
         out[(schedule, chunks, by_points, *[tuple(sorted(o.items())) for o in options])] = (
-            state, losses, t.is_last, tied_equal, sorted(t.tied_names))
+            weights, losses, t.is_last, tied_equal, sorted(t.tied_names))
+    if keep:
+        out.trainer = t
+    return out
+
+
+def _train_resumed(comm, which, points, configs, data, microbatches, cut):
+    """As :func:`_train`, but each config stops after ``cut`` batches: its state goes through a checkpoint
+    file's bytes (``torch.save``/``torch.load``) into a new trainer on a new split of a new model, which
+    trains the rest."""
+    import io
+
+    out = {}
+    for config in configs:
+        first = _train(comm, which, points, [config], data[:cut], microbatches, keep=True)
+        (key, (_, losses, _, tied_equal, _)), trainer = next(iter(first.items())), first.trainer
+        buf = io.BytesIO()
+        torch.save(trainer.state_dict(), buf)
+        buf.seek(0)
+        state = torch.load(buf, weights_only=False)
+        rest = _train(comm, which, points, [config], data[cut:], microbatches, state=state)
+        s2, l2, is_last, t2, names = rest[key]
+        out[key] = (s2, losses + l2, is_last, tied_equal + t2, names)
     return out
 
 
@@ -213,6 +244,18 @@ def _world_jobs(size):
     return jobs
 
 
+#: Resumed after 2 of the 5 steps: a synchronous schedule on the split points, and the asynchronous one with
+#: nothing stale (the tied weight's owner holds its optimizer state, the mirror none).
+RESUMED = [("1f1b", 1, True), ("async_1f1b", 1, True, {"step_every": 4, "mitigations": "wp+ws+ga"})]
+
+
+def _jobs_and_resumed(comm, jobs):
+    out = _jobs(comm, jobs)
+    if comm.size == 2:
+        out["gpt2_resumed"] = _train_resumed(comm, "gpt2", GPT2_POINTS["2stages"], RESUMED, gpt2_data(STEPS), 4, 2)
+    return out
+
+
 @pytest.fixture(scope="module")
 def hf_runs(worlds):
     """One check per world size, run the first time a test asks for it: ``runs(size)[job]`` is every rank's result."""
@@ -220,7 +263,7 @@ def hf_runs(worlds):
 
     def runs(size):
         if size not in done:
-            done[size] = _per_job(worlds.spawn(_jobs, size, args=(_world_jobs(size),), timeout=290))
+            done[size] = _per_job(worlds.spawn(_jobs_and_resumed, size, args=(_world_jobs(size),), timeout=290))
         return done[size]
 
     return runs
@@ -300,3 +343,11 @@ def test_bert_async_stream_runs_every_mitigation_to_the_end(hf_runs):
             assert any(not np.array_equal(v, start[k]) for k, v in state.items() if k in start), key
             if is_last:
                 assert len(losses) == 4 and all(torch.isfinite(torch.tensor(losses))), (key, losses)
+
+
+@pytest.mark.timeout(300)
+def test_gpt2_resumed_from_a_checkpoint_matches_one_process(hf_runs):
+    # 2 steps, the state through a checkpoint's bytes into a new trainer on a new split, 3 more steps: the
+    # same weights and losses as one process's 5 steps (and the tied copies equal after every step)
+    ref_state, ref_losses = one_process(gpt2(), gpt2_data(STEPS), 4, lm_loss)
+    _check(hf_runs(2)["gpt2_resumed"], ref_state, ref_losses, ["transformer.wte.weight"])
