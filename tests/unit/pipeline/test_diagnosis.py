@@ -151,3 +151,20 @@ def test_a_stage_slowed_by_waiting_for_a_core_is_not_called_heavy_when_its_cpu_t
     assert not any("heaviest" in f.what for f in pipeline_findings(job))
     assert any("heaviest" in f.what for f in pipeline_findings(
         run_events(2, 8, [1.0, 2.0], [2.0, 4.0], balance=[2, 2], cpu=([1.0, 2.0], [2.0, 4.0]))))
+
+
+@pytest.mark.parametrize("latency", [0.0, 1.0, 3.0])
+def test_more_micro_batches_are_recommended_only_where_they_make_the_step_shorter(latency):
+    # The oracle: this file's simulated run itself, with the same batch in 2x and 4x as many micro-batches
+    # (each pass that many times shorter, each message the same latency). With slow messages the extra
+    # messages cost more than the smaller bubble saves: the doctor must not recommend them there.
+    job = run_events(2, 4, [1.0, 1.0], [2.0, 2.0], latency=latency)
+    step = breakdown(job).measured
+    more = {k * 4: breakdown(run_events(2, k * 4, [1.0 / k] * 2, [2.0 / k] * 2, latency=latency)).measured
+            for k in (2, 4)}
+    fixes = [f.fix for f in pipeline_findings(job) if f.severity == "fix"]
+    for m2, t in more.items():
+        if any(f"pipeline.microbatches={m2}" in f for f in fixes):
+            assert t < step, (m2, t, step, fixes)
+    if latency == 0.0:  # nothing but the bubble: more micro-batches do help, and are recommended
+        assert min(more.values()) < step and any("pipeline.microbatches=" in f for f in fixes), fixes
