@@ -236,12 +236,16 @@ def _world_jobs(size):
     if size == 2:
         jobs["interleaved"] = ("gpt2", GPT2_POINTS["4stages"], [("interleaved_1f1b", 2, False)], gpt2_data(STEPS), 4)
         jobs["async"] = ("gpt2", GPT2_POINTS["2stages"], ASYNC, gpt2_data(4), 4)
-        jobs["bert_interleaved"] = ("bert", BERT_POINTS["4stages"], [("interleaved_1f1b", 2, False)],
-                                    bert_data(STEPS), 4)
-        jobs["gpt2_async_flushed"] = ("gpt2", GPT2_POINTS["2stages"], FLUSHED, gpt2_data(STEPS), 4)
-        jobs["bert_async_flushed"] = ("bert", BERT_POINTS["2stages"], FLUSHED, bert_data(STEPS), 4)
-        jobs["bert_async"] = ("bert", BERT_POINTS["2stages"], BERT_ASYNC, bert_data(4), 4)
     return jobs
+
+
+def _more_jobs():
+    """The 2-rank runs beyond the issue's matrix (BERT interleaved and asynchronous, the asynchronous schedule
+    with nothing stale, a resumed run): one more check, in the full suite only (the inner loop stays short)."""
+    return {"bert_interleaved": ("bert", BERT_POINTS["4stages"], [("interleaved_1f1b", 2, False)], bert_data(STEPS), 4),
+            "gpt2_async_flushed": ("gpt2", GPT2_POINTS["2stages"], FLUSHED, gpt2_data(STEPS), 4),
+            "bert_async_flushed": ("bert", BERT_POINTS["2stages"], FLUSHED, bert_data(STEPS), 4),
+            "bert_async": ("bert", BERT_POINTS["2stages"], BERT_ASYNC, bert_data(4), 4)}
 
 
 #: Resumed after 2 of the 5 steps: a synchronous schedule on the split points, and the asynchronous one with
@@ -249,10 +253,9 @@ def _world_jobs(size):
 RESUMED = [("1f1b", 1, True), ("async_1f1b", 1, True, {"step_every": 4, "mitigations": "wp+ws+ga"})]
 
 
-def _jobs_and_resumed(comm, jobs):
+def _more_and_resumed(comm, jobs):
     out = _jobs(comm, jobs)
-    if comm.size == 2:
-        out["gpt2_resumed"] = _train_resumed(comm, "gpt2", GPT2_POINTS["2stages"], RESUMED, gpt2_data(STEPS), 4, 2)
+    out["gpt2_resumed"] = _train_resumed(comm, "gpt2", GPT2_POINTS["2stages"], RESUMED, gpt2_data(STEPS), 4, 2)
     return out
 
 
@@ -261,15 +264,17 @@ def hf_runs(worlds):
     """One check per world size, run the first time a test asks for it: ``runs(size)[job]`` is every rank's result."""
     done = {}
 
-    def runs(size):
-        if size not in done:
-            done[size] = _per_job(worlds.spawn(_jobs_and_resumed, size, args=(_world_jobs(size),), timeout=290))
-        return done[size]
+    def runs(size, more=False):
+        if (size, more) not in done:
+            fn, jobs = (_more_and_resumed, _more_jobs()) if more else (_jobs, _world_jobs(size))
+            done[(size, more)] = _per_job(worlds.spawn(fn, size, args=(jobs,), timeout=290))
+        return done[(size, more)]
 
     return runs
 
 
 SLOW_4 = pytest.mark.slow  # 4 ranks on 2 cores: the exhaustive part, in the e2e run
+SLOW_MORE = pytest.mark.slow  # the runs of _more_jobs: one more check of 2 ranks, in the e2e run
 
 
 @pytest.mark.timeout(300)
@@ -311,13 +316,15 @@ def test_gpt2_async_keeps_the_tied_copies_equal(hf_runs):
                 assert all(torch.isfinite(torch.tensor(losses))), (key, losses)
 
 
+@SLOW_MORE
 @pytest.mark.timeout(300)
 def test_bert_interleaved_matches_one_process(hf_runs):
     # 4 parts on 2 ranks, a mapping batch (input_ids, attention_mask) and the mask relayed through every part
     ref_state, ref_losses = one_process(bert(), bert_data(STEPS), 4, nn.functional.cross_entropy)
-    _check(hf_runs(2)["bert_interleaved"], ref_state, ref_losses, [])
+    _check(hf_runs(2, more=True)["bert_interleaved"], ref_state, ref_losses, [])
 
 
+@SLOW_MORE
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("which", ["gpt2", "bert"])
 def test_async_with_nothing_stale_matches_one_process(hf_runs, which):
@@ -325,19 +332,20 @@ def test_async_with_nothing_stale_matches_one_process(hf_runs, which):
     # on a Hugging Face model equals one process when its schedule leaves nothing stale
     if which == "gpt2":
         ref_state, ref_losses = one_process(gpt2(), gpt2_data(STEPS), 4, lm_loss)
-        _check(hf_runs(2)["gpt2_async_flushed"], ref_state, ref_losses, ["transformer.wte.weight"])
+        _check(hf_runs(2, more=True)["gpt2_async_flushed"], ref_state, ref_losses, ["transformer.wte.weight"])
     else:
         ref_state, ref_losses = one_process(bert(), bert_data(STEPS), 4, nn.functional.cross_entropy)
-        _check(hf_runs(2)["bert_async_flushed"], ref_state, ref_losses, [])
+        _check(hf_runs(2, more=True)["bert_async_flushed"], ref_state, ref_losses, [])
 
 
+@SLOW_MORE
 @pytest.mark.timeout(300)
 def test_bert_async_stream_runs_every_mitigation_to_the_end(hf_runs):
     # stale by design, so no one-process equality: the losses stay finite, and the weights the stream
     # ends with are not the initial ones (the oracle of the stale arithmetic itself, on nn.Sequential and
     # on a tied model: test_pipeline_async.py, test_pipeline_async_tied.py)
     start = {k: v.numpy() for k, v in bert().state_dict().items()}
-    for rank_out in hf_runs(2)["bert_async"]:
+    for rank_out in hf_runs(2, more=True)["bert_async"]:
         for key, (state, losses, is_last, tied_equal, tied_names) in rank_out.items():
             assert tied_names == [] and all(tied_equal), key
             assert any(not np.array_equal(v, start[k]) for k, v in state.items() if k in start), key
@@ -345,9 +353,10 @@ def test_bert_async_stream_runs_every_mitigation_to_the_end(hf_runs):
                 assert len(losses) == 4 and all(torch.isfinite(torch.tensor(losses))), (key, losses)
 
 
+@SLOW_MORE
 @pytest.mark.timeout(300)
 def test_gpt2_resumed_from_a_checkpoint_matches_one_process(hf_runs):
     # 2 steps, the state through a checkpoint's bytes into a new trainer on a new split, 3 more steps: the
     # same weights and losses as one process's 5 steps (and the tied copies equal after every step)
     ref_state, ref_losses = one_process(gpt2(), gpt2_data(STEPS), 4, lm_loss)
-    _check(hf_runs(2)["gpt2_resumed"], ref_state, ref_losses, ["transformer.wte.weight"])
+    _check(hf_runs(2, more=True)["gpt2_resumed"], ref_state, ref_losses, ["transformer.wte.weight"])
