@@ -78,11 +78,6 @@ SCENARIOS: dict[str, Scenario] = {
 }
 
 
-def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("MASTER_ADDR", "MASTER_PORT", "RINGPIPE_BACKEND", "WORLD_SIZE", "RANK")}
-    return {**env, "OMP_NUM_THREADS": "1", **extra}
-
 
 def report_of(text: str) -> dict[str, Any]:
     """The doctor's JSON report in a launcher's output (prefixes such as ``[0]:`` allowed)."""
@@ -137,14 +132,14 @@ def clock_table(launchers: list[str], blocks: int, port: int, work: Path) -> str
 
 def _mpirun(hosts: tuple[Any, ...], argv: list[str], work: Path, shape: tuple[int, ...]) -> str:
     cmd, extra = netns.mpirun_across(hosts, argv, work / "hostfile", shape)
-    out = subprocess.run(cmd, capture_output=True, text=True, env=_env(RINGPIPE_BACKEND="mpi", **extra), timeout=300)
+    out = subprocess.run(cmd, capture_output=True, text=True, env=netns.job_env(RINGPIPE_BACKEND="mpi", **extra), timeout=300)
     if out.returncode:
         raise RuntimeError(out.stdout[-2000:] + out.stderr[-3000:])
     return out.stdout
 
 
 def _launch(hosts: tuple[Any, ...], argv: list[str], port: int, shape: tuple[int, ...]) -> str:
-    outs = netns.launch_across(hosts, shape, argv, port, _env())
+    outs = netns.launch_across(hosts, shape, argv, port, netns.job_env())
     if any(o.returncode for o in outs):
         raise RuntimeError("".join(o.stdout[-1500:] + o.stderr[-2500:] for o in outs))
     return outs[0].stdout
@@ -167,7 +162,7 @@ def run_trial(sc: Scenario, launcher: str, size: str, port: int, work: Path) -> 
                 else:
                     _mpirun(hosts, [sys.executable, *argv], work, sc.shape)
                 done = subprocess.run([sys.executable, "-m", "ringpipe.cli", "doctor", "--json", str(events)],
-                                      capture_output=True, text=True, env=_env(), timeout=120)
+                                      capture_output=True, text=True, env=netns.job_env(), timeout=120)
                 return {**report_of(done.stdout), "events_file": str(events)}
             args = ["-m", "ringpipe.cli", "doctor", "--json", "--size", size, "--verify", "3"]
             if launcher == "launch":

@@ -167,15 +167,12 @@ def link_trials(p: int, trials: int, rate: str | None, port: int, steps: int) ->
     the link between :func:`shaped_pair`'s hosts shaped to ``rate`` (None: none shaped); each scored."""
     netns = testhelpers.module("netns")
     script = str(testhelpers.path("scripts/pipeline_link.py"))
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("MASTER_ADDR", "MASTER_PORT", "RINGPIPE_BACKEND", "WORLD_SIZE", "RANK")}
-    env["OMP_NUM_THREADS"] = "1"
     pair = shaped_pair(p)
     with tempfile.TemporaryDirectory() as tmp, \
             netns.bridged_hosts(p, pair_rates={pair: rate} if rate else None) as hosts:
         out = str(Path(tmp) / "events")
         done = netns.launch_across(hosts, (1,) * p, [script, out, "--trials", str(trials), "--steps", str(steps)],
-                                   port, env, timeout=600)
+                                   port, netns.job_env(), timeout=600)
         for o in done:
             if o.returncode != 0:
                 raise RuntimeError(f"a launcher failed: {o.stderr[-3000:]}")

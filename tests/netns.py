@@ -188,6 +188,14 @@ def untagged(text: str) -> str:
     return re.sub(r"\[\d+,\d+\]<std(?:out|err)>:", "", text)
 
 
+def job_env(**extra: str) -> dict[str, str]:
+    """This process's environment for a job launched across the hosts: without the variables of a world
+    this process may be part of (a launcher sets its own), one intra-op thread per rank, and ``extra``."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MASTER_ADDR", "MASTER_PORT", "RINGPIPE_BACKEND", "WORLD_SIZE", "RANK")}
+    return {**env, "OMP_NUM_THREADS": "1", **extra}
+
+
 def launch_across(hosts: Sequence[Host], per_host: Sequence[int], argv: list[str], port: int,
                   env: dict[str, str], timeout: float = 300) -> list[subprocess.CompletedProcess[str]]:
     """``ringpipe launch --nnodes N`` inside every host, ``per_host[i]`` ranks on host ``i``; waits for all.

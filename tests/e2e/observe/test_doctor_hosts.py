@@ -8,7 +8,6 @@ late rank in a script's events.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -21,11 +20,6 @@ import netns
 REASON = netns.can_create()
 LATE = str(Path(__file__).resolve().parents[2] / "scripts" / "doctor_late_rank.py")
 
-
-def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("MASTER_ADDR", "MASTER_PORT", "RINGPIPE_BACKEND", "WORLD_SIZE", "RANK")}
-    return {**env, "OMP_NUM_THREADS": "1"}
 
 
 def _report(text):
@@ -44,7 +38,7 @@ def _problems(report):
 def test_a_shaped_link_of_host_c_is_named_and_leaving_c_out_is_measured_faster():
     with netns.bridged_hosts(3, rates={2: "50mbit"}) as hosts:
         outs = netns.launch_across(hosts, (4, 2, 2), ["-m", "ringpipe.cli", "doctor", "--json", "--size", "256K",
-                                                       "--verify", "3"], 29661, _env(), timeout=280)
+                                                       "--verify", "3"], 29661, netns.job_env(), timeout=280)
     for o in outs:
         assert o.returncode == 0, o.stdout[-2000:] + o.stderr[-3000:]
     text = outs[0].stdout
@@ -70,11 +64,11 @@ def test_a_shaped_link_of_host_c_is_named_and_leaving_c_out_is_measured_faster()
 def test_a_late_rank_in_a_scripts_events_is_named_and_nothing_else(tmp_path):
     events = tmp_path / "events.json"
     with netns.bridged_hosts(3) as hosts:
-        outs = netns.launch_across(hosts, (4, 2, 2), [LATE, str(events), "5"], 29663, _env(), timeout=280)
+        outs = netns.launch_across(hosts, (4, 2, 2), [LATE, str(events), "5"], 29663, netns.job_env(), timeout=280)
     for o in outs:
         assert o.returncode == 0, o.stdout[-2000:] + o.stderr[-3000:]
     out = subprocess.run([sys.executable, "-m", "ringpipe.cli", "doctor", "--json", str(events)],
-                         capture_output=True, text=True, env=_env(), timeout=120)
+                         capture_output=True, text=True, env=netns.job_env(), timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(out.stdout.strip().splitlines()[-1])
     problems = _problems(report)
@@ -89,7 +83,7 @@ def test_under_mpirun_eight_ranks_on_few_cores_accuse_no_link_but_host_cs(tmp_pa
     with netns.bridged_hosts(3, rates={2: "50mbit"}) as hosts:
         cmd, extra = netns.mpirun_across(hosts, [sys.executable, "-m", "ringpipe.cli", "doctor", "--json", "--size",
                                                  "256K"], tmp_path / "hostfile", (4, 2, 2))
-        out = subprocess.run(cmd, capture_output=True, text=True, env={**_env(), "RINGPIPE_BACKEND": "mpi", **extra},
+        out = subprocess.run(cmd, capture_output=True, text=True, env={**netns.job_env(), "RINGPIPE_BACKEND": "mpi", **extra},
                              timeout=280)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     # A user strips the tag off the front of rank 0's lines and gets valid JSON: every line of the
@@ -120,7 +114,7 @@ def test_clock_offsets_under_mpirun_agree_on_every_rank_and_find_the_one_clock_t
     """
     with netns.bridged_hosts(3) as hosts:
         cmd, extra = netns.mpirun_across(hosts, [sys.executable, CLOCK, "3"], tmp_path / "hostfile", (2, 1, 1))
-        out = subprocess.run(cmd, capture_output=True, text=True, env={**_env(), "RINGPIPE_BACKEND": "mpi", **extra},
+        out = subprocess.run(cmd, capture_output=True, text=True, env={**netns.job_env(), "RINGPIPE_BACKEND": "mpi", **extra},
                              timeout=280)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     text = netns.untagged(out.stdout)

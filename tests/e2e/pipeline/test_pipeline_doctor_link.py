@@ -11,7 +11,6 @@ stage 2 (rp-host-c) and no other. The second run, on the same hosts unshaped, ge
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -24,20 +23,15 @@ REASON = netns.can_create()
 SCRIPT = str(Path(__file__).resolve().parents[2] / "scripts" / "pipeline_link.py")
 
 
-def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("MASTER_ADDR", "MASTER_PORT", "RINGPIPE_BACKEND", "WORLD_SIZE", "RANK")}
-    return {**env, "OMP_NUM_THREADS": "1"}
-
 
 def _doctor(events: Path, pair_rates: dict[tuple[int, int], str] | None, port: int) -> dict:
     with netns.bridged_hosts(3, pair_rates=pair_rates) as hosts:
-        outs = netns.launch_across(hosts, (1, 1, 1), [SCRIPT, str(events), "--steps", "8"], port, _env(),
+        outs = netns.launch_across(hosts, (1, 1, 1), [SCRIPT, str(events), "--steps", "8"], port, netns.job_env(),
                                    timeout=200)
     for o in outs:
         assert o.returncode == 0, o.stdout[-2000:] + o.stderr[-3000:]
     out = subprocess.run([sys.executable, "-m", "ringpipe.cli", "doctor", "--json", str(events)],
-                         capture_output=True, text=True, env=_env(), timeout=120)
+                         capture_output=True, text=True, env=netns.job_env(), timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
