@@ -277,13 +277,18 @@ def _candidates(b: PipelineBreakdown) -> list[tuple[str, str, float, int]]:
     return out
 
 
+def _outside_per_message(b: PipelineBreakdown) -> float:
+    """The run's time outside the passes (transport and other) per message a stage sends each step."""
+    return max(0.0, b.measured - b.predicted) / (b.microbatches * b.chunks)
+
+
 def _estimate(b: PipelineBreakdown, simulated: float, messages: int) -> float:
-    """A candidate's step time: its simulated passes plus the run's time outside the passes (transport and
-    other), which is counted per message a stage sends each step, so that a change sending more (more
-    micro-batches, interleaving) pays for them: per-message costs (latency, a pass's fixed overhead) are what
-    make many small micro-batches slower than the simulation of their passes says."""
-    outside = max(0.0, b.measured - b.predicted) / (b.microbatches * b.chunks)
-    return simulated + outside * messages
+    """A changed run's step time: its simulated passes plus :func:`_outside_per_message` for each message a
+    stage sends each step, so that a change sending more (more micro-batches, interleaving) pays for them:
+    per-message costs (latency, a pass's fixed overhead) are what make many small micro-batches slower than
+    the simulation of their passes says. A change keeping the messages (a new split, a zero-bubble schedule)
+    keeps the run's time outside the passes."""
+    return simulated + _outside_per_message(b) * messages
 
 
 def _interleaved(b: PipelineBreakdown) -> float:
@@ -437,7 +442,8 @@ def pipeline_findings(job: JobEvents) -> list[Finding]:
         if rebal is not None:
             new, t = rebal
             fix = f"ringpipe train --set pipeline.balance=[{','.join(map(str, new))}] (now {b.balance})"
-            gain = f"; predicted step {_ms(b.measured * t / b.predicted)} instead of {_ms(b.measured)} ({b.predicted / t:.2f}x)"
+            t = _estimate(b, t, b.microbatches * b.chunks)
+            gain = f"; predicted step {_ms(t)} instead of {_ms(b.measured)} ({b.measured / t:.2f}x)"
         found.append(Finding(
             "problem" if skew >= PROBLEM_SHARE else "info",
             f"pipeline stage {heavy.stage} is the heaviest: the others wait for it",
@@ -468,7 +474,7 @@ def pipeline_findings(job: JobEvents) -> list[Finding]:
             others = ", ".join(f"{c[0]}: {_ms(c[2])}" for c in cands[1:4])
             crowded = _crowded(job)
             evidence = (f"simulated with the measured pass times, plus the time outside the passes per message "
-                        f"({_ms(max(0.0, b.measured - b.predicted) / (b.microbatches * b.chunks))}): step {_ms(t)} "
+                        f"({_ms(_outside_per_message(b))}): step {_ms(t)} "
                         f"instead of {_ms(b.measured)} ({b.measured / t:.2f}x)" + (f"; others: {others}" if others else ""))
             if crowded:
                 # a stage's idle time is another process's CPU time there: overlapping more wins nothing
