@@ -20,6 +20,9 @@ import pytest
 import netns
 
 REASON = netns.can_create()
+#: one worker for every job on namespace hosts timed by the doctor (this file and its twin in tests/e2e/{observe,pipeline}):
+#: two at once on the 2 cores would slow each other's messages, and the doctor reads message waits
+pytestmark = pytest.mark.xdist_group("doctor_on_namespace_hosts")
 SCRIPT = str(Path(__file__).resolve().parents[2] / "scripts" / "pipeline_link.py")
 
 
