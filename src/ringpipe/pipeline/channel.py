@@ -1,17 +1,26 @@
 """Point-to-point channels between neighbour stages: activations forward, gradients backward.
 
 Activations are any structure of tensors and constants (:mod:`ringpipe.pipeline.values`) and
-carry their own description: a small header (dtypes, shapes, which tensors take a gradient
-back, and for how many micro-batches they hold) followed by the structure (nesting and
-constants, as JSON bytes) goes before the payload of the first micro-batch and again only
-when a new run of shapes starts (a smaller last batch). The number of micro-batches a header
-covers comes from the first stage, which knows how it split its batch; a later stage passes it
-on, so its receiver knows exactly which message is a header without asking. Gradients need no
-header: they have the shapes of the differentiable activations the stage sent, and only those
-travel back (masks, ids and tensors that do not require grad go forward only).
+carry their own description: a header (dtypes, shapes, which tensors take a gradient back, for
+how many micro-batches they hold, and the structure — nesting and constants, as JSON bytes —
+inside the header when it fits, in a message of its own when not) goes before the payload of
+the first micro-batch and again only when a new run of shapes starts (a new run of the
+schedule, a window of the asynchronous stream, a smaller last batch). The number of
+micro-batches a header covers comes from the first stage, which knows how it split its batch;
+a later stage passes it on, so its receiver knows exactly which message is a header without
+asking. Gradients need no header: they have the shapes of the differentiable activations the
+stage sent, and only those travel back (masks, ids and tensors that do not require grad go
+forward only).
 
-All sends are ``isend`` and complete in the background; receives can be posted ahead
-(``prefetch``) so a transfer overlaps the computation of the previous micro-batch.
+All sends are ``isend`` and complete in the background; receives are posted ahead
+(``prefetch``) so a transfer overlaps the computation of the previous micro-batch. A transfer
+whose receive is posted before the send starts at once; one whose receive is posted later
+waits for a round trip between the two processes' transport threads, which costs milliseconds
+when every core is busy computing. So at the start of a run of shapes the receiver posts the
+payload's receives together with the header's, speculating that the tensors keep the shapes of
+the previous run (the common case: window after window of a stream, batch after batch); when
+they do not, the sender knows it (it sent that previous run) and sends a *filler* of the old
+shapes first, which the receiver drops before it posts the right receives.
 """
 
 from __future__ import annotations
@@ -69,8 +78,17 @@ class Meta:
     def empty(self, device: torch.device) -> tuple[torch.Tensor, ...]:
         return tuple(torch.empty(s, dtype=d, device=device) for d, s in zip(self.dtypes, self.shapes, strict=True))
 
-    def encode(self, run: int, structure_len: int, device: torch.device) -> torch.Tensor:
-        vals = [_MAGIC, run, len(self.dtypes), structure_len]
+    def layout(self) -> tuple[tuple[torch.dtype, ...], tuple[tuple[int, ...], ...]]:
+        """What the payload's receive buffers depend on: the tensors' dtypes and shapes."""
+        return self.dtypes, self.shapes
+
+    def encode(self, run: int, structure: bytes, filler: bool, device: torch.device) -> tuple[torch.Tensor, bool]:
+        """The header of a run of ``run`` micro-batches: ``(header, whether structure fits in it)``.
+
+        ``filler``: a payload of the previous run's shapes follows the header, for the receiver to
+        drop (it posted its receives for those shapes).
+        """
+        vals = [_MAGIC, run, len(self.dtypes), len(structure), int(filler)]
         for d, s, g in zip(self.dtypes, self.shapes, self.grads, strict=True):
             if d not in _CODE:
                 raise ChannelError(f"cannot send tensors of dtype {d} between stages; use one of {_DTYPES}")
@@ -80,17 +98,23 @@ class Meta:
                 f"stage output description needs {len(vals)} numbers, more than {HEADER_LEN}: "
                 "send fewer tensors or tensors of fewer dimensions between stages"
             )
-        out = torch.zeros(HEADER_LEN, dtype=torch.int64, device=device)
+        out = torch.zeros(HEADER_LEN, dtype=torch.int64)
         out[: len(vals)] = torch.tensor(vals, dtype=torch.int64)
-        return out
+        inline = len(structure) <= 8 * (HEADER_LEN - len(vals))
+        if inline and structure:
+            out.view(torch.uint8)[8 * len(vals) : 8 * len(vals) + len(structure)] = torch.frombuffer(
+                bytearray(structure), dtype=torch.uint8)
+        return out.to(device), inline
 
     @classmethod
-    def decode(cls, header: torch.Tensor) -> tuple[Meta, int, int]:
-        """``(meta without structure, run, length of the structure message)``."""
-        vals = [int(v) for v in header.cpu()]
+    def decode(cls, header: torch.Tensor) -> tuple[Meta, int, bytes | int, bool]:
+        """``(meta without structure, run, structure, filler)``: the structure's bytes when the
+        header holds them, else the length of the message that does."""
+        header = header.cpu()
+        vals = header.tolist()
         if vals[0] != _MAGIC:
             raise ChannelError(f"expected a shape header from the previous stage, got {vals[:4]}...")
-        run, n, structure_len, i = vals[1], vals[2], vals[3], 4
+        run, n, structure_len, filler, i = vals[1], vals[2], vals[3], bool(vals[4]), 5
         dtypes, shapes, grads = [], [], []
         for _ in range(n):
             code, g, nd = vals[i], vals[i + 1], vals[i + 2]
@@ -98,7 +122,10 @@ class Meta:
             grads.append(bool(g))
             shapes.append(tuple(vals[i + 3 : i + 3 + nd]))
             i += 3 + nd
-        return cls(tuple(dtypes), tuple(shapes), tuple(grads)), run, structure_len
+        meta = cls(tuple(dtypes), tuple(shapes), tuple(grads))
+        if structure_len > 8 * (HEADER_LEN - i):
+            return meta, run, structure_len, filler
+        return meta, run, header.view(torch.uint8)[8 * i : 8 * i + structure_len].numpy().tobytes(), filler
 
 
 class _Sends:
@@ -144,11 +171,21 @@ class ActivationSender:
         tensors = [t.contiguous() for t in packed.tensors]
         meta = Meta.of(packed)
         if self.remaining == 0:
-            self.meta, self.remaining = meta, max(1, run)
-            structure = torch.frombuffer(bytearray(encode_structure(packed.structure)), dtype=torch.uint8)
             device = tensors[0].device if tensors else torch.device("cpu")
-            self.sends.add(self.comm.isend(meta.encode(self.remaining, structure.numel(), device), self.peer, TAG_HEADER))
-            self.sends.add(self.comm.isend(structure.to(device), self.peer, TAG_STRUCTURE))
+            # the receiver posted a payload of the previous run's shapes: if they changed, it gets a filler
+            previous = self.meta
+            filler = previous is not None and previous.layout() != meta.layout()
+            self.meta, self.remaining = meta, max(1, run)
+            structure = encode_structure(packed.structure)
+            header, inline = meta.encode(self.remaining, structure, filler, device)
+            self.sends.add(self.comm.isend(header, self.peer, TAG_HEADER))
+            if not inline:
+                data = torch.frombuffer(bytearray(structure), dtype=torch.uint8).to(device)
+                self.sends.add(self.comm.isend(data, self.peer, TAG_STRUCTURE))
+            if filler:
+                assert previous is not None
+                for i, t in enumerate(previous.empty(device)):
+                    self.sends.add(self.comm.isend(t, self.peer, TAG_ACT + i))
         elif meta != self.meta:
             raise ChannelError(
                 f"stage {self.stage} output changed from {self.meta} to {meta} while its input shapes "
@@ -168,7 +205,8 @@ class ActivationSender:
 
 
 class ActivationReceiver:
-    """Receives the previous stage's outputs; ``prefetch`` posts the next receive early."""
+    """Receives the previous stage's outputs; ``prefetch`` posts the next receive early (at the
+    start of a run of shapes, the header's and, speculatively, the payload's of the last shapes)."""
 
     def __init__(self, comm: Communicator, peer: int, device: torch.device) -> None:
         self.comm, self.peer, self.device = comm, peer, device
@@ -183,7 +221,7 @@ class ActivationReceiver:
         if self.remaining == 0:
             buf = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
             self._header = (buf, self.comm.irecv(buf, self.peer, TAG_HEADER))
-        else:
+        if self.meta is not None:
             self._post_payload()
 
     def _post_payload(self) -> None:
@@ -198,12 +236,25 @@ class ActivationReceiver:
             buf, work = self._header
             work.wait()
             self._header = None
-            meta, self.remaining, structure_len = Meta.decode(buf)
-            data = torch.empty(structure_len, dtype=torch.uint8, device=self.device)
-            self.comm.irecv(data, self.peer, TAG_STRUCTURE).wait()
-            structure = decode_structure(bytes(data.cpu().numpy().tobytes()))
-            self.meta = Meta(meta.dtypes, meta.shapes, meta.grads, structure)
-            self._post_payload()
+            meta, self.remaining, structure, filler = Meta.decode(buf)
+            if isinstance(structure, int):
+                data = torch.empty(structure, dtype=torch.uint8, device=self.device)
+                self.comm.irecv(data, self.peer, TAG_STRUCTURE).wait()
+                structure = bytes(data.cpu().numpy().tobytes())
+            speculated = self._payload is not None
+            if filler != (speculated and self.meta is not None and self.meta.layout() != meta.layout()):
+                raise ChannelError(
+                    f"the previous stage {'sent' if filler else 'did not send'} a filler for shapes "
+                    f"{self.meta.shapes if self.meta else None}, but this stage expected "
+                    f"{'none' if filler else 'one'}; both sides of a channel must start the same runs"
+                )
+            if filler:  # the speculative receives got the old shapes: drop them
+                for w in self._payload or ():
+                    w.wait()
+                self._payload = None
+            self.meta = Meta(meta.dtypes, meta.shapes, meta.grads, decode_structure(structure))
+            if self._payload is None:
+                self._post_payload()
         assert self._payload is not None and self.meta is not None
         tensors = tuple(w.wait() for w in self._payload)
         self._payload = None

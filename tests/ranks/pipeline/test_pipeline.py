@@ -97,7 +97,8 @@ CONFIGS = [(s, r) for s in ("seq", "gpipe", "1f1b") for r in (False, True)]
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("balance", [[3, 5], [2, 3, 3]], ids=["2stages", "3stages"])
 def test_sync_schedules_match_one_process(worlds, balance):
-    # 3 steps; the last batch has 10 samples: micro-batches of 3,3,2,2 (new shape header mid-batch).
+    # 3 steps; the last batch has 10 samples: micro-batches of 3,3,2,2 (new shape header mid-batch). Each new
+    # run of shapes follows a run of other shapes, so the receiver's speculative receives get a filler twice.
     data = make_data(2, 8) + make_data(1, 10, seed=3)
     ref_state, ref_losses = reference(balance, data, 4)
     results = worlds.spawn(_run_all, len(balance), args=(balance, CONFIGS, data, 4, 1))
@@ -246,8 +247,14 @@ def test_stage_runtime_errors():
 
 
 def test_shape_header_roundtrip():
-    # the header carries dtypes, shapes and which tensors take a gradient back; the structure follows it
+    # the header carries dtypes, shapes, which tensors take a gradient back, the run's length, whether a
+    # filler follows, and the structure when it fits (else only its length: a message of its own follows)
     meta = Meta((torch.float32, torch.int64, torch.float32), ((3, 4), (3,), (2,)), (True, False, False))
-    decoded, run, structure_len = Meta.decode(meta.encode(5, 17, torch.device("cpu")))
-    assert decoded == meta and run == 5 and structure_len == 17
+    structure = b'[3,[[0,0],[1,null]]]'
+    header, inline = meta.encode(5, structure, True, torch.device("cpu"))
+    decoded, run, got, filler = Meta.decode(header)
+    assert inline and decoded == meta and run == 5 and got == structure and filler
+    big = bytes(range(256)) * 8  # 2 KiB: more than the header's room
+    header, inline = meta.encode(1, big, False, torch.device("cpu"))
+    assert not inline and Meta.decode(header)[2:] == (len(big), False)
     assert meta.differentiable() == Meta((torch.float32,), ((3, 4),), (True,))
