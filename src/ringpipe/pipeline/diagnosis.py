@@ -25,7 +25,11 @@ more micro-batches (pass times assumed proportional to the micro-batch size), in
 with 2 chunks per rank, a zero-bubble schedule (``zb_h1``/``zb_h2``; with an unsplit backward
 the weight pass is taken as half of it, the paper's equal-passes assumption), or another
 ``pipeline.balance`` (layers moved off the heaviest stage, each layer's cost taken as its
-stage's mean), each with its predicted step time.
+stage's mean), each with its predicted step time. The breakdown's figures, links included, are
+``ringpipe doctor --json``'s ``pipeline`` (:func:`pipeline_figures`). The asynchronous pipeline,
+whose stages share no step, is explained per optimizer step by
+:mod:`ringpipe.pipeline.stream_diagnosis`, with the pieces of this module it shares (the
+simulation, pass costs, the rebalanced split, the link findings).
 """
 
 from __future__ import annotations
@@ -198,7 +202,8 @@ def mean_stages(per_stage: Sequence[StageTimes]) -> list[StageTimes]:
 
 def breakdown(job: JobEvents) -> PipelineBreakdown | None:
     """The step of the pipeline run in ``job`` explained (None: no pipeline events, too few steps, or an
-    asynchronous run, whose stream has no step to explain).
+    asynchronous run, whose stream has no step shared by the stages: :mod:`ringpipe.pipeline.stream_diagnosis`
+    explains it per optimizer step).
 
     A step's measured time is its span over the stages: from the first action any stage starts
     for it to the last stage's step (so the loop's work between steps, data loading and

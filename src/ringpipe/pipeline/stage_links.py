@@ -12,6 +12,9 @@ the steps after the first of each step's summed waits (the two directions' waits
 stages' idle times and may overlap, so it can exceed the step); and how slow it is, the median
 wait of one of its messages. With interleaving a link between two ranks carries several
 boundaries between virtual stages (on two ranks, both directions); its messages are pooled.
+The asynchronous stream has no step shared by the stages: :func:`stream_link_times` matches its
+messages over the whole run (a micro-batch known by its stream and number) and gives each link's
+waits per optimizer step as their mean.
 
 :func:`slow_links` names a link slow when its messages' median wait is :data:`LINK_RATIO` times
 the other links' (the median of theirs) and it costs at least :data:`LINK_SHARE` of the step more

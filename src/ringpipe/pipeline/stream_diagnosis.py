@@ -11,8 +11,11 @@ steady state and set by the slowest.
 
 From the run's action events (:mod:`ringpipe.pipeline.action_events`) it measures, per stage, the
 median time of each pass per micro-batch (the thread's CPU time with one intra-op thread, as the
-synchronous doctor), the median period (between consecutive optimizer steps of one stream, those
-before a stage's first step left out as warm-up), and per period the stage's busy time, its waits
+synchronous doctor), the mean period (between consecutive optimizer steps of one stream, from a
+stage's first step to its stream's last forward: the fill before and the drain after are left out,
+and so are the drains and evaluations between streams; the mean, as where messages are slow the
+periods alternate, a few short ones while a stage runs the micro-batches it may hold in flight, then
+a long one while it waits for the round trip), and per period the stage's busy time, its waits
 for messages (:func:`~ringpipe.pipeline.stage_links.stream_link_times`: from when the sender's pass
 had ended and the stage was free to the start of the pass that needed the message) and the rest,
 idle: waiting for a slower neighbour. The period is then explained with the schedule's own action
@@ -23,7 +26,8 @@ fill and drain:
 - **imbalance**: how much longer the period is with each stage's own pass times than with every
   stage at their mean (the heaviest stage sets the period);
 - **transport and other**: the measured period the simulation does not explain (messages, a stage
-  late for other reasons, the loop's own work within a batch);
+  late for other reasons, the loop's own work between the batches it feeds into the stream, which
+  runs within the stream);
 - **fill and drain**: the share of a stream of the run's length (micro-batches from one drain to the
   next) that the schedule, stages balanced, spends filling and draining: its only bubble.
 
@@ -88,7 +92,7 @@ class StreamBreakdown:
     per_stage: list[StageTimes]  # passes per micro-batch; period, busy per optimizer step
     messages: list[float]  # per stage, its waits for messages per optimizer step
     measured: float  # the mean period within the streams (the median over stages)
-    mean_period: float  # the run's whole time per optimizer step: batch boundaries, drains, evaluations too
+    mean_period: float  # the run's whole time per optimizer step: drains and evaluations between streams too
     balanced: float  # simulated period, every stage at the mean pass times
     predicted: float  # simulated period, each stage at its own pass times
     fill_drain: float  # share of a stream the balanced schedule spends filling and draining
@@ -276,8 +280,8 @@ def stream_findings(job: JobEvents) -> list[Finding]:
              f"{b.detail['streams']} stream(s) in the run, each drained at an epoch end, evaluation or checkpoint)")
     between = max(0.0, b.mean_period - b.measured)
     evidence = (f"{parts}. {_per_stage_text(b)}; simulated period {ms(b.predicted)} (balanced {ms(b.balanced)}); "
-                f"between batches, drains and evaluations (the loop's own work, outside the stream's steady state) "
-                f"{ms(between)} per optimizer step on average")
+                f"drains and evaluations between streams (outside their steady state) {ms(between)} per optimizer "
+                f"step on average")
     if b.links:
         evidence += f"; waits on the links between stages per optimizer step: {links_text(b)}"
     largest = max(("imbalance", b.imbalance), ("transport", b.transport), key=lambda x: x[1])
