@@ -309,26 +309,34 @@ def _interleaved(b: PipelineBreakdown) -> float:
     return step_time(lists, lambda s, a: half(s, Action(a.kind, a.mb, 0)) if a.kind != "S" else b.per_stage[s].step)[0]
 
 
-def rebalanced_stages(per_stage: Sequence[StageTimes], balance: Sequence[int] | None,
-                      chunks: int = 1) -> tuple[list[int], list[StageTimes]] | None:
-    """A split moving layers off the heaviest stage (layers' costs: their stage's mean per layer, the exact
-    :func:`~ringpipe.pipeline.partition.balance_by_size` of their passes summed) and each new stage's pass
-    times, each keeping its step time (None: no balance known, interleaved, or the split is already that)."""
+def rebalanced_stages(per_stage: Sequence[StageTimes], balance: Sequence[int] | None, chunks: int = 1,
+                      steps_per_microbatch: float | None = None) -> tuple[list[int], list[StageTimes]] | None:
+    """A split moving layers off the heaviest stage and each new stage's pass times (None: no balance known,
+    interleaved, or the split is already that).
+
+    Each layer is costed at its stage's mean per layer; the split is the exact
+    :func:`~ringpipe.pipeline.partition.balance_by_size` of the layers' passes summed. Each new stage keeps
+    the step time of the stage it replaces; with ``steps_per_microbatch`` (optimizer steps per micro-batch:
+    ``1 / step_every`` in the asynchronous stream, where a stage's step weighs on its rate) the step is
+    costed per layer too, moves with the layers and counts in the split at that weight.
+    """
     if balance is None or chunks != 1 or len(balance) != len(per_stage):
         return None
     kinds = ("forward", "backward", "weight")
     layer_costs: list[dict[str, float]] = []
     for st, n in zip(per_stage, balance, strict=True):
-        layer_costs += [{k: getattr(st, k).get(0, 0.0) / n for k in kinds}] * n
-    total = [sum(c.values()) for c in layer_costs]
+        layer_costs += [{**{k: getattr(st, k).get(0, 0.0) / n for k in kinds}, "step": st.step / n}] * n
+    weight = steps_per_microbatch or 0.0
+    total = [sum(c[k] for k in kinds) + weight * c["step"] for c in layer_costs]
     new = balance_by_size(total, len(per_stage))
     if new == list(balance):
         return None
     stages, start = [], 0
     for s, n in enumerate(new):
-        st = StageTimes(s, step=per_stage[s].step)
+        mine = layer_costs[start:start + n]
+        st = StageTimes(s, step=sum(c["step"] for c in mine) if steps_per_microbatch else per_stage[s].step)
         for k in kinds:
-            v = sum(c[k] for c in layer_costs[start:start + n])
+            v = sum(c[k] for c in mine)
             if v:
                 getattr(st, k)[0] = v
         stages.append(st)

@@ -297,11 +297,12 @@ def stream_findings(job: JobEvents) -> list[Finding]:
         mean_busy = statistics.fmean(_per_step(st, k) for st in b.per_stage)
         fix = "give the heaviest stage fewer layers (pipeline.balance) or use pipeline.partition=time"
         gain = ""
-        moved = rebalanced_stages(b.per_stage, b.balance)
+        moved = rebalanced_stages(b.per_stage, b.balance, steps_per_microbatch=1 / k)
         if moved is not None:
             new, stages = moved
             t = stream_period(stages, k) + max(0.0, b.measured - b.predicted)  # the time outside the passes kept
-            gain = (f"; with pipeline.balance={new} (layers costed at their stage's mean) the period is predicted "
+            gain = (f"; with pipeline.balance={new} (each layer's passes and step costed at its stage's mean) the "
+                    f"period is predicted "
                     f"{ms(t)} instead of {ms(b.measured)} ({b.measured / t:.2f}x)")
             if b.measured / t >= BETTER:
                 fix = f"ringpipe train --set pipeline.balance=[{','.join(map(str, new))}] (now {b.balance})"
