@@ -535,8 +535,8 @@ def link_figures(b: Any) -> list[dict[str, Any]]:
 
 def stage_figures(st: StageTimes) -> dict[str, Any]:
     """One stage's figures: pass times per micro-batch (summed over chunks), step, busy and idle, seconds."""
-    return {"stage": st.stage, "forward_s": sum(st.forward.values()), "backward_s": sum(st.backward.values()),
-            "weight_s": sum(st.weight.values()), "step_s": st.step, "busy_s": st.busy, "idle_s": st.idle}
+    return {"stage": st.stage, "forward_s": sum(st.forward.values(), 0.0), "backward_s": sum(st.backward.values(), 0.0),
+            "weight_s": sum(st.weight.values(), 0.0), "step_s": st.step, "busy_s": st.busy, "idle_s": st.idle}
 
 
 def pipeline_figures(job: JobEvents) -> dict[str, Any] | None:

@@ -272,8 +272,9 @@ def stream_findings(job: JobEvents) -> list[Finding]:
         return []
     k = b.step_every
     every = f"{k} micro-batch{'es' if k > 1 else ''}"
+    rate = f"{every}, {ms(b.measured / k)} per micro-batch" if k > 1 else every
     head = (f"asynchronous pipeline (async_1f1b on {b.stages} stages): one optimizer step every "
-            f"{ms(b.measured)} per stage ({every}; {b.per_stage[0].steps} steps)")
+            f"{ms(b.measured)} per stage ({rate}; {b.per_stage[0].steps} steps)")
     parts = (f"no schedule bubble in steady state (the stream is not flushed); imbalance between stages "
              f"{100 * b.imbalance:.1f}%, transport and other {100 * b.transport:.1f}% of the period; fill and drain "
              f"{100 * b.fill_drain:.1f}% of a stream of {b.stream} micro-batches (predicted with balanced stages; "
