@@ -89,8 +89,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     if args.command == "doctor":
-        with contextlib.suppress(ModuleNotFoundError):  # the pipeline doctor joins the doctor's analyses
+        with contextlib.suppress(ModuleNotFoundError):  # the pipeline doctors join the doctor's analyses
             importlib.import_module("ringpipe.pipeline.diagnosis")
+            importlib.import_module("ringpipe.pipeline.stream_diagnosis")
     return int(args.func(args) or 0)
 
 

@@ -22,7 +22,7 @@ __all__ = ["add_parser", "doctor_main", "trace_main", "doctor_job", "load_events
 
 
 def _print_report(result: dict[str, Any], nbytes: int, as_json: bool) -> None:
-    from ringpipe.observe.doctor import format_report
+    from ringpipe.observe.doctor import figures, format_report
 
     job, findings = result["job"], result["findings"]
     if as_json:
@@ -36,6 +36,7 @@ def _print_report(result: dict[str, Any], nbytes: int, as_json: bool) -> None:
             "verified": result.get("verified"),
             "phases_s": result.get("phases_s", {}),
             **({"comm": result["comm"]} if result.get("comm") else {}),
+            **figures(job),  # the analyses' own figures: "pipeline" for a pipeline run
         }
         write_whole_lines(json_text(report, short_lines=under_mpi_launcher()))
         return

@@ -34,7 +34,7 @@ from ringpipe.observe.links import link_findings, ring_links, run_links, slow_ho
 from ringpipe.observe.placement import busy_hosts, placement
 from ringpipe.observe.regions import EXPECTED_OP
 
-__all__ = ["ANALYZERS", "Finding", "diagnose", "register_analyzer", "late_ranks", "placement", "link_findings", "ring_links", "step_links",
+__all__ = ["ANALYZERS", "FIGURES", "Finding", "diagnose", "register_analyzer", "register_figures", "figures", "late_ranks", "placement", "link_findings", "ring_links", "step_links",
            "run_links", "compute_findings", "recommend", "format_report", "COLLECTIVE_OPS", "ALGORITHMS"]
 
 COLLECTIVE_OPS = ("allreduce", "iallreduce", "allgather", "broadcast", "reduce", "reduce_scatter", "alltoall", "barrier")
@@ -319,6 +319,29 @@ def register_analyzer(fn: Callable[[JobEvents], list[Finding]]) -> Callable[[Job
     if fn not in ANALYZERS:
         ANALYZERS.append(fn)
     return fn
+
+
+#: The figures behind those analyses, for ``ringpipe doctor --json``: ``(key, function)`` pairs registered by the
+#: same layers; each function returns a JSON-ready dict, or None when the job is not its kind.
+FIGURES: list[tuple[str, Callable[[JobEvents], dict[str, Any] | None]]] = []
+
+
+def register_figures(key: str, fn: Callable[[JobEvents], dict[str, Any] | None]) -> None:
+    """Add ``fn`` to the figures :func:`figures` gathers under ``key`` (once, however often it is registered);
+    several functions may share a key, each for its own kind of job."""
+    if (key, fn) not in FIGURES:
+        FIGURES.append((key, fn))
+
+
+def figures(job: JobEvents) -> dict[str, Any]:
+    """Every registered figure of ``job``: per key, the first function's answer that is not None."""
+    out: dict[str, Any] = {}
+    for key, fn in FIGURES:
+        if key not in out:
+            got = fn(job)
+            if got is not None:
+                out[key] = got
+    return out
 
 
 def diagnose(job: JobEvents, links: list[dict[str, Any]] | None = None,

@@ -25,7 +25,11 @@ more micro-batches (pass times assumed proportional to the micro-batch size), in
 with 2 chunks per rank, a zero-bubble schedule (``zb_h1``/``zb_h2``; with an unsplit backward
 the weight pass is taken as half of it, the paper's equal-passes assumption), or another
 ``pipeline.balance`` (layers moved off the heaviest stage, each layer's cost taken as its
-stage's mean), each with its predicted step time.
+stage's mean), each with its predicted step time. The breakdown's figures, links included, are
+``ringpipe doctor --json``'s ``pipeline`` (:func:`pipeline_figures`). The asynchronous pipeline,
+whose stages share no step, is explained per optimizer step by
+:mod:`ringpipe.pipeline.stream_diagnosis`, with the pieces of this module it shares (the
+simulation, pass costs, the rebalanced split, the link findings).
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ringpipe.observe.collect import JobEvents
-from ringpipe.observe.doctor import register_analyzer
+from ringpipe.observe.doctor import register_analyzer, register_figures
 from ringpipe.observe.finding import Finding
 from ringpipe.pipeline.action_events import ACTION_OPS
 from ringpipe.pipeline.actions import Action, ScheduleError
@@ -46,7 +50,9 @@ from ringpipe.pipeline.schedules import SCHEDULES, async_1f1b
 from ringpipe.pipeline.schedules_interleaved import interleaved_1f1b
 from ringpipe.pipeline.stage_links import LinkTimes, link_times, slow_links
 
-__all__ = ["StageTimes", "PipelineBreakdown", "breakdown", "pipeline_findings", "step_time", "actions_of"]
+__all__ = ["StageTimes", "PipelineBreakdown", "breakdown", "pipeline_findings", "pipeline_figures", "step_time",
+           "actions_of", "pass_costs", "mean_stages", "rebalanced_stages", "stage_link_findings", "links_text",
+           "link_figures", "stage_figures", "crowded_hosts", "ms", "PROBLEM_SHARE", "BETTER"]
 
 #: A part of the step this large (share of the measured step time) is named as a problem.
 PROBLEM_SHARE = 0.10
@@ -167,7 +173,7 @@ def _stage_times(done: list[list[Any]], info: dict[str, Any], spans: Sequence[fl
     return st
 
 
-def _costs(per_stage: Sequence[StageTimes], scale: float = 1.0, split_w: bool = False) -> Costs:
+def pass_costs(per_stage: Sequence[StageTimes], scale: float = 1.0, split_w: bool = False) -> Costs:
     """Measured pass times as a cost function; ``scale`` multiplies the passes; ``split_w``: an unsplit
     backward is cut in two equal ``B`` and ``W`` (the stage's ``W`` is then half its ``B``)."""
 
@@ -185,7 +191,7 @@ def _costs(per_stage: Sequence[StageTimes], scale: float = 1.0, split_w: bool = 
     return cost
 
 
-def _mean_stage(per_stage: Sequence[StageTimes]) -> list[StageTimes]:
+def mean_stages(per_stage: Sequence[StageTimes]) -> list[StageTimes]:
     mean = StageTimes(-1)
     for name in ("forward", "backward", "weight"):
         chunks = {c for st in per_stage for c in getattr(st, name)}
@@ -196,7 +202,8 @@ def _mean_stage(per_stage: Sequence[StageTimes]) -> list[StageTimes]:
 
 def breakdown(job: JobEvents) -> PipelineBreakdown | None:
     """The step of the pipeline run in ``job`` explained (None: no pipeline events, too few steps, or an
-    asynchronous run, whose stream has no step to explain).
+    asynchronous run, whose stream has no step shared by the stages: :mod:`ringpipe.pipeline.stream_diagnosis`
+    explains it per optimizer step).
 
     A step's measured time is its span over the stages: from the first action any stage starts
     for it to the last stage's step (so the loop's work between steps, data loading and
@@ -225,9 +232,9 @@ def breakdown(job: JobEvents) -> PipelineBreakdown | None:
     per_stage = [_stage_times(first[s][1][:n], first[s][2], spans, cpu) for s in range(stages)]
     schedule, m, chunks = str(info["schedule"]), int(info["microbatches"]), int(info.get("chunks") or 1)
     lists = actions_of(schedule, stages, m, chunks, int(info.get("step_every") or 1))
-    mean = _mean_stage(per_stage)
-    balanced, busy_bal = step_time(lists, _costs(mean))
-    predicted, _ = step_time(lists, _costs(per_stage))
+    mean = mean_stages(per_stage)
+    balanced, busy_bal = step_time(lists, pass_costs(mean))
+    predicted, _ = step_time(lists, pass_costs(per_stage))
     measured = _median(spans)
     bal = info.get("balance")
     body = [[first[s][1][k] for s in range(stages)] for k in range(n)]
@@ -240,7 +247,8 @@ def breakdown(job: JobEvents) -> PipelineBreakdown | None:
 # ----------------------------------------------------------------------------- what to change
 
 
-def _ms(seconds: float) -> str:
+def ms(seconds: float) -> str:
+    """``seconds`` in milliseconds, as the findings write them."""
     return f"{1e3 * seconds:.1f} ms"
 
 
@@ -257,7 +265,7 @@ def _candidates(b: PipelineBreakdown) -> list[tuple[str, str, float, int]]:
             lists = actions_of(schedule, p, m2, chunks)
         except ScheduleError:
             return float("inf")
-        costs = _costs(b.per_stage, scale=scale * b.chunks / chunks, split_w=schedule in ("zb_h1", "zb_h2"))
+        costs = pass_costs(b.per_stage, scale=scale * b.chunks / chunks, split_w=schedule in ("zb_h1", "zb_h2"))
         return step_time(lists, costs)[0]
 
     if b.chunks != 1:  # a chunk's pass is 1/chunks of a stage's: compare as whole stages
@@ -297,33 +305,53 @@ def _interleaved(b: PipelineBreakdown) -> float:
         lists = actions_of("interleaved_1f1b", b.stages, b.microbatches, 2)
     except ScheduleError:
         return float("inf")
-    half = _costs(b.per_stage, scale=0.5)
+    half = pass_costs(b.per_stage, scale=0.5)
     return step_time(lists, lambda s, a: half(s, Action(a.kind, a.mb, 0)) if a.kind != "S" else b.per_stage[s].step)[0]
 
 
-def _rebalance(b: PipelineBreakdown) -> tuple[list[int], float] | None:
-    """A split moving layers off the heaviest stage, and its predicted step time (layers' costs: their stage's mean)."""
-    if b.balance is None or b.chunks != 1 or len(b.balance) != b.stages:
+def rebalanced_stages(per_stage: Sequence[StageTimes], balance: Sequence[int] | None, chunks: int = 1,
+                      steps_per_microbatch: float | None = None) -> tuple[list[int], list[StageTimes]] | None:
+    """A split moving layers off the heaviest stage and each new stage's pass times (None: no balance known,
+    interleaved, or the split is already that).
+
+    Each layer is costed at its stage's mean per layer; the split is the exact
+    :func:`~ringpipe.pipeline.partition.balance_by_size` of the layers' passes summed. Each new stage keeps
+    the step time of the stage it replaces; with ``steps_per_microbatch`` (optimizer steps per micro-batch:
+    ``1 / step_every`` in the asynchronous stream, where a stage's step weighs on its rate) the step is
+    costed per layer too, moves with the layers and counts in the split at that weight.
+    """
+    if balance is None or chunks != 1 or len(balance) != len(per_stage):
         return None
     kinds = ("forward", "backward", "weight")
     layer_costs: list[dict[str, float]] = []
-    for st, n in zip(b.per_stage, b.balance, strict=True):
-        layer_costs += [{k: getattr(st, k).get(0, 0.0) / n for k in kinds}] * n
-    total = [sum(c.values()) for c in layer_costs]
-    new = balance_by_size(total, b.stages)
-    if new == b.balance:
+    for st, n in zip(per_stage, balance, strict=True):
+        layer_costs += [{**{k: getattr(st, k).get(0, 0.0) / n for k in kinds}, "step": st.step / n}] * n
+    weight = steps_per_microbatch or 0.0
+    total = [sum(c[k] for k in kinds) + weight * c["step"] for c in layer_costs]
+    new = balance_by_size(total, len(per_stage))
+    if new == list(balance):
         return None
-    per_stage, start = [], 0
+    stages, start = [], 0
     for s, n in enumerate(new):
-        st = StageTimes(s, step=b.per_stage[s].step)
+        mine = layer_costs[start:start + n]
+        st = StageTimes(s, step=sum(c["step"] for c in mine) if steps_per_microbatch else per_stage[s].step)
         for k in kinds:
-            v = sum(c[k] for c in layer_costs[start:start + n])
+            v = sum(c[k] for c in mine)
             if v:
                 getattr(st, k)[0] = v
-        per_stage.append(st)
+        stages.append(st)
         start += n
+    return new, stages
+
+
+def _rebalance(b: PipelineBreakdown) -> tuple[list[int], float] | None:
+    """:func:`rebalanced_stages` and its predicted step time."""
+    moved = rebalanced_stages(b.per_stage, b.balance, b.chunks)
+    if moved is None:
+        return None
+    new, per_stage = moved
     lists = actions_of(b.schedule, b.stages, b.microbatches)
-    return new, step_time(lists, _costs(per_stage))[0]
+    return new, step_time(lists, pass_costs(per_stage))[0]
 
 
 def _per_stage_text(b: PipelineBreakdown) -> str:
@@ -331,46 +359,51 @@ def _per_stage_text(b: PipelineBreakdown) -> str:
     for st in b.per_stage:
         f = sum(st.forward.values())
         bw = sum(st.backward.values())
-        w = f", W {_ms(sum(st.weight.values()))}" if st.weight else ""
-        rows.append(f"stage {st.stage}: F {_ms(f)}, B {_ms(bw)}{w} per micro-batch, step {_ms(st.step)}, "
-                    f"busy {_ms(st.busy)}, idle {_ms(st.idle)} ({100 * st.idle / b.measured:.0f}%)")
+        w = f", W {ms(sum(st.weight.values()))}" if st.weight else ""
+        rows.append(f"stage {st.stage}: F {ms(f)}, B {ms(bw)}{w} per micro-batch, step {ms(st.step)}, "
+                    f"busy {ms(st.busy)}, idle {ms(st.idle)} ({100 * st.idle / b.measured:.0f}%)")
     return "; ".join(rows)
 
 
-def _several_hosts(b: PipelineBreakdown) -> bool:
+def _several_hosts(b: Any) -> bool:
+    """Whether ``b``'s stages are on several hosts (then its texts name them)."""
     return len({x.up_host for x in b.links} | {x.down_host for x in b.links}) > 1
 
 
-def _links_text(b: PipelineBreakdown) -> str:
+def links_text(b: Any) -> str:
+    """Each of ``b``'s links with its figures per step, its stages (and hosts when there are several)."""
     hosts = _several_hosts(b)
     rows = []
     for x in b.links:
         sent = f", {x.nbytes / 1e6:.2f} MB sent" if x.nbytes else ""
-        rows.append(f"{x.name(hosts)}: {_ms(x.total)} (activations {_ms(x.activations)}, gradients "
-                    f"{_ms(x.gradients)}; {_ms(x.message)} per message, median{sent})")
+        rows.append(f"{x.name(hosts)}: {ms(x.total)} (activations {ms(x.activations)}, gradients "
+                    f"{ms(x.gradients)}; {ms(x.message)} per message, median{sent})")
     return "; ".join(rows)
 
 
-def _link_findings(b: PipelineBreakdown, slow: Sequence[tuple[LinkTimes, float]], crowded: str) -> list[Finding]:
+def stage_link_findings(b: Any, slow: Sequence[tuple[LinkTimes, float]], crowded: str,
+                        summed: str = "") -> list[Finding]:
     """A problem for each link named slow; the one link of two stages on hosts short of cores (``crowded``
     says why) is information only: compared with nothing but a typical pass, its waits may be the receivers
     waiting for a core after their message arrived; on one such host (no network between the stages) it is
-    not named at all."""
+    not named at all. ``b``: a breakdown with ``links``, ``measured`` and ``per_stage``; ``summed``: how its
+    figures per step were taken (default: the median over the steps of each step's sum)."""
+    summed = summed or f"the median over {b.per_stage[0].steps} steps of each step's sum"
     hosts = _several_hosts(b)
     out = []
     for link, ratio in slow:
         alone = len(b.links) == 1
         if alone and crowded and link.up_host == link.down_host:
             continue  # two stages on one busy host: no network between them, and the busy host is its own finding
-        step = f"on a {_ms(b.measured)} step"
-        each = f"its messages wait {_ms(link.message)} each (median)"
+        step = f"on a {ms(b.measured)} step"
+        each = f"its messages wait {ms(link.message)} each (median)"
         if alone:
             what = (f"the link between {link.name(hosts)} is slow: {each}, {ratio:.1f}x a typical pass of the "
-                    f"stages; {_ms(link.total)} per step ({step}; the only link, no other to compare with)")
+                    f"stages; {ms(link.total)} per step ({step}; the only link, no other to compare with)")
         else:
             times = (f"{ratio:.1f}x the other links'" if ratio != float("inf") else "where the other links' messages "
                      "wait for nothing")
-            what = f"the link between {link.name(hosts)} is slow: {each}, {times}; {_ms(link.total)} per step ({step})"
+            what = f"the link between {link.name(hosts)} is slow: {each}, {times}; {ms(link.total)} per step ({step})"
         where = (f"the path between hosts {link.up_host} and {link.down_host} (NIC, cable, switch port, traffic "
                  f"shaping: `tc qdisc show` on both)" if link.up_host != link.down_host
                  else f"what else runs on host {link.up_host} (both stages are there)")
@@ -380,7 +413,7 @@ def _link_findings(b: PipelineBreakdown, slow: Sequence[tuple[LinkTimes, float]]
             "info" if caveat else "problem", what,
             f"a message's wait runs from when both stages were ready (the sender's pass done, the receiver free) "
             f"to the start of the receiver's pass that needs it (the schedule's simulation counts none of it); per "
-            f"step: the median over {b.per_stage[0].steps} steps of each step's sum: {_links_text(b)}{caveat}",
+            f"step: {summed}: {links_text(b)}{caveat}",
             f"check {where}, or place stages {link.up} and {link.down} on hosts joined by a faster link; fewer, "
             "larger micro-batches send fewer messages",
             hosts=tuple(dict.fromkeys((link.up_host, link.down_host))) if hosts else (),
@@ -388,7 +421,7 @@ def _link_findings(b: PipelineBreakdown, slow: Sequence[tuple[LinkTimes, float]]
     return out
 
 
-def _crowded(job: JobEvents) -> str:
+def crowded_hosts(job: JobEvents) -> str:
     """Why the job's hosts had no core to spare ("" when they had): a load average above the CPUs."""
     for r in job.ranks:
         load, cpus = r.info.get("loadavg"), r.info.get("cpu_count")
@@ -407,13 +440,13 @@ def pipeline_findings(job: JobEvents) -> list[Finding]:
              f"times, stages balanced), imbalance between stages {100 * b.imbalance:.1f}%, transport and other "
              f"{100 * b.transport:.1f}%")
     found: list[Finding] = []
-    head = (f"pipeline stages idle {100 * b.measured_idle:.1f}% of the step ({_ms(b.measured)} per step, "
+    head = (f"pipeline stages idle {100 * b.measured_idle:.1f}% of the step ({ms(b.measured)} per step, "
             f"{b.per_stage[0].steps} steps)")
     between = max(0.0, b.detail.get("period", 0.0) - b.measured)
-    evidence = (f"{parts}. {_per_stage_text(b)}; simulated step {_ms(b.predicted)} (balanced {_ms(b.balanced)}); "
-                f"between steps (the loop's own work, outside the pipeline) {_ms(between)}")
+    evidence = (f"{parts}. {_per_stage_text(b)}; simulated step {ms(b.predicted)} (balanced {ms(b.balanced)}); "
+                f"between steps (the loop's own work, outside the pipeline) {ms(between)}")
     if b.links:
-        evidence += f"; waits on the links between stages per step: {_links_text(b)}"
+        evidence += f"; waits on the links between stages per step: {links_text(b)}"
     largest = max(("bubble", b.bubble), ("imbalance", b.imbalance), ("transport", b.transport), key=lambda x: x[1])
     what = {"bubble": f"{head}: mostly the schedule's own bubble",
             "imbalance": f"{head}: mostly imbalance between stages",
@@ -443,12 +476,12 @@ def pipeline_findings(job: JobEvents) -> list[Finding]:
             new, t = rebal
             fix = f"ringpipe train --set pipeline.balance=[{','.join(map(str, new))}] (now {b.balance})"
             t = _estimate(b, t, b.microbatches * b.chunks)
-            gain = f"; predicted step {_ms(t)} instead of {_ms(b.measured)} ({b.measured / t:.2f}x)"
+            gain = f"; predicted step {ms(t)} instead of {ms(b.measured)} ({b.measured / t:.2f}x)"
         found.append(Finding(
             "problem" if skew >= PROBLEM_SHARE else "info",
             f"pipeline stage {heavy.stage} is the heaviest: the others wait for it",
-            f"stage {heavy.stage} is busy {_ms(heavy.busy)} per step against a mean of {_ms(mean_busy)}; with the "
-            f"measured passes the step takes {_ms(b.predicted)} against {_ms(b.balanced)} with balanced stages "
+            f"stage {heavy.stage} is busy {ms(heavy.busy)} per step against a mean of {ms(mean_busy)}; with the "
+            f"measured passes the step takes {ms(b.predicted)} against {ms(b.balanced)} with balanced stages "
             f"({100 * skew:.1f}% longer){gain}",
             fix,
         ))
@@ -458,24 +491,24 @@ def pipeline_findings(job: JobEvents) -> list[Finding]:
         found.append(Finding(
             "problem",
             "pipeline stages wait longer than their schedule explains",
-            f"measured step {_ms(b.measured)}, simulated from the measured passes {_ms(b.predicted)}: "
-            f"{_ms(b.measured - b.predicted)} per step ({100 * b.transport:.1f}%) is spent in messages between "
+            f"measured step {ms(b.measured)}, simulated from the measured passes {ms(b.predicted)}: "
+            f"{ms(b.measured - b.predicted)} per step ({100 * b.transport:.1f}%) is spent in messages between "
             "stages, a stage late for other reasons (a busy CPU, data loading) or the loop's own work",
             ("see the slow link named below" if slow else
              "check the links between the stages' hosts (ringpipe doctor -n N --probe) and the CPU load; "
              "larger micro-batches send fewer, larger messages"),
         ))
-    found += _link_findings(b, slow, _crowded(job))
+    found += stage_link_findings(b, slow, crowded_hosts(job))
     if b.bubble >= PROBLEM_SHARE / 2:
         cands = sorted(((c[0], c[1], _estimate(b, c[2], c[3])) for c in _candidates(b) if c[2] > 0),
                        key=lambda c: c[2])
         if cands and b.measured / cands[0][2] >= BETTER:
             what_, how, t = cands[0]
-            others = ", ".join(f"{c[0]}: {_ms(c[2])}" for c in cands[1:4])
-            crowded = _crowded(job)
+            others = ", ".join(f"{c[0]}: {ms(c[2])}" for c in cands[1:4])
+            crowded = crowded_hosts(job)
             evidence = (f"simulated with the measured pass times, plus the time outside the passes per message "
-                        f"({_ms(_outside_per_message(b))}): step {_ms(t)} "
-                        f"instead of {_ms(b.measured)} ({b.measured / t:.2f}x)" + (f"; others: {others}" if others else ""))
+                        f"({ms(_outside_per_message(b))}): step {ms(t)} "
+                        f"instead of {ms(b.measured)} ({b.measured / t:.2f}x)" + (f"; others: {others}" if others else ""))
             if crowded:
                 # a stage's idle time is another process's CPU time there: overlapping more wins nothing
                 found.append(Finding(
@@ -490,4 +523,35 @@ def pipeline_findings(job: JobEvents) -> list[Finding]:
     return found
 
 
+def link_figures(b: Any) -> list[dict[str, Any]]:
+    """``b``'s links as JSON-ready figures (seconds per step, bytes per step), each marked ``slow`` when
+    :func:`~ringpipe.pipeline.stage_links.slow_links` names it."""
+    passes = [v for st in b.per_stage for kind in (st.forward, st.backward) for v in kind.values()]
+    slow = {(x.up, x.down) for x, _ in slow_links(b.links, b.measured, _median(passes))}
+    return [{"up": x.up, "down": x.down, "up_host": x.up_host, "down_host": x.down_host,
+             "activations_s": x.activations, "gradients_s": x.gradients, "total_s": x.total,
+             "message_s": x.message, "bytes": x.nbytes, "slow": (x.up, x.down) in slow} for x in b.links]
+
+
+def stage_figures(st: StageTimes) -> dict[str, Any]:
+    """One stage's figures: pass times per micro-batch (summed over chunks), step, busy and idle, seconds."""
+    return {"stage": st.stage, "forward_s": sum(st.forward.values(), 0.0), "backward_s": sum(st.backward.values(), 0.0),
+            "weight_s": sum(st.weight.values(), 0.0), "step_s": st.step, "busy_s": st.busy, "idle_s": st.idle}
+
+
+def pipeline_figures(job: JobEvents) -> dict[str, Any] | None:
+    """The breakdown of a synchronous pipeline run as ``ringpipe doctor --json`` gives it (None: not one)."""
+    b = breakdown(job)
+    if b is None:
+        return None
+    return {"schedule": b.schedule, "stages": b.stages, "microbatches": b.microbatches, "chunks": b.chunks,
+            "balance": b.balance, "steps": b.per_stage[0].steps, "per": "step", "measured_s": b.measured,
+            "predicted_s": b.predicted, "balanced_s": b.balanced,
+            "between_steps_s": max(0.0, b.detail.get("period", 0.0) - b.measured), "cpu_times": b.detail.get("cpu"),
+            "shares": {"bubble": b.bubble, "imbalance": b.imbalance, "transport": b.transport,
+                       "idle": b.measured_idle},
+            "per_stage": [stage_figures(st) for st in b.per_stage], "links": link_figures(b)}
+
+
 register_analyzer(pipeline_findings)
+register_figures("pipeline", pipeline_figures)

@@ -12,6 +12,9 @@ the steps after the first of each step's summed waits (the two directions' waits
 stages' idle times and may overlap, so it can exceed the step); and how slow it is, the median
 wait of one of its messages. With interleaving a link between two ranks carries several
 boundaries between virtual stages (on two ranks, both directions); its messages are pooled.
+The asynchronous stream has no step shared by the stages: :func:`stream_link_times` matches its
+messages over the whole run (a micro-batch known by its stream and number) and gives each link's
+waits per optimizer step as their mean.
 
 :func:`slow_links` names a link slow when its messages' median wait is :data:`LINK_RATIO` times
 the other links' (the median of theirs) and it costs at least :data:`LINK_SHARE` of the step more
@@ -32,7 +35,8 @@ from typing import Any
 
 from ringpipe.pipeline.action_events import ACTION_OPS
 
-__all__ = ["LinkTimes", "boundaries", "link_times", "slow_links", "LINK_RATIO", "LINK_SHARE"]
+__all__ = ["LinkTimes", "Ready", "boundaries", "ready_times", "message_waits", "link_times", "stream_link_times",
+           "slow_links", "LINK_RATIO", "LINK_SHARE"]
 
 #: A link is named slow when its messages' median wait is this many times the other links' (the one link of
 #: two stages: a typical pass) ...
@@ -81,32 +85,50 @@ def boundaries(stages: int, chunks: int) -> dict[tuple[int, int], list[tuple[int
     return out
 
 
+#: A stage's actions by what they are: ``(kind, micro-batch key, chunk) -> (start, end, when the stage was free
+#: before it)``, nanoseconds. The micro-batch key is its number within a step (flushing schedules) or
+#: ``(stream, number)`` within the asynchronous stream, whose numbers start again after each drain.
+Ready = dict[tuple[str, Any, int], tuple[int, int, int]]
+
+
+def ready_times(events: Sequence[Any], free: int, key: Any = None) -> Ready:
+    """:data:`Ready` of one stage's ``events`` (its actions in order); ``free``: when the stage was free before
+    the first; ``key(event)``: the micro-batch key (default: the event's micro-batch number)."""
+    mine: Ready = {}
+    for e in events:
+        d = e.detail
+        mb = key(e) if key is not None else int(d.get("mb", -1))
+        mine[(_OPS[e.op], mb, int(d.get("chunk", 0)))] = (e.start_ns, e.end_ns, free)
+        free = e.end_ns
+    return mine
+
+
+def message_waits(when: Sequence[Ready], pair_crossings: Sequence[tuple[int, int, int, int]],
+                  since: int = 0, until: float = float("inf")) -> tuple[list[float], list[float]]:
+    """(each activation's wait, each gradient's), seconds, over one link's ``pair_crossings`` (:func:`boundaries`),
+    from every stage's :data:`Ready`: each message whose receiving pass starts from ``since`` to ``until``."""
+    acts: list[float] = []
+    grads: list[float] = []
+    for us, uc, ds, dc in pair_crossings:
+        for (kind, mb, c), (start, _, free) in when[ds].items():
+            if kind == "F" and c == dc and since <= start <= until and ("F", mb, uc) in when[us]:  # down waited for up
+                acts.append((start - max(when[us][("F", mb, uc)][1], free)) / 1e9)
+        for (kind, mb, c), (start, _, free) in when[us].items():
+            if kind == "B" and c == uc and since <= start <= until and ("B", mb, dc) in when[ds]:  # up waited for down
+                grads.append((start - max(when[ds][("B", mb, dc)][1], free)) / 1e9)
+    return acts, grads
+
+
 def _waits(steps: Sequence[Sequence[list[Any]]], stages: int,
            chunks: int) -> dict[tuple[int, int], list[tuple[list[float], list[float]]]]:
     """Per link (:func:`boundaries`) and step (the first left out): (each activation's wait, each gradient's), s."""
     out: dict[tuple[int, int], list[tuple[list[float], list[float]]]] = {}
     crossing = boundaries(stages, chunks)
     for k in range(1, len(steps)):
-        when: list[dict[tuple[str, int, int], tuple[int, int, int]]] = []  # (kind, mb, chunk) -> start, end, free
-        for s in range(stages):
-            mine: dict[tuple[str, int, int], tuple[int, int, int]] = {}
-            free = steps[k - 1][s][-1].end_ns  # the previous step's last action
-            for e in steps[k][s]:
-                d = e.detail
-                mine[(_OPS[e.op], int(d.get("mb", -1)), int(d.get("chunk", 0)))] = (e.start_ns, e.end_ns, free)
-                free = e.end_ns
-            when.append(mine)
+        # each stage free before the step: at the previous step's last action
+        when = [ready_times(steps[k][s], steps[k - 1][s][-1].end_ns) for s in range(stages)]
         for pair, crossings in crossing.items():
-            acts: list[float] = []
-            grads: list[float] = []
-            out.setdefault(pair, []).append((acts, grads))
-            for us, uc, ds, dc in crossings:
-                for (kind, mb, c), (start, _, free) in when[ds].items():
-                    if kind == "F" and c == dc and ("F", mb, uc) in when[us]:  # down waited for up's activation
-                        acts.append((start - max(when[us][("F", mb, uc)][1], free)) / 1e9)
-                for (kind, mb, c), (start, _, free) in when[us].items():
-                    if kind == "B" and c == uc and ("B", mb, dc) in when[ds]:  # up waited for down's gradient
-                        grads.append((start - max(when[ds][("B", mb, dc)][1], free)) / 1e9)
+            out.setdefault(pair, []).append(message_waits(when, crossings))
     return out
 
 
@@ -141,6 +163,31 @@ def link_times(steps: Sequence[Sequence[list[Any]]], ranks: Sequence[Any], chunk
         out.append(LinkTimes(up, down, ranks[up].host, ranks[down].host, max(0.0, _median(acts)),
                              max(0.0, _median(grads)), max(0.0, _median([a + g for a, g in zip(acts, grads, strict=True)])),
                              max(0.0, _median([w for r in rows for w in (*r[0], *r[1])])), both // (len(steps) - 1)))
+    return out
+
+
+
+def stream_link_times(when: Sequence[Ready], ranks: Sequence[Any], steps: int, since: int, until: int) -> list[LinkTimes]:
+    """Every link between neighbour stages of an asynchronous stream (one chunk per rank), from each stage's
+    :data:`Ready` over the whole run (micro-batch keys ``(stream, number)``) and its
+    :class:`~ringpipe.observe.collect.RankEvents`.
+
+    The stream has no step that every stage shares (each stage steps on its own), so a link's figures per
+    step are its waits of the messages received from ``since`` to ``until`` (after the warm-up) summed and
+    divided by ``steps``, the optimizer steps each stage made meanwhile: the mean per step, where
+    :func:`link_times` takes the median over steps. How slow a link is stays the median wait of one of
+    its messages, both directions pooled.
+    """
+    stages = len(ranks)
+    if stages < 2 or steps < 1:
+        return []
+    out = []
+    for (up, down), crossings in sorted(boundaries(stages, 1).items()):
+        acts, grads = message_waits(when, crossings, since, until)
+        both = _link_bytes(ranks[up], down, since, until) + _link_bytes(ranks[down], up, since, until)
+        out.append(LinkTimes(up, down, ranks[up].host, ranks[down].host, max(0.0, sum(acts) / steps),
+                             max(0.0, sum(grads) / steps), max(0.0, (sum(acts) + sum(grads)) / steps),
+                             max(0.0, _median(acts + grads)), both // steps))
     return out
 
 

@@ -281,6 +281,7 @@ class PipelineRunner(ModeRunner):
         if plan is not None:
             refuse_over_budget(plan, pc.memory_budget)
         import ringpipe.pipeline.diagnosis  # noqa: F401 - registers the pipeline doctor with the run's doctor.txt
+        import ringpipe.pipeline.stream_diagnosis  # noqa: F401 - and the asynchronous pipeline's
         from ringpipe.pipeline.action_events import record_actions
 
         record_actions(ctx.comm.log, t.runtimes, t.executor, schedule=t.schedule, stage=t.stage, stages=t.num_stages,

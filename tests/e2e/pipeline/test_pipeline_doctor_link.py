@@ -5,7 +5,8 @@ Three hosts (network namespaces joined by a bridge, ``tests/netns.py``), one 1F1
 (``tests/scripts/pipeline_link.py``). In the first run only the path between hosts b and c
 (stages 1 and 2) is shaped to 20 Mbit/s with ``tc tbf`` both ways (about 50 ms per message, against
 passes of a few ms): ``ringpipe doctor EVENTS`` names the link between stage 1 (rp-host-b) and
-stage 2 (rp-host-c) and no other. The second run, on the same hosts unshaped, gets no link finding.
+stage 2 (rp-host-c) and no other, and its JSON marks that link slow among both links' figures. The second
+run, on the same hosts unshaped, gets no link finding.
 """
 
 from __future__ import annotations
@@ -54,6 +55,11 @@ def test_the_shaped_link_between_stages_1_and_2_is_named_and_an_unshaped_network
     assert named[0]["what"].startswith("the link between stage 1 (host rp-host-b) and stage 2 (host rp-host-c) "
                                        "is slow: ")
     assert "x the other links" in named[0]["what"]
+    # the figures behind it, in the JSON: every link, the named one marked slow
+    links = shaped["pipeline"]["links"]
+    assert [(x["up"], x["down"], x["down_host"], x["slow"]) for x in links] == \
+        [(0, 1, "rp-host-b", False), (1, 2, "rp-host-c", True)], links
+    assert links[1]["message_s"] >= 3 * links[0]["message_s"]
 
     fair = _doctor(tmp_path / "fair.json", None, 29673)
     assert _links(fair) == [], _links(fair)
@@ -61,3 +67,4 @@ def test_the_shaped_link_between_stages_1_and_2_is_named_and_an_unshaped_network
     info = next(f for f in fair["findings"] if f["what"].startswith("pipeline stages idle"))
     assert "waits on the links between stages per step: stage 0 (host rp-host-a) and stage 1 (host rp-host-b)" \
         in info["evidence"]
+    assert [x["slow"] for x in fair["pipeline"]["links"]] == [False, False]

@@ -14,6 +14,7 @@ import pytest
 from ringpipe.pipeline.diagnosis import breakdown, pipeline_findings
 from ringpipe.pipeline.stage_links import LINK_RATIO, boundaries, slow_links
 from unit.pipeline.test_diagnosis import run_events
+from unit.pipeline.test_stream_diagnosis import doctor_json
 
 HOSTS = ["rp-host-a", "rp-host-b", "rp-host-c", "rp-host-d"]
 
@@ -119,3 +120,19 @@ def test_interleaved_boundaries_are_grouped_by_the_rank_pair_they_cross():
                                 (0, 2): [(2, 0, 0, 1)]}
     # two ranks: one link, both directions
     assert boundaries(2, 2) == {(0, 1): [(0, 0, 1, 0), (1, 0, 0, 1), (0, 1, 1, 1)]}
+
+
+def test_the_doctors_json_holds_every_links_figures_and_marks_the_slow_one(tmp_path, capsys):
+    job = run_events(3, 4, [1.0] * 3, [2.0] * 3, latency=0.1, links={1: 5.0}, schedule="gpipe", hosts=HOSTS[:3])
+    pipe = doctor_json(job, tmp_path, capsys)["pipeline"]
+    assert (pipe["schedule"], pipe["per"], pipe["stages"], pipe["microbatches"]) == ("gpipe", "step", 3, 4)
+    links = pipe["links"]
+    assert [(x["up"], x["down"], x["up_host"], x["down_host"], x["slow"]) for x in links] == \
+        [(0, 1, "rp-host-a", "rp-host-b", False), (1, 2, "rp-host-b", "rp-host-c", True)]
+    acts, grads = [5.1, 4.0, 4.0, 4.0], [5.1, 3.0, 3.0, 3.0]  # as in the first test: T + latency, then T - f (T - b)
+    assert links[1]["activations_s"] * 1e3 == pytest.approx(sum(acts), abs=1e-3)
+    assert links[1]["gradients_s"] * 1e3 == pytest.approx(sum(grads), abs=1e-3)
+    assert links[1]["total_s"] * 1e3 == pytest.approx(sum(acts) + sum(grads), abs=1e-3)
+    assert links[1]["message_s"] * 1e3 == pytest.approx(4.0, abs=1e-3)
+    assert links[0]["total_s"] * 1e3 == pytest.approx(0.1 + 4 * 0.1, abs=1e-3)
+    assert [row["forward_s"] * 1e3 for row in pipe["per_stage"]] == pytest.approx([1.0] * 3)
