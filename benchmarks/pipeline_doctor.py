@@ -77,7 +77,8 @@ def blocks(n: int, width: int) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
-def train_once(comm, p: int, m: int, balance: list[int], schedule: str, width: int, steps: int, chunks=None):
+def train_once(comm, p: int, m: int, balance: list[int], schedule: str, width: int, steps: int, chunks=None,
+               batch: int = 128):
     n = sum(balance)
     layers = blocks(n - 1, width)  # the last layer is the small head (its stage has one layer more)
     log = EventLog()
@@ -87,7 +88,7 @@ def train_once(comm, p: int, m: int, balance: list[int], schedule: str, width: i
     record_actions(log, t.runtimes, t.executor, schedule=t.schedule, stage=t.stage, stages=t.num_stages,
                    microbatches=m, chunks=t.chunks, balance=list(t.balance), recompute=False, step_every=1)
     g = torch.Generator().manual_seed(0)
-    x, y = torch.randn(128, width, generator=g), torch.randint(0, 10, (128,), generator=g)
+    x, y = torch.randn(batch, width, generator=g), torch.randint(0, 10, (batch,), generator=g)
     for _ in range(steps):
         t.train_step(x if t.is_first else None, y if t.is_last else None)
     job = collect_events(comm, log)
@@ -119,12 +120,12 @@ def apply(fix: str, p: int, m: int, balance: list[int]) -> dict | None:
     return None
 
 
-def worker(comm, cases, trials: int, width: int, steps: int):
+def worker(comm, cases, trials: int, width: int, steps: int, batch: int = 128):
     p = comm.size
     out = []
     for trial in range(trials):
         for case, m, balance in cases:
-            res = train_once(comm, p, m, balance, "1f1b", width, steps)
+            res = train_once(comm, p, m, balance, "1f1b", width, steps, batch=batch)
             verify = None
             if res is not None:
                 fix = next((f[3] for f in res["findings"] if f[0] == "fix" or "pipeline.balance=" in f[3]), "")
@@ -134,7 +135,7 @@ def worker(comm, cases, trials: int, width: int, steps: int):
             change = comm.allgather_object(change)[0]
             if change is not None:
                 v = train_once(comm, p, change["m"], change["balance"], change["schedule"], width, steps,
-                               change.get("chunks"))
+                               change.get("chunks"), batch)
                 verify = v["measured"] if v else None
             if res is not None:
                 out.append({"trial": trial, "case": case, "m": m, "balance": balance, **res, "verify": verify,
@@ -201,6 +202,8 @@ def main() -> None:
     ap.add_argument("--stages", default="2,3,4")
     ap.add_argument("--width", type=int, default=768)
     ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--batch", type=int, default=128,
+                    help="samples per batch of the one-host cases (larger: passes long beside a message's cost)")
     ap.add_argument("--cases", default="schedule,link",
                     help="schedule: balanced, heavy, few (one host); link: a shaped link and a fair network "
                          "(namespace hosts, root)")
@@ -214,7 +217,7 @@ def main() -> None:
     cases = {"schedule"} if args.quick else set(args.cases.split(","))
     report.header("pipeline_doctor")
     if "schedule" in cases:
-        schedule_table(stage_counts, trials, args.width, steps)
+        schedule_table(stage_counts, trials, args.width, steps, args.batch)
     if "link" in cases:
         reason = testhelpers.module("netns").can_create()
         if reason:
@@ -252,14 +255,14 @@ def link_table(stage_counts: list[int], trials: int, rate: str, steps: int) -> N
     print("medians over the trials; a message wait is the doctor's median wait of one message of the link")
 
 
-def schedule_table(stage_counts: list[int], trials: int, width: int, steps: int) -> None:
+def schedule_table(stage_counts: list[int], trials: int, width: int, steps: int, batch: int = 128) -> None:
     rows = []
     for p in stage_counts:
         even = [2] * (p - 1) + [3]  # 2 blocks per stage, the last also the head
         heavy = list(even)
         heavy[1] += 2
         cases = [("balanced", 2 * p, even), ("heavy", 2 * p, heavy), ("few", max(1, p // 2), even)]
-        got = spawn(worker, p, args=(cases, trials, width, steps), env={"OMP_NUM_THREADS": "1"})[0]
+        got = spawn(worker, p, args=(cases, trials, width, steps, batch), env={"OMP_NUM_THREADS": "1"})[0]
         for case, m, _ in cases:
             mine = [r for r in got if r["case"] == case]
             scores = [score(r, p) for r in mine]
