@@ -71,8 +71,8 @@ def test_a_slow_link_in_the_middle_of_four_stages_is_the_one_named():
     job = run_events(4, 8, [1.0] * 4, [2.0] * 4, latency=0.2, links={1: 4.0}, hosts=HOSTS)
     b = breakdown(job)
     slow = slow_links(b.links, b.measured, 1.5e-3)
-    assert [(x.up, x.down) for x, _ in slow] == [(1, 2)]
-    assert slow[0][1] >= LINK_RATIO
+    assert [(s.link.up, s.link.down, s.against) for s in slow] == [(1, 2, "links")]
+    assert slow[0].ratio >= LINK_RATIO
     assert len(_links(pipeline_findings(job))) == 1
 
 
