@@ -18,7 +18,8 @@ as :func:`~ringpipe.pipeline.bubble.simulate_timing` does), in three parts:
 
 The links between neighbour stages are measured on their own (:mod:`ringpipe.pipeline.stage_links`:
 how long each link's messages held the stages up, beyond the schedule's own waits), and a link
-clearly slower than the others is named with its stages and hosts.
+clearly slower than the others is named with its stages and hosts; when the links named are a stage's
+links to both neighbours, its host is named once instead.
 
 Findings name the largest part and the change that the same simulation says helps most:
 more micro-batches (pass times assumed proportional to the micro-batch size), interleaving
