@@ -2,6 +2,7 @@
 
     python benchmarks/pipeline_doctor.py --trials 10          # 2, 3 and 4 stages, every case
     python benchmarks/pipeline_doctor.py --trials 10 --cases link   # only the link cases (root)
+    python benchmarks/pipeline_doctor.py --trials 5 --cases link,host --stages 3,4   # and a slow host (root)
     python benchmarks/pipeline_doctor.py --quick              # seconds: 2 stages, 1 trial, no link cases
 
 Each trial trains an MLP of equal blocks (``--width``, 2 blocks per stage and a small head on the
@@ -29,8 +30,14 @@ micro-batches: 128 KiB per message), ``--trials`` trials in one launch:
   link of 4 stages, whose hosts each have another link); expected: that link named, and no
   other link (another named, as a problem or as information: a false accusation). The one link
   of 2 stages is named as information only on hosts short of cores (counted as named, and said);
-- ``fair network``: the same hosts unshaped; any link named (a problem or information) is a
-  false accusation.
+- ``fair network``: the same hosts unshaped; any link or host named (a problem or information) is
+  a false accusation.
+
+The host case (``--cases host``, 3 and 4 stages, root) shapes host b's network (``--link-rate``,
+its NIC's egress and the switch port's towards it, ``bridged_hosts(rates=...)``): both links of
+stage 1 slow. Expected: one finding naming host b's links to both neighbours, and no link finding
+(a link named, or another host: a false accusation; host b named as information on hosts short of
+cores counts as named, and is said).
 
 Every case also counts a link named where none is shaped (the one-host cases above) as a false
 accusation.
@@ -68,6 +75,7 @@ from ringpipe.pipeline.action_events import record_actions  # noqa: E402
 from ringpipe.pipeline.diagnosis import breakdown, pipeline_findings  # noqa: E402
 
 LINK = "the link between"
+HOST = "'s links to both neighbours are slow"
 
 
 def blocks(n: int, width: int) -> nn.Sequential:
@@ -150,7 +158,7 @@ def score(row: dict, p: int) -> tuple[bool, bool, bool]:
     whats = [f[1] for f in row["findings"]]
     fixes = [f for f in row["findings"] if f[0] == "fix" or f[1].startswith("once every stage has a core")]
     imbalance = any("heaviest" in w for w, f in zip(whats, row["findings"], strict=True) if f[0] == "problem")
-    link = any(w.startswith(LINK) for w in whats)  # no link is shaped in these cases
+    link = any(w.startswith(LINK) or HOST in w for w in whats)  # no link is shaped in these cases
     if row["case"] == "balanced":
         paper = (p - 1) / (row["m"] + p - 1)
         named = any(w.startswith("the schedule's own bubble") for w in whats) and abs(row["bubble"] - paper) <= 0.05
@@ -165,14 +173,16 @@ def shaped_pair(p: int) -> tuple[int, int]:
     return (0, 1) if p == 2 else (1, 2)
 
 
-def link_trials(p: int, trials: int, rate: str | None, port: int, steps: int) -> list[dict]:
-    """``trials`` runs of ``pipeline_link.py`` on ``p`` namespace hosts (one stage each) in one launch,
-    the link between :func:`shaped_pair`'s hosts shaped to ``rate`` (None: none shaped); each scored."""
+def link_trials(p: int, trials: int, case: str, rate: str, port: int, steps: int) -> list[dict]:
+    """``trials`` runs of ``pipeline_link.py`` on ``p`` namespace hosts (one stage each) in one launch, each
+    scored: ``case`` ``link`` shapes the path between :func:`shaped_pair`'s hosts to ``rate``, ``host`` host b's
+    network (both links of stage 1), ``fair`` nothing."""
     netns = testhelpers.module("netns")
     script = str(testhelpers.path("scripts/pipeline_link.py"))
     pair = shaped_pair(p)
-    with tempfile.TemporaryDirectory() as tmp, \
-            netns.bridged_hosts(p, pair_rates={pair: rate} if rate else None) as hosts:
+    shape = {"link": {"pair_rates": {pair: rate}}, "host": {"rates": {1: rate}}, "fair": {}}[case]
+    slow_pairs = {"link": [pair], "host": [(0, 1), (1, 2)], "fair": []}[case]
+    with tempfile.TemporaryDirectory() as tmp, netns.bridged_hosts(p, **shape) as hosts:
         out = str(Path(tmp) / "events")
         done = netns.launch_across(hosts, (1,) * p, [script, out, "--trials", str(trials), "--steps", str(steps)],
                                    port, netns.job_env(), timeout=600)
@@ -183,16 +193,24 @@ def link_trials(p: int, trials: int, rate: str | None, port: int, steps: int) ->
         for t in range(trials):
             job = load_events(f"{out}.{t}.json")
             b = breakdown(job)
-            named = [f for f in pipeline_findings(job) if f.what.startswith(LINK)]  # a problem or information
-            right = [f for f in named if f.what.startswith(f"{LINK} stage {pair[0]} (host {hosts[pair[0]].hostname}) "
-                                                           f"and stage {pair[1]} (host {hosts[pair[1]].hostname})")]
+            # a link or a host named, as a problem or as information
+            named = [f for f in pipeline_findings(job) if f.what.startswith(LINK) or HOST in f.what]
+            if case == "link":
+                right = [f for f in named if f.what.startswith(
+                    f"{LINK} stage {pair[0]} (host {hosts[pair[0]].hostname}) and stage {pair[1]} "
+                    f"(host {hosts[pair[1]].hostname})")]
+            elif case == "host":
+                right = [f for f in named if f.what.startswith(f"host {hosts[1].hostname}{HOST}")]
+            else:
+                right = []
             links = {(x.up, x.down): x for x in b.links} if b else {}
             passes = [v for st in b.per_stage for kind in (st.forward, st.backward) for v in kind.values()] if b else []
-            mine = links.get(pair)
-            rows.append({"named": bool(rate) and len(right) == 1, "false": len(named) - (len(right) if rate else 0),
-                         "as_info": bool(rate) and len(right) == 1 and right[0].severity == "info",
-                         "cost": mine.total if mine else None, "message": mine.message if mine else None,
-                         "others": [x.message for k, x in links.items() if k != pair],
+            rows.append({"named": len(right) == 1, "false": len(named) - len(right),
+                         "as_info": len(right) == 1 and right[0].severity == "info",
+                         "cost": [links[k].total for k in slow_pairs if k in links],
+                         "message": [links[k].message for k in slow_pairs if k in links],
+                         "others": [x.message for k, x in links.items() if k not in slow_pairs],
+                         "all": [x.message for x in links.values()],
                          "pass": statistics.median(passes) if passes else None,
                          "measured": b.measured if b else None})
     return rows
@@ -207,9 +225,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=128,
                     help="samples per batch of the one-host cases (larger: passes long beside a message's cost)")
     ap.add_argument("--cases", default="schedule,link",
-                    help="schedule: balanced, heavy, few (one host); link: a shaped link and a fair network "
-                         "(namespace hosts, root)")
-    ap.add_argument("--link-rate", default="20mbit", help="the shaped link's rate (tc tbf)")
+                    help="schedule: balanced, heavy, few (one host); link: a shaped link and a fair network; "
+                         "host: host b's network shaped (3 or more stages) and a fair network (namespace hosts, root)")
+    ap.add_argument("--link-rate", default="20mbit", help="the shaped link's or host's rate (tc tbf)")
     ap.add_argument("--link-steps", type=int, default=8)
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
@@ -220,41 +238,49 @@ def main() -> None:
     report.header("pipeline_doctor")
     if "schedule" in cases:
         schedule_table(stage_counts, trials, args.width, steps, args.batch)
-    if "link" in cases:
+    if cases & {"link", "host"}:
         reason = testhelpers.module("netns").can_create()
         if reason:
             print(f"link cases skipped: {reason}")
         else:
-            link_table(stage_counts, trials, args.link_rate, args.link_steps)
+            link_table(stage_counts, trials, args.link_rate, args.link_steps, sorted(cases & {"link", "host"}))
     report.footer()
 
 
-def link_table(stage_counts: list[int], trials: int, rate: str, steps: int) -> None:
+def link_table(stage_counts: list[int], trials: int, rate: str, steps: int, kinds: list[str]) -> None:
     rows = []
     for i, p in enumerate(stage_counts):
         pair = shaped_pair(p)
-        for case, r in ((f"shaped link {pair[0]}-{pair[1]} ({rate})", rate), ("fair network", None)):
-            got = link_trials(p, trials, r, 29700 + 4 * i + (0 if r else 2), steps)
-            cost = [g["cost"] for g in got if g["cost"] is not None]
-            message = [g["message"] for g in got if g["message"] is not None]
+        cases = [(f"shaped link {pair[0]}-{pair[1]} ({rate})", "link")] if "link" in kinds else []
+        if "host" in kinds and p >= 3:
+            cases.append((f"host b's network shaped ({rate})", "host"))
+        cases.append(("fair network", "fair"))
+        for j, (case, kind) in enumerate(cases):
+            got = link_trials(p, trials, kind, rate, 29700 + 8 * i + 2 * j, steps)
+            cost = [c for g in got for c in g["cost"]]
+            message = [m for g in got for m in g["message"]]
             others = [statistics.median(g["others"]) for g in got if g["others"]]
             # as the doctor compares: with the other links' median message wait; the one link of 2 stages, a pass
-            ratio = [g["message"] / (statistics.median(g["others"]) if g["others"] else g["pass"])
-                     for g in got if g["message"] is not None and (g["others"] or g["pass"])]
+            ratio = [m / (statistics.median(g["others"]) if g["others"] else g["pass"])
+                     for g in got for m in g["message"] if g["others"] or g["pass"]]
+            to_pass = [m / g["pass"] for g in got if g["pass"] for m in g["all"]]
             info = sum(g["as_info"] for g in got)
             named = f"{sum(g['named'] for g in got)}" + (f" ({info} as information)" if info else "")
-            rows.append([p, case, len(got), named if r else "-", sum(g["false"] for g in got),
+            rows.append([p, case, len(got), named if kind != "fair" else "-", sum(g["false"] for g in got),
                          f"{1e3 * statistics.median(cost):.1f}" if cost else "-",
                          f"{1e3 * statistics.median(message):.2f}" if message else "-",
                          f"{1e3 * statistics.median(others):.2f}" if others else "-",
                          f"{statistics.median(ratio):.1f}x ({min(ratio):.1f}-{max(ratio):.1f})" if ratio else "-",
+                         f"{statistics.median(to_pass):.1f}x ({min(to_pass):.1f}-{max(to_pass):.1f})" if to_pass else "-",
                          f"{1e3 * statistics.median(g['measured'] for g in got if g['measured']):.1f}"])
             print(f"  {p} stages, {case}: {rows[-1]}", flush=True)
-    print(report.table(["stages", "case", "trials", "link named", "false accusations",
-                        "shaped pair's link: waits ms/step", "its message wait ms", "other links' message wait ms",
-                        "ratio (to the other links; 2 stages: to a pass), median (range)", "step ms"], rows,
-                       [True, False, True, True, True, True, True, True, False, True]))
-    print("medians over the trials; a message wait is the doctor's median wait of one message of the link")
+    print(report.table(["stages", "case", "trials", "named", "false accusations",
+                        "slow links: waits ms/step", "their message wait ms", "other links' message wait ms",
+                        "ratio (to the other links; 2 stages: to a pass), median (range)",
+                        "every link's message wait / a typical pass, median (range)", "step ms"], rows,
+                       [True, False, True, True, True, True, True, True, False, False, True]))
+    print("medians over the trials; a message wait is the doctor's median wait of one message of the link; slow "
+          "links: the shaped pair's link, or both links of host b's stage 1")
 
 
 def schedule_table(stage_counts: list[int], trials: int, width: int, steps: int, batch: int = 128) -> None:

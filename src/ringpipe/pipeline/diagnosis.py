@@ -18,7 +18,8 @@ as :func:`~ringpipe.pipeline.bubble.simulate_timing` does), in three parts:
 
 The links between neighbour stages are measured on their own (:mod:`ringpipe.pipeline.stage_links`:
 how long each link's messages held the stages up, beyond the schedule's own waits), and a link
-clearly slower than the others is named with its stages and hosts.
+clearly slower than the others is named with its stages and hosts; when the links named are a stage's
+links to both neighbours, its host is named once instead.
 
 Findings name the largest part and the change that the same simulation says helps most:
 more micro-batches (pass times assumed proportional to the micro-batch size), interleaving
@@ -48,11 +49,11 @@ from ringpipe.pipeline.partition import balance_by_size
 from ringpipe.pipeline.schedule_checks import list_schedule
 from ringpipe.pipeline.schedules import SCHEDULES, async_1f1b
 from ringpipe.pipeline.schedules_interleaved import interleaved_1f1b
-from ringpipe.pipeline.stage_links import LinkTimes, link_times, slow_links
+from ringpipe.pipeline.stage_links import LinkTimes, SlowLink, link_times, slow_links, slow_stage
 
 __all__ = ["StageTimes", "PipelineBreakdown", "breakdown", "pipeline_findings", "pipeline_figures", "step_time",
            "actions_of", "pass_costs", "mean_stages", "rebalanced_stages", "stage_link_findings", "links_text",
-           "link_figures", "stage_figures", "crowded_hosts", "ms", "PROBLEM_SHARE", "BETTER"]
+           "link_figures", "slow_host_figures", "stage_figures", "crowded_hosts", "ms", "PROBLEM_SHARE", "BETTER"]
 
 #: A part of the step this large (share of the measured step time) is named as a problem.
 PROBLEM_SHARE = 0.10
@@ -381,39 +382,83 @@ def links_text(b: Any) -> str:
     return "; ".join(rows)
 
 
-def stage_link_findings(b: Any, slow: Sequence[tuple[LinkTimes, float]], crowded: str,
-                        summed: str = "") -> list[Finding]:
-    """A problem for each link named slow; the one link of two stages on hosts short of cores (``crowded``
-    says why) is information only: compared with nothing but a typical pass, its waits may be the receivers
-    waiting for a core after their message arrived; on one such host (no network between the stages) it is
-    not named at all. ``b``: a breakdown with ``links``, ``measured`` and ``per_stage``; ``summed``: how its
-    figures per step were taken (default: the median over the steps of each step's sum)."""
+def _compared(s: SlowLink) -> str:
+    """What a slow link was compared with, for its finding: ``4.0x the other links'``."""
+    with_ = {"links": "the other links'", "apart": "those of the links that share no stage with it",
+             "pass": "a typical pass of the stages"}[s.against]
+    if s.ratio == float("inf"):
+        return f"where {'the other links' if s.against == 'links' else 'the links that share no stage with it'}' " \
+               "messages wait for nothing"
+    return f"{s.ratio:.1f}x {with_}"
+
+
+def _host_of(s: SlowLink, stage: int) -> str:
+    return s.link.up_host if s.link.up == stage else s.link.down_host
+
+
+def _slow_host(b: Any, slow: Sequence[SlowLink]) -> tuple[int, str] | None:
+    """The stage (and its host) whose links to both neighbours are named slow, when its host is not theirs:
+    then the common part of their paths is that host's network (None: no such host)."""
+    stage = slow_stage(slow)
+    if stage is None or not _several_hosts(b):
+        return None
+    host = _host_of(slow[0], stage)
+    others = {s.link.down_host if s.link.up == stage else s.link.up_host for s in slow}
+    return (stage, host) if host not in others and all(_host_of(s, stage) == host for s in slow) else None
+
+
+def _evidence(b: Any, summed: str) -> str:
+    return (f"a message's wait runs from when both stages were ready (the sender's pass done, the receiver free) "
+            f"to the start of the receiver's pass that needs it (the schedule's simulation counts none of it); per "
+            f"step: {summed}: {links_text(b)}")
+
+
+def stage_link_findings(b: Any, slow: Sequence[SlowLink], crowded: str, summed: str = "") -> list[Finding]:
+    """A problem for each link named slow, or one for the host whose links to both neighbours are the links named
+    (:func:`~ringpipe.pipeline.stage_links.slow_stage`). A link named only against a typical pass (the one link
+    of two stages, or a link with no fair link apart from it) on hosts short of cores (``crowded`` says why)
+    is information only: its waits may be the receivers waiting for a core after their message arrived; when
+    its two stages are on one such host (no network between them) it is not named at all. ``b``: a breakdown
+    with ``links``, ``measured`` and ``per_stage``; ``summed``: how its figures per step were taken (default:
+    the median over the steps of each step's sum)."""
     summed = summed or f"the median over {b.per_stage[0].steps} steps of each step's sum"
     hosts = _several_hosts(b)
+    step = f"on a {ms(b.measured)} step"
+    caveat = (f"; {crowded}: a receiver that waits for a core after its message arrived reads as a slow link, "
+              + ("and with one link there is no other to tell them apart" if len(b.links) == 1 else
+                 "and a typical pass does not tell them apart as the other links would"))
+    slow = [s for s in slow if not (s.against == "pass" and crowded and s.link.up_host == s.link.down_host)]
+    host = _slow_host(b, slow)
+    if host is not None:
+        stage, name = host
+        by_pass = crowded and any(s.against == "pass" for s in slow)
+        each = "; ".join(f"the link between {s.link.name(hosts)}: its messages wait {ms(s.link.message)} each "
+                         f"(median), {_compared(s)}; {ms(s.link.total)} per step" for s in slow)
+        return [Finding(
+            "info" if by_pass else "problem",
+            f"host {name}'s links to both neighbours are slow: {each} ({step})",
+            f"both links of stage {stage} (host {name}) are slow, and the part of their paths they share is host "
+            f"{name}'s network; {_evidence(b, summed)}" + (caveat if by_pass else ""),
+            f"check host {name}'s network: its NIC, cable and switch port, and traffic shaping (`tc qdisc show` "
+            f"there), or place stage {stage} on another host; fewer, larger micro-batches send fewer messages",
+            hosts=(name,),
+        )]
     out = []
-    for link, ratio in slow:
+    for s in slow:
+        link = s.link
         alone = len(b.links) == 1
-        if alone and crowded and link.up_host == link.down_host:
-            continue  # two stages on one busy host: no network between them, and the busy host is its own finding
-        step = f"on a {ms(b.measured)} step"
         each = f"its messages wait {ms(link.message)} each (median)"
         if alone:
-            what = (f"the link between {link.name(hosts)} is slow: {each}, {ratio:.1f}x a typical pass of the "
-                    f"stages; {ms(link.total)} per step ({step}; the only link, no other to compare with)")
+            what = (f"the link between {link.name(hosts)} is slow: {each}, {_compared(s)}; {ms(link.total)} per "
+                    f"step ({step}; the only link, no other to compare with)")
         else:
-            times = (f"{ratio:.1f}x the other links'" if ratio != float("inf") else "where the other links' messages "
-                     "wait for nothing")
-            what = f"the link between {link.name(hosts)} is slow: {each}, {times}; {ms(link.total)} per step ({step})"
+            what = f"the link between {link.name(hosts)} is slow: {each}, {_compared(s)}; {ms(link.total)} per step ({step})"
         where = (f"the path between hosts {link.up_host} and {link.down_host} (NIC, cable, switch port, traffic "
                  f"shaping: `tc qdisc show` on both)" if link.up_host != link.down_host
                  else f"what else runs on host {link.up_host} (both stages are there)")
-        caveat = (f"; {crowded}: a receiver that waits for a core after its message arrived reads as a slow link, "
-                  "and with one link there is no other to tell them apart" if alone and crowded else "")
+        by_pass = bool(crowded) and s.against == "pass"
         out.append(Finding(
-            "info" if caveat else "problem", what,
-            f"a message's wait runs from when both stages were ready (the sender's pass done, the receiver free) "
-            f"to the start of the receiver's pass that needs it (the schedule's simulation counts none of it); per "
-            f"step: {summed}: {links_text(b)}{caveat}",
+            "info" if by_pass else "problem", what, _evidence(b, summed) + (caveat if by_pass else ""),
             f"check {where}, or place stages {link.up} and {link.down} on hosts joined by a faster link; fewer, "
             "larger micro-batches send fewer messages",
             hosts=tuple(dict.fromkeys((link.up_host, link.down_host))) if hosts else (),
@@ -485,8 +530,7 @@ def pipeline_findings(job: JobEvents) -> list[Finding]:
             f"({100 * skew:.1f}% longer){gain}",
             fix,
         ))
-    passes = [v for st in b.per_stage for kind in (st.forward, st.backward) for v in kind.values()]
-    slow = slow_links(b.links, b.measured, _median(passes))
+    slow = _slow(b)
     if b.transport >= PROBLEM_SHARE:
         found.append(Finding(
             "problem",
@@ -494,7 +538,7 @@ def pipeline_findings(job: JobEvents) -> list[Finding]:
             f"measured step {ms(b.measured)}, simulated from the measured passes {ms(b.predicted)}: "
             f"{ms(b.measured - b.predicted)} per step ({100 * b.transport:.1f}%) is spent in messages between "
             "stages, a stage late for other reasons (a busy CPU, data loading) or the loop's own work",
-            ("see the slow link named below" if slow else
+            ("see the slow link (or host) named below" if slow else
              "check the links between the stages' hosts (ringpipe doctor -n N --probe) and the CPU load; "
              "larger micro-batches send fewer, larger messages"),
         ))
@@ -523,14 +567,25 @@ def pipeline_findings(job: JobEvents) -> list[Finding]:
     return found
 
 
+def _slow(b: Any) -> list[SlowLink]:
+    passes = [v for st in b.per_stage for kind in (st.forward, st.backward) for v in kind.values()]
+    return slow_links(b.links, b.measured, _median(passes))
+
+
 def link_figures(b: Any) -> list[dict[str, Any]]:
     """``b``'s links as JSON-ready figures (seconds per step, bytes per step), each marked ``slow`` when
     :func:`~ringpipe.pipeline.stage_links.slow_links` names it."""
-    passes = [v for st in b.per_stage for kind in (st.forward, st.backward) for v in kind.values()]
-    slow = {(x.up, x.down) for x, _ in slow_links(b.links, b.measured, _median(passes))}
+    slow = {(s.link.up, s.link.down) for s in _slow(b)}
     return [{"up": x.up, "down": x.down, "up_host": x.up_host, "down_host": x.down_host,
              "activations_s": x.activations, "gradients_s": x.gradients, "total_s": x.total,
              "message_s": x.message, "bytes": x.nbytes, "slow": (x.up, x.down) in slow} for x in b.links]
+
+
+def slow_host_figures(b: Any) -> list[dict[str, Any]]:
+    """The host whose links to both neighbours are named slow, as JSON (``[]``: none): its ``host`` and ``stage``,
+    named in one finding instead of its two links."""
+    host = _slow_host(b, _slow(b))
+    return [] if host is None else [{"host": host[1], "stage": host[0]}]
 
 
 def stage_figures(st: StageTimes) -> dict[str, Any]:
@@ -550,7 +605,8 @@ def pipeline_figures(job: JobEvents) -> dict[str, Any] | None:
             "between_steps_s": max(0.0, b.detail.get("period", 0.0) - b.measured), "cpu_times": b.detail.get("cpu"),
             "shares": {"bubble": b.bubble, "imbalance": b.imbalance, "transport": b.transport,
                        "idle": b.measured_idle},
-            "per_stage": [stage_figures(st) for st in b.per_stage], "links": link_figures(b)}
+            "per_stage": [stage_figures(st) for st in b.per_stage], "links": link_figures(b),
+            "slow_hosts": slow_host_figures(b)}
 
 
 register_analyzer(pipeline_findings)

@@ -17,13 +17,24 @@ messages over the whole run (a micro-batch known by its stream and number) and g
 waits per optimizer step as their mean.
 
 :func:`slow_links` names a link slow when its messages' median wait is :data:`LINK_RATIO` times
-the other links' (the median of theirs) and it costs at least :data:`LINK_SHARE` of the step more
-than they do. In an even pipeline every link carries the same messages, so on a fair network
-the links differ by noise; a median over messages leaves out the few that waited long for a core
-on a crowded host, which a sum over a step does not. The one link of two stages, having no other
-to compare with, is named when its messages' median wait is :data:`LINK_RATIO` times a typical
-pass of the stages (a receiver waiting for a core after its message arrived waits about a pass
-on a crowded host; a slow link, many) and it costs :data:`LINK_SHARE` of the step.
+what it is compared with and it costs at least :data:`LINK_SHARE` of the step more than that, trying
+in turn:
+
+1. the other links (the median of theirs). In an even pipeline every link carries the same messages,
+   so on a fair network the links differ by noise; a median over messages leaves out the few that
+   waited long for a core on a crowded host, which a sum over a step does not.
+2. the links that share no stage with it (the median of theirs). A host with a slow network slows
+   both links of its stage, so that, on three stages, each is compared with the other, equally slow,
+   one, and on four the other links' median holds one of them; the links that share no stage with
+   either are the fair ones.
+3. a typical pass of the stages (the median of their forward and backward passes per micro-batch),
+   when no link shares no stage with it, or those are slow themselves (3 times a pass), and no link's
+   messages wait 3 times its own (a link that fast beside a slow one is the fair one of the two).
+   A receiver waiting for a core after its message arrived waits about a pass on a crowded host; a
+   slow link, many. The one link of two stages, having no other, is always compared so.
+
+:func:`slow_stage` finds the stage that every link named touches, when at least two are: its host's
+network is the common part of their paths.
 """
 
 from __future__ import annotations
@@ -31,18 +42,18 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from ringpipe.pipeline.action_events import ACTION_OPS
 
 __all__ = ["LinkTimes", "Ready", "boundaries", "ready_times", "message_waits", "link_times", "stream_link_times",
-           "slow_links", "LINK_RATIO", "LINK_SHARE"]
+           "slow_links", "SlowLink", "slow_stage", "LINK_RATIO", "LINK_SHARE"]
 
-#: A link is named slow when its messages' median wait is this many times the other links' (the one link of
-#: two stages: a typical pass) ...
+#: A link is named slow when its messages' median wait is this many times what it is compared with (the other
+#: links', the links' that share no stage with it, or a typical pass) ...
 LINK_RATIO = 3.0
-#: ... and it costs at least this share of the measured step more than they do (the one link: this share), so
-#: that a link that costs little is left alone.
+#: ... and it costs at least this share of the measured step more than they do (compared with a pass: this
+#: share), so that a link that costs little is left alone.
 LINK_SHARE = 0.05
 _OPS = {v: v.removeprefix("pipeline.") for v in ACTION_OPS.values()}
 
@@ -192,20 +203,56 @@ def stream_link_times(when: Sequence[Ready], ranks: Sequence[Any], steps: int, s
 
 
 
-def slow_links(links: Sequence[LinkTimes], step: float, pass_time: float) -> list[tuple[LinkTimes, float]]:
-    """The links named slow (see the module docstring), each with how many times the other links' typical
-    message wait its own is; ``step``: the measured step time; ``pass_time``: a typical pass of the stages
-    (what the one link of two stages is compared with, returned as its ratio)."""
+class SlowLink(NamedTuple):
+    """A link named slow: how many times what it was compared with its messages' median wait is, and with what:
+    ``"links"`` (the other links), ``"apart"`` (the links that share no stage with it) or ``"pass"`` (a typical
+    pass of the stages)."""
+
+    link: LinkTimes
+    ratio: float
+    against: str
+
+
+def _stages(x: LinkTimes) -> set[int]:
+    return {x.up, x.down}
+
+
+def _against(link: LinkTimes, others: Sequence[LinkTimes], step: float, kind: str) -> SlowLink | None:
+    """``link`` named slow against the median of ``others``' message waits and costs (None: it is not)."""
+    typical = _median([x.message for x in others])
+    excess = link.total - _median([x.total for x in others])
+    if excess >= LINK_SHARE * step and link.message >= LINK_RATIO * typical:
+        return SlowLink(link, link.message / typical if typical > 0 else float("inf"), kind)
+    return None
+
+
+def slow_links(links: Sequence[LinkTimes], step: float, pass_time: float) -> list[SlowLink]:
+    """The links named slow (see the module docstring), in ``links``' order; ``step``: the measured step time;
+    ``pass_time``: a typical pass of the stages."""
+    def by_pass(link: LinkTimes) -> SlowLink | None:
+        if pass_time and link.total >= LINK_SHARE * step and link.message >= LINK_RATIO * pass_time:
+            return SlowLink(link, link.message / pass_time, "pass")
+        return None
+
     if len(links) == 1:  # nothing to compare with but the work of the two stages it joins
-        only = links[0]
-        if pass_time and only.total >= LINK_SHARE * step and only.message >= LINK_RATIO * pass_time:
-            return [(only, only.message / pass_time)]
-        return []
+        return [s for s in (by_pass(links[0]),) if s is not None]
     out = []
     for link in links:
-        others = [x for x in links if x is not link]
-        typical = _median([x.message for x in others])
-        excess = link.total - _median([x.total for x in others])
-        if excess >= LINK_SHARE * step and link.message >= LINK_RATIO * typical:
-            out.append((link, link.message / typical if typical > 0 else float("inf")))
+        found = _against(link, [x for x in links if x is not link], step, "links")
+        apart = [x for x in links if not _stages(x) & _stages(link)]
+        if found is None and apart:
+            found = _against(link, apart, step, "apart")
+        if (found is None and (not apart or _median([x.message for x in apart]) >= LINK_RATIO * pass_time)
+                and not any(x.message >= LINK_RATIO * link.message for x in links)):
+            found = by_pass(link)
+        if found is not None:
+            out.append(found)
     return out
+
+
+def slow_stage(slow: Sequence[SlowLink]) -> int | None:
+    """The stage that every link named touches, when at least two are (None: no such stage)."""
+    if len(slow) < 2:
+        return None
+    common = set.intersection(*(_stages(s.link) for s in slow))
+    return min(common) if common else None

@@ -61,6 +61,7 @@ from ringpipe.pipeline.diagnosis import (
     ms,
     pass_costs,
     rebalanced_stages,
+    slow_host_figures,
     stage_figures,
     stage_link_findings,
     step_time,
@@ -324,7 +325,7 @@ def stream_findings(job: JobEvents) -> list[Finding]:
             f"measured period {ms(b.measured)}, simulated from the measured passes {ms(b.predicted)}: "
             f"{ms(b.measured - b.predicted)} per optimizer step ({100 * b.transport:.1f}%) is spent in messages "
             "between stages, a stage late for other reasons (a busy CPU) or the loop's own work",
-            ("see the slow link named below" if slow else
+            ("see the slow link (or host) named below" if slow else
              "check the links between the stages' hosts (ringpipe doctor -n N --probe) and the CPU load; "
              "larger micro-batches send fewer, larger messages"),
         ))
@@ -357,7 +358,7 @@ def stream_figures(job: JobEvents) -> dict[str, Any] | None:
             "between_steps_s": max(0.0, b.mean_period - b.measured), "cpu_times": b.detail["cpu"],
             "shares": {"fill_drain": b.fill_drain, "imbalance": b.imbalance, "transport": b.transport,
                        "idle": b.measured_idle},
-            "per_stage": per_stage, "links": link_figures(b)}
+            "per_stage": per_stage, "links": link_figures(b), "slow_hosts": slow_host_figures(b)}
 
 
 register_analyzer(stream_findings)

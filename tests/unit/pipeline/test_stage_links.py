@@ -6,13 +6,17 @@ pass ends, crosses a link one at a time in ``links[s]`` ms (the link between sta
 with equal passes (forward ``f = 1``, backward ``b = 2`` ms, 4 micro-batches): on a link of
 transfer time ``T > f`` the first activation of a step waits ``T`` plus the latency (its receiver
 is idle), each later one ``T - f`` (it arrives ``T`` after the previous one, whose forward took
-``f``); gradients likewise with ``b``.
+``f``); gradients likewise with ``b``. Two slow links in a row with the same ``T`` (a host whose
+network is slow: both links of its stage) wait the same: each message leaves its middle stage ``T``
+after the previous one, so the second link is free when it comes.
 """
+
+import statistics
 
 import pytest
 
 from ringpipe.pipeline.diagnosis import breakdown, pipeline_findings
-from ringpipe.pipeline.stage_links import LINK_RATIO, boundaries, slow_links
+from ringpipe.pipeline.stage_links import LINK_RATIO, boundaries, slow_links, slow_stage
 from unit.pipeline.test_diagnosis import run_events
 from unit.pipeline.test_stream_diagnosis import doctor_json
 
@@ -21,6 +25,17 @@ HOSTS = ["rp-host-a", "rp-host-b", "rp-host-c", "rp-host-d"]
 
 def _links(found):
     return [f for f in found if f.what.startswith("the link between")]
+
+
+def _hosts(found):
+    return [f for f in found if "'s links to both neighbours are slow" in f.what]
+
+
+# GPipe, f = 1 and b = 2 ms, 4 micro-batches, T = 8 ms on a slow link, latency 0.1 ms (the module docstring)
+T, F, B, LAT = 8.0, 1.0, 2.0, 0.1
+SLOW_ACTS, SLOW_GRADS = [T + LAT] + [T - F] * 3, [T + LAT] + [T - B] * 3
+SLOW_MESSAGE = sorted(SLOW_ACTS + SLOW_GRADS)[3:5]  # the median of eight: the mean of the middle two
+PASS = (F + B) / 2  # the median of the stages' forward and backward passes (as many of each)
 
 
 def test_one_slow_link_of_gpipe_waits_as_the_arithmetic_says_and_is_named_with_its_hosts():
@@ -71,8 +86,8 @@ def test_a_slow_link_in_the_middle_of_four_stages_is_the_one_named():
     job = run_events(4, 8, [1.0] * 4, [2.0] * 4, latency=0.2, links={1: 4.0}, hosts=HOSTS)
     b = breakdown(job)
     slow = slow_links(b.links, b.measured, 1.5e-3)
-    assert [(x.up, x.down) for x, _ in slow] == [(1, 2)]
-    assert slow[0][1] >= LINK_RATIO
+    assert [(s.link.up, s.link.down, s.against) for s in slow] == [(1, 2, "links")]
+    assert slow[0].ratio >= LINK_RATIO
     assert len(_links(pipeline_findings(job))) == 1
 
 
@@ -136,3 +151,76 @@ def test_the_doctors_json_holds_every_links_figures_and_marks_the_slow_one(tmp_p
     assert links[1]["message_s"] * 1e3 == pytest.approx(4.0, abs=1e-3)
     assert links[0]["total_s"] * 1e3 == pytest.approx(0.1 + 4 * 0.1, abs=1e-3)
     assert [row["forward_s"] * 1e3 for row in pipe["per_stage"]] == pytest.approx([1.0] * 3)
+
+
+@pytest.mark.parametrize("p", [3, 4])
+def test_a_host_whose_links_to_both_neighbours_are_slow_is_named_once_instead_of_its_links(p):
+    """Host b's network slow: the links of stage 1 to stages 0 and 2 both slow, each as slow as the other."""
+    job = run_events(p, 4, [F] * p, [B] * p, latency=LAT, links={0: T, 1: T}, schedule="gpipe", hosts=HOSTS[:p])
+    b = breakdown(job)
+    got = {(x.up, x.down): x for x in b.links}
+    message = sum(SLOW_MESSAGE) / 2
+    for pair in ((0, 1), (1, 2)):
+        assert got[pair].message * 1e3 == pytest.approx(message, abs=1e-3)
+        assert got[pair].total * 1e3 == pytest.approx(sum(SLOW_ACTS) + sum(SLOW_GRADS), abs=1e-3)
+    # the old rule alone (each against the other links' median) names neither: 1x on 3 stages, under 3x on 4
+    others = [(x.message, statistics.median(y.message for y in b.links if y is not x)) for x in b.links[:2]]
+    assert all(m < LINK_RATIO * o for m, o in others)
+    slow = slow_links(b.links, b.measured, PASS * 1e-3)
+    assert [(s.link.up, s.link.down) for s in slow] == [(0, 1), (1, 2)] and slow_stage(slow) == 1
+    # (1, 2) shares a stage with every other link: it is compared with a pass, 7 / 1.5 = 4.7x
+    assert (slow[1].against, slow[1].ratio) == ("pass", pytest.approx(message / PASS))
+    if p == 4:  # (0, 1) with (2, 3), the link that shares no stage with it: its messages wait the latency
+        assert got[(2, 3)].message * 1e3 == pytest.approx(LAT, abs=1e-3)
+        assert (slow[0].against, slow[0].ratio) == ("apart", pytest.approx(message / LAT))
+    found = pipeline_findings(job)
+    assert _links(found) == [], _links(found)
+    named = _hosts(found)
+    assert len(named) == 1 and named[0].severity == "problem" and named[0].hosts == ("rp-host-b",)
+    assert named[0].what.startswith("host rp-host-b's links to both neighbours are slow: the link between stage 0 "
+                                    "(host rp-host-a) and stage 1 (host rp-host-b): its messages wait 7.0 ms each")
+    assert f"{message / PASS:.1f}x a typical pass of the stages" in named[0].what
+    assert "check host rp-host-b's network" in named[0].fix and "`tc qdisc show`" in named[0].fix
+    assert "place stage 1 on another host" in named[0].fix
+
+
+def test_a_slow_host_on_hosts_short_of_cores_is_information_when_a_link_was_compared_with_a_pass():
+    job = run_events(3, 4, [F] * 3, [B] * 3, latency=LAT, links={0: T, 1: T}, schedule="gpipe", hosts=HOSTS[:3])
+    job.ranks[1].info.update(loadavg=9.0, cpu_count=2)
+    named = _hosts(pipeline_findings(job))
+    assert [f.severity for f in named] == ["info"]
+    assert "rp-host-b ran a load average of 9.0 on 2 CPUs" in named[0].evidence
+
+
+def test_a_link_three_times_faster_than_its_slow_neighbour_is_not_named_against_a_pass():
+    """One slow link of three stages: its neighbour, though its waits read 3 passes, is the fair one of the two."""
+    job = run_events(3, 4, [F] * 3, [B] * 3, latency=LAT, links={0: 6.0, 1: 30.0}, schedule="gpipe", hosts=HOSTS[:3])
+    b = breakdown(job)
+    fair, slow = b.links
+    assert fair.message >= LINK_RATIO * PASS * 1e-3 and slow.message >= LINK_RATIO * fair.message
+    found = pipeline_findings(job)
+    assert _hosts(found) == []
+    assert [f.what.split(" is slow")[0] for f in _links(found)] == [
+        "the link between stage 1 (host rp-host-b) and stage 2 (host rp-host-c)"]
+    assert "x the other links'" in _links(found)[0].what
+
+
+def test_two_slow_links_that_share_no_stage_are_each_named():
+    """Four stages, links 0-1 and 2-3 slow: each compared with the other (as slow) would not be named; with a pass,
+    both are, as links (they share no stage, so no host is common to them)."""
+    job = run_events(4, 4, [F] * 4, [B] * 4, latency=LAT, links={0: T, 2: T}, schedule="gpipe", hosts=HOSTS)
+    found = pipeline_findings(job)
+    assert _hosts(found) == []
+    assert [f.what.split(" is slow")[0] for f in _links(found)] == [
+        "the link between stage 0 (host rp-host-a) and stage 1 (host rp-host-b)",
+        "the link between stage 2 (host rp-host-c) and stage 3 (host rp-host-d)"]
+    assert all(f"{sum(SLOW_MESSAGE) / 2 / PASS:.1f}x a typical pass" in f.what for f in _links(found))
+
+
+def test_the_doctors_json_names_the_slow_host(tmp_path, capsys):
+    job = run_events(3, 4, [F] * 3, [B] * 3, latency=LAT, links={0: T, 1: T}, schedule="gpipe", hosts=HOSTS[:3])
+    pipe = doctor_json(job, tmp_path, capsys)["pipeline"]
+    assert [x["slow"] for x in pipe["links"]] == [True, True]
+    assert pipe["slow_hosts"] == [{"host": "rp-host-b", "stage": 1}]
+    one = run_events(3, 4, [F] * 3, [B] * 3, latency=LAT, links={1: 5.0}, schedule="gpipe", hosts=HOSTS[:3])
+    assert doctor_json(one, tmp_path, capsys)["pipeline"]["slow_hosts"] == []

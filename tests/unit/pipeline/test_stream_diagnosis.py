@@ -179,3 +179,4 @@ def test_the_doctors_json_holds_the_stream_breakdown_and_its_links(tmp_path, cap
     assert pipe["shares"]["imbalance"] == pytest.approx((period - (3.0 + 6.0 + 3.0) / 3 - STEP) / period, abs=0.01)
     assert [(x["up"], x["down"], x["up_host"], x["down_host"], x["slow"]) for x in pipe["links"]] == \
         [(0, 1, "a", "b", False), (1, 2, "b", "c", False)]
+    assert pipe["slow_hosts"] == []
