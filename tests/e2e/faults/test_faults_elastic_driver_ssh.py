@@ -21,7 +21,7 @@ import pytest
 
 import sshhosts
 from elastic_jobs import (
-    DRIVER_ENV,
+    JOB_ENV,
     PAUSE,
     PROGRAMS,
     STEPS,
@@ -53,7 +53,7 @@ def test_hosts_added_removed_and_lost_over_ssh(tmp_path, face):
                if not k.startswith(("RINGPIPE_", "TORCHELASTIC_", "HOROVOD_", "GLOO_"))
                and k not in ("MASTER_ADDR", "MASTER_PORT")}
         env.update(OMP_NUM_THREADS="1", ELASTIC_STEPS=str(STEPS), ELASTIC_PAUSE=str(PAUSE), TF_CPP_MIN_LOG_LEVEL="2",
-                   **DRIVER_ENV, ELASTIC_HOSTS=f"{a.addr} {b.addr}", RINGPIPE_SSH_COMMAND=f"ssh -F {sh.config}")
+                   **JOB_ENV, ELASTIC_HOSTS=f"{a.addr} {b.addr}", RINGPIPE_SSH_COMMAND=f"ssh -F {sh.config}")
         cmd = [*sh.client.prefix(), *HOROVODRUN, "-np", "1", "--min-np", "1", "--max-np", "2",
                "--host-discovery-script", str(discover), "-p", str(sh.port), "-i", sh.key,
                "python", str(PROGRAMS[face]), str(tmp_path), "ssh_hosts"]
