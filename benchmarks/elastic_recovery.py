@@ -15,7 +15,7 @@ driver treats each as a host of its own), the program ``lib/elastic_program.py``
 
     python benchmarks/elastic_recovery.py                 # N = 2 and 4, 3 runs each
     python benchmarks/elastic_recovery.py --workers 2 --runs 5
-    python benchmarks/elastic_recovery.py --quick         # N = 2, one run of each
+    python benchmarks/elastic_recovery.py --quick         # N = 2, one run of each, 10 steps a job
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from lib import report, stats  # noqa: E402
 PROGRAM = Path(__file__).resolve().parent / "lib" / "elastic_program.py"
 
 
-def _run(event: str, n: int) -> float:
+def _run(event: str, n: int, steps: int) -> float:
     """One job; seconds from the event to the first step that shows it handled."""
     with tempfile.TemporaryDirectory(prefix="ringpipe-elastic-bench-") as d:
         out = Path(d)
@@ -46,7 +46,7 @@ def _run(event: str, n: int) -> float:
         discover.write_text(f"#!/bin/sh\ncat {out / 'hosts'}\n")
         discover.chmod(0o755)
         env = {k: v for k, v in os.environ.items() if not k.startswith(("RINGPIPE_", "TORCHELASTIC_"))}
-        env.update(OMP_NUM_THREADS="1", ELASTIC_WORKERS=str(n))
+        env.update(OMP_NUM_THREADS="1", ELASTIC_WORKERS=str(n), ELASTIC_STEPS=str(steps))
         cmd = [sys.executable, "-m", "ringpipe.launch.horovodrun", "-np", str(start), "--min-np", "1",
                "--max-np", str(n), "--host-discovery-script", str(discover), "python", str(PROGRAM), str(out), event]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
@@ -76,10 +76,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workers", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--quick", action="store_true", help="2 workers, one run of each event")
+    ap.add_argument("--steps", type=int, default=40, help="steps of each job (the event is at step 5)")
+    ap.add_argument("--quick", action="store_true", help="2 workers, one run of each event, 10 steps a job")
     args = ap.parse_args()
     if args.quick:
-        args.workers, args.runs = [2], 1
+        args.workers, args.runs, args.steps = [2], 1, 10
+    if args.steps < 7:
+        ap.error(f"--steps {args.steps}: give 7 at least (the event is at step 5; a step after it is measured)")
     report.header("elastic_recovery")
     rows = []
     for n in args.workers:
@@ -88,7 +91,7 @@ def main() -> None:
             times = []
             for _ in range(args.runs):
                 try:
-                    times.append(_run(event, n))
+                    times.append(_run(event, n, args.steps))
                 except RuntimeError as exc:  # a failed run is reported and left out of the figures
                     print(f"a run failed: {exc}", file=sys.stderr)
             if not times:

@@ -23,6 +23,14 @@ PROGRAMS = {"torch": SCRIPTS / "elastic_train.py", "tensorflow": SCRIPTS / "elas
             "keras_fit": SCRIPTS / "elastic_fit_keras.py"}
 HOROVODRUN = [sys.executable, "-m", "ringpipe.launch.horovodrun"]
 STEPS = 20
+#: The programs' pause between two steps (seconds): nothing waits for it (a membership change holds
+#: the program at its step until the change arrives), it only spreads the steps out.
+PAUSE = 0.02
+#: The jobs' ringpipe settings (their other RINGPIPE_ variables are dropped): the driver's discovery
+#: interval (Horovod's own tests shorten its 1 s the same way: an added host, or one back from the
+#: blacklist, is seen within 0.2 s) and the suite's quicker exit (tests/conftest.py).
+JOB_ENV = {"RINGPIPE_ELASTIC_DISCOVERY_SECONDS": "0.2",
+           "RINGPIPE_QUICK_EXIT": os.environ.get("RINGPIPE_QUICK_EXIT", "")}
 
 
 def sizes_seen(out: str) -> list[int]:
@@ -69,8 +77,8 @@ def run_job(tmp_path: Path, program: str, scenario: str | None, hosts: list[str]
     """
     where = ["--host-discovery-script", str(discovery(tmp_path, hosts))] if discovered else []
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RINGPIPE_", "TORCHELASTIC_"))}
-    env.update(OMP_NUM_THREADS="1", ELASTIC_STEPS=str(STEPS), ELASTIC_PAUSE="0.1", TF_CPP_MIN_LOG_LEVEL="2",
-               **extra_env)
+    env.update(OMP_NUM_THREADS="1", ELASTIC_STEPS=str(STEPS), ELASTIC_PAUSE=str(PAUSE), TF_CPP_MIN_LOG_LEVEL="2",
+               **JOB_ENV, **extra_env)
     proc = subprocess.run([*HOROVODRUN, *flags, *where, "python", str(PROGRAMS[program]), str(tmp_path),
                            *([scenario] if scenario else [])], capture_output=True, text=True, timeout=timeout,
                           env=env)

@@ -28,7 +28,10 @@ if TYPE_CHECKING:  # the names as type checkers see them; at run time __getattr_
     from ringpipe.launch.run_api import run as run
     from ringpipe.pipeline import PipelineTrainer as PipelineTrainer
 
+from ringpipe import quick_exit as _quick_exit
 from ringpipe.version import __version__ as __version__
+
+_quick_exit.install()  # only with RINGPIPE_QUICK_EXIT=1 (see ringpipe/quick_exit.py)
 
 #: names that are not the Horovod-style API's, and the module each comes from
 _HOME = {

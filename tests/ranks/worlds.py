@@ -152,6 +152,17 @@ class World:
             self.conns.append(mine)
         self.starts += 1
 
+    def ready(self) -> World:
+        """This world with every rank running: (re)started here if a rank is missing.
+
+        A check that starts threads of its own in the test process calls it first, so that no rank
+        is forked while those threads run.
+        """
+        if not self.procs or not all(p.is_alive() for p in self.procs):
+            self.stop()
+            self._start()
+        return self
+
     def stop(self) -> None:
         """End the ranks (a clean goodbye, then SIGKILL for any that do not go)."""
         for conn in self.conns:
@@ -172,9 +183,7 @@ class World:
         """``fn(comm, *args)`` on every rank; the results in rank order, or :class:`RankFailed`."""
         from ringpipe.ports import free_port
 
-        if not self.procs or not all(p.is_alive() for p in self.procs):
-            self.stop()
-            self._start()
+        self.ready()
         payload = cloudpickle.dumps((fn, tuple(args)))
         message = pickle.dumps((free_port("127.0.0.1"), self.backend, dict(os.environ), dict(env or {}), payload))
         done = False

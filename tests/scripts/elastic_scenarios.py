@@ -51,8 +51,8 @@ def write_hosts(out_dir, lines):
 
 def hold(state):
     """Every rank: wait at this step for the driver's next world (HostsUpdatedInterrupt), 60 s at most."""
-    for _ in range(300):
-        time.sleep(0.2)
+    for _ in range(1200):
+        time.sleep(0.05)
         state.check_host_updates()
 
 

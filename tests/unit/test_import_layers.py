@@ -16,7 +16,7 @@ SRC = Path(__file__).resolve().parents[2] / "src"
 #: DESIGN's layers, bottom first: a module may import its own layer and the layers below.
 #: The longest matching prefix decides a module's layer.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("env", ("ringpipe.env", "ringpipe.ports", "ringpipe.slurm_lists", "ringpipe.version")),
+    ("env", ("ringpipe.env", "ringpipe.ports", "ringpipe.quick_exit", "ringpipe.slurm_lists", "ringpipe.version")),
     # the call description and the doubling exchange: run by the communicators themselves
     ("comm", ("ringpipe.comm", "ringpipe.check.call", "ringpipe.check.doubling_exchange")),
     ("collectives", ("ringpipe.collectives",)),

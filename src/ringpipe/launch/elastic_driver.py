@@ -5,7 +5,9 @@
 :func:`run_elastic`, which behaves as Horovod's elastic driver (horovod/runner/elastic/driver.py):
 
 * every second it runs the discovery script (or takes the fixed ``-H`` / ``--hostfile`` set) and
-  keeps the usable hosts: discovered, not blacklisted;
+  keeps the usable hosts: discovered, not blacklisted (``RINGPIPE_ELASTIC_DISCOVERY_SECONDS`` sets
+  another interval, as Horovod's own tests patch its driver's ``DISCOVER_HOSTS_FREQUENCY_SECS``: a
+  shorter one notices added hosts and hosts back from the blacklist sooner);
 * it serves the job's key-value store and publishes world versions in it
   (:mod:`ringpipe.comm.elastic_rendezvous`); each worker joins the newest, its process group
   meeting under the version's own keys. The first world waits for ``-np`` slots, later ones for
@@ -63,9 +65,12 @@ from ringpipe.launch.hosts import is_local, parse_host_list, read_hostfile
 from ringpipe.launch.options import LaunchOptions
 from ringpipe.launch.speaker import label
 
-__all__ = ["run_elastic", "ElasticDriver", "RESET_LIMIT_EXCEEDED", "FAILED_MESSAGE"]
+__all__ = ["run_elastic", "ElasticDriver", "RESET_LIMIT_EXCEEDED", "FAILED_MESSAGE", "discovery_interval"]
 
+#: Seconds between two runs of the discovery script (Horovod's interval), unless
+#: ``RINGPIPE_ELASTIC_DISCOVERY_SECONDS`` says otherwise.
 DISCOVER_EVERY_S = 1.0
+DISCOVERY_SECONDS = "RINGPIPE_ELASTIC_DISCOVERY_SECONDS"
 #: Horovod's message when the resets exceed ``--reset-limit``.
 RESET_LIMIT_EXCEEDED = "Horovod was shutdown because number of resets during elastic job exceeded limit: {}"
 #: Horovod's message when workers failed and the job cannot go on.
@@ -79,6 +84,21 @@ _STUCK_S = 3.0
 _LOST_IN_A_ROW = 5
 _STABLE_S = 10.0
 _BOOTSTRAP = os.path.abspath(bootstrap.__file__)
+
+
+def discovery_interval(env: dict[str, str] | None = None) -> float:
+    """Seconds between two discoveries: ``RINGPIPE_ELASTIC_DISCOVERY_SECONDS``, or Horovod's 1 s."""
+    raw = (os.environ if env is None else env).get(DISCOVERY_SECONDS, "").strip()
+    if not raw:
+        return DISCOVER_EVERY_S
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise ValueError(f"{DISCOVERY_SECONDS}={raw!r}: give the seconds between two discoveries, "
+                         f"a number above 0 (unset: {DISCOVER_EVERY_S:g})")
+    return seconds
 
 
 class JobEnded(Exception):
@@ -129,6 +149,7 @@ class ElasticDriver:
         self.opts = opts
         self.discover = discover
         self.clock = clock
+        self.discover_every = discovery_interval()
         self.min_np = int(opts.min_np or opts.nprocs or 1)
         self.max_np = opts.max_np
         self.timeout = float(opts.elastic_timeout if opts.elastic_timeout is not None else 600)
@@ -384,12 +405,12 @@ class ElasticDriver:
         return world
 
     def run(self) -> int:
-        last_discovery = -DISCOVER_EVERY_S
+        last_discovery = -self.discover_every
         need_new = True  # the first world
         settle_until = 0.0
         while True:
             now = self.clock()
-            if now - last_discovery >= DISCOVER_EVERY_S:
+            if now - last_discovery >= self.discover_every:
                 self.refresh_hosts()
                 last_discovery = now
             failed = self.reap()

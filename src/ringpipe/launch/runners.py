@@ -81,7 +81,7 @@ def run_agent(opts: LaunchOptions) -> int:
         f"--nnodes={opts.nnodes}",
         f"--node-rank={opts.node_rank}",
         f"--max-restarts={opts.max_restarts}",
-        "--monitor-interval=0.5",
+        "--monitor-interval=0.1",
         f"--log-dir={os.path.join(relay.dir, 'agent')}",
         "--no-python",
     ]

@@ -151,11 +151,17 @@ import ringpipe as rp
 comm = rp.init_world()
 comm.allreduce(torch.ones(2))
 comm.barrier()
-if comm.rank == 0:
-    time.sleep(4)
+if comm.rank == 0:  # still computing when rank 1 has left: its departure record says it exited
+    records = rp.comm.departures.current()
+    deadline = time.monotonic() + 30
+    while records.records().get(1, {}).get("state", "running") == "running" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    print(f"rank 1 left: {records.records()[1]['state']}", flush=True)
+    time.sleep(0.5)  # and its process ends (under MPI it waits in MPI_Finalize for this rank)
 print(f"rank {comm.rank} done", flush=True)
 """
     for backend in ["gloo", *(["mpi"] if HAVE_MPI else [])]:
         code, out = run(tmp_path, program, [], backend=backend)
         assert code == 0, out
+        assert "rank 1 left: exited" in out, out
         assert "PeerDeparted" not in out, out

@@ -21,6 +21,8 @@ import pytest
 
 import sshhosts
 from elastic_jobs import (
+    JOB_ENV,
+    PAUSE,
     PROGRAMS,
     STEPS,
     assert_one_state_per_step,
@@ -50,8 +52,8 @@ def test_hosts_added_removed_and_lost_over_ssh(tmp_path, face):
         env = {k: v for k, v in os.environ.items()
                if not k.startswith(("RINGPIPE_", "TORCHELASTIC_", "HOROVOD_", "GLOO_"))
                and k not in ("MASTER_ADDR", "MASTER_PORT")}
-        env.update(OMP_NUM_THREADS="1", ELASTIC_STEPS=str(STEPS), ELASTIC_PAUSE="0.1", TF_CPP_MIN_LOG_LEVEL="2",
-                   ELASTIC_HOSTS=f"{a.addr} {b.addr}", RINGPIPE_SSH_COMMAND=f"ssh -F {sh.config}")
+        env.update(OMP_NUM_THREADS="1", ELASTIC_STEPS=str(STEPS), ELASTIC_PAUSE=str(PAUSE), TF_CPP_MIN_LOG_LEVEL="2",
+                   **JOB_ENV, ELASTIC_HOSTS=f"{a.addr} {b.addr}", RINGPIPE_SSH_COMMAND=f"ssh -F {sh.config}")
         cmd = [*sh.client.prefix(), *HOROVODRUN, "-np", "1", "--min-np", "1", "--max-np", "2",
                "--host-discovery-script", str(discover), "-p", str(sh.port), "-i", sh.key,
                "python", str(PROGRAMS[face]), str(tmp_path), "ssh_hosts"]

@@ -57,3 +57,14 @@ def test_survivors_keep_the_lowest_ranks_in_their_order_and_max_np_caps():
     # cross ranks: hosts that hold a local rank, in rank order
     world = assign([], [("a", 2), ("b", 1)])
     assert [(p.local_rank, p.cross_rank, p.cross_size) for p in world] == [(0, 0, 2), (1, 0, 1), (0, 1, 2)]
+
+
+def test_discovery_runs_every_second_unless_the_environment_says_otherwise():
+    from ringpipe.launch.elastic_driver import DISCOVERY_SECONDS, discovery_interval
+
+    assert discovery_interval({}) == 1.0  # Horovod's DISCOVER_HOSTS_FREQUENCY_SECS
+    assert discovery_interval({DISCOVERY_SECONDS: " "}) == 1.0
+    assert discovery_interval({DISCOVERY_SECONDS: "0.2"}) == 0.2
+    for bad in ("0", "-1", "soon"):
+        with pytest.raises(ValueError, match=f"{DISCOVERY_SECONDS}='{bad}': give the seconds between two discoveries"):
+            discovery_interval({DISCOVERY_SECONDS: bad})
