@@ -54,6 +54,7 @@ causes are what the table claims.
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import re
 import statistics
@@ -128,6 +129,17 @@ def apply(fix: str, p: int, m: int, balance: list[int]) -> dict | None:
     if got:
         return {"m": m, "balance": balance, "schedule": got.group(1)}
     return None
+
+
+def change_kind(change: dict, m: int) -> str:
+    """What a recommended change is, in a word or two (the table counts them)."""
+    if change.get("chunks"):
+        return "interleaving"
+    if change["schedule"] != "1f1b":
+        return change["schedule"]
+    if change["m"] != m:
+        return f"m={change['m']}"
+    return f"split {change['balance']}"
 
 
 def worker(comm, cases, trials: int, width: int, steps: int, batch: int = 128):
@@ -305,12 +317,14 @@ def schedule_table(stage_counts: list[int], trials: int, width: int, steps: int,
                          f"{sum(abs(r['idle'] - r['bubble']) <= 0.05 for r in mine)}/{len(mine)}",
                          f"{1e3 * statistics.median(r['measured'] for r in mine):.1f}",
                          f"{statistics.median(ratio):.2f}x ({sum(x > 1 for x in ratio)}/{len(ratio)} faster)"
-                         if ratio else "-"])
+                         if ratio else "-",
+                         ", ".join(f"{k} {v}" for k, v in sorted(collections.Counter(
+                             change_kind(r["change"], m) for r in mine if r["change"]).items())) or "-"])
     print(report.table(["stages", "case", "m", "trials", "cause named", "false accusations (of which links named)",
                         "predicted bubble (median)", "paper (p-1)/(m+p-1)", "measured idle (median)",
                         "measured idle within 5 points of the predicted bubble",
-                        "step ms (median)", "recommended change, verified (speed-up)"], rows,
-                       [True, False, True, True, True, True, True, True, True, True, True, False]))
+                        "step ms (median)", "recommended change, verified (speed-up)", "changes run (trials)"], rows,
+                       [True, False, True, True, True, True, True, True, True, True, True, False, False]))
 
 
 if __name__ == "__main__":
