@@ -150,7 +150,8 @@ def worker(comm, cases, trials: int, width: int, steps: int, batch: int = 128):
             res = train_once(comm, p, m, balance, "1f1b", width, steps, batch=batch)
             verify = None
             if res is not None:
-                fix = next((f[3] for f in res["findings"] if f[0] == "fix" or "pipeline.balance=" in f[3]), "")
+                fix = next((f[3] for f in res["findings"] if f[0] == "fix" or (
+                    "pipeline.balance=" in f[3] and not f[3].startswith("once every stage"))), "")
                 change = apply(fix, p, m, balance)
             else:
                 change = None
@@ -239,6 +240,7 @@ def main() -> None:
     ap.add_argument("--cases", default="schedule,link",
                     help="schedule: balanced, heavy, few (one host); link: a shaped link and a fair network; "
                          "host: host b's network shaped (3 or more stages) and a fair network (namespace hosts, root)")
+    ap.add_argument("--schedule-cases", help="of the one-host cases only these (comma-separated: balanced, heavy, few)")
     ap.add_argument("--link-rate", default="20mbit", help="the shaped link's or host's rate (tc tbf)")
     ap.add_argument("--link-steps", type=int, default=8)
     ap.add_argument("--quick", action="store_true")
@@ -249,7 +251,8 @@ def main() -> None:
     cases = {"schedule"} if args.quick else set(args.cases.split(","))
     report.header("pipeline_doctor")
     if "schedule" in cases:
-        schedule_table(stage_counts, trials, args.width, steps, args.batch)
+        schedule_table(stage_counts, trials, args.width, steps, args.batch,
+                       set(args.schedule_cases.split(",")) if args.schedule_cases else None)
     if cases & {"link", "host"}:
         reason = testhelpers.module("netns").can_create()
         if reason:
@@ -295,13 +298,15 @@ def link_table(stage_counts: list[int], trials: int, rate: str, steps: int, kind
           "links: the shaped pair's link, or both links of host b's stage 1")
 
 
-def schedule_table(stage_counts: list[int], trials: int, width: int, steps: int, batch: int = 128) -> None:
+def schedule_table(stage_counts: list[int], trials: int, width: int, steps: int, batch: int = 128,
+                   only: set[str] | None = None) -> None:
     rows = []
     for p in stage_counts:
         even = [2] * (p - 1) + [3]  # 2 blocks per stage, the last also the head
         heavy = list(even)
         heavy[1] += 2
         cases = [("balanced", 2 * p, even), ("heavy", 2 * p, heavy), ("few", max(1, p // 2), even)]
+        cases = [c for c in cases if only is None or c[0] in only]
         got = spawn(worker, p, args=(cases, trials, width, steps, batch), env={"OMP_NUM_THREADS": "1"})[0]
         for case, m, _ in cases:
             mine = [r for r in got if r["case"] == case]

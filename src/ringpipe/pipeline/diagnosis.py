@@ -35,6 +35,7 @@ simulation, pass costs, the rebalanced split, the link findings).
 
 from __future__ import annotations
 
+import collections
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -466,8 +467,20 @@ def stage_link_findings(b: Any, slow: Sequence[SlowLink], crowded: str, summed: 
     return out
 
 
+def _usable_cpus(rank: Any) -> int:
+    """The CPUs a rank could run on (its affinity, else the host's count; 0: not recorded)."""
+    cpus = rank.info.get("cpus")
+    return len(cpus) if cpus else int(rank.info.get("cpu_count") or 0)
+
+
 def crowded_hosts(job: JobEvents) -> str:
-    """Why the job's hosts had no core to spare ("" when they had): a load average above the CPUs."""
+    """Why the job's hosts had no core to spare ("" when they had): more of the job's ranks on a host than
+    its CPUs, or a load average above them."""
+    per_host = collections.Counter(r.host for r in job.ranks)
+    for r in job.ranks:
+        cpus = _usable_cpus(r)
+        if cpus and per_host[r.host] > cpus:
+            return f"host {r.host} runs {per_host[r.host]} of the job's ranks on {cpus} CPUs"
     for r in job.ranks:
         load, cpus = r.info.get("loadavg"), r.info.get("cpu_count")
         if load is not None and cpus and load > cpus:
@@ -519,9 +532,15 @@ def pipeline_findings(job: JobEvents) -> list[Finding]:
         gain = ""
         if rebal is not None:
             new, t = rebal
-            fix = f"ringpipe train --set pipeline.balance=[{','.join(map(str, new))}] (now {b.balance})"
+            split = f"pipeline.balance=[{','.join(map(str, new))}]"
+            fix = f"ringpipe train --set {split} (now {b.balance})"
             t = _estimate(b, t, b.microbatches * b.chunks)
             gain = f"; predicted step {ms(t)} instead of {ms(b.measured)} ({b.measured / t:.2f}x)"
+            crowded = crowded_hosts(job)
+            if crowded:  # the simulation gives every stage a core; here evener stages take turns on fewer
+                fix = (f"once every stage has a core of its own: {fix}; not recommended now: {crowded}, and the "
+                       "prediction gives each stage a core: a stage that waits less is one more process "
+                       "wanting a core at once")
         found.append(Finding(
             "problem" if skew >= PROBLEM_SHARE else "info",
             f"pipeline stage {heavy.stage} is the heaviest: the others wait for it",

@@ -308,6 +308,10 @@ def stream_findings(job: JobEvents) -> list[Finding]:
                     f"{ms(t)} instead of {ms(b.measured)} ({b.measured / t:.2f}x)")
             if b.measured / t >= BETTER:
                 fix = f"ringpipe train --set pipeline.balance=[{','.join(map(str, new))}] (now {b.balance})"
+                crowded = crowded_hosts(job)
+                if crowded:  # as the synchronous doctor: the prediction gives each stage a core
+                    fix = (f"once every stage has a core of its own: {fix}; not recommended now: {crowded}, and "
+                           "the prediction gives each stage a core")
         found.append(Finding(
             "problem" if skew >= PROBLEM_SHARE else "info",
             f"pipeline stage {heavy} is the heaviest: it sets the asynchronous stream's rate, the others wait for it",

@@ -12,7 +12,7 @@ import pytest
 from ringpipe.comm.events import Event
 from ringpipe.observe.collect import JobEvents, RankEvents
 from ringpipe.observe.doctor import diagnose
-from ringpipe.pipeline.diagnosis import breakdown, pipeline_findings
+from ringpipe.pipeline.diagnosis import breakdown, crowded_hosts, pipeline_findings
 from ringpipe.pipeline.schedules import SCHEDULES
 
 MS = 1_000_000  # ns
@@ -135,7 +135,7 @@ def test_a_heavy_stage_is_named_even_when_slow_messages_dominate_the_step():
 
 
 def test_on_a_host_short_of_cores_a_bubble_change_is_mentioned_not_recommended():
-    job = run_events(4, 4, [1.0] * 4, [2.0] * 4)
+    job = run_events(4, 4, [1.0] * 4, [2.0] * 4, hosts=["a", "b", "c", "d"])  # a rank per host: the load decides
     for r in job.ranks:
         r.info.update(loadavg=9.0, cpu_count=2)
     found = pipeline_findings(job)
@@ -168,3 +168,31 @@ def test_more_micro_batches_are_recommended_only_where_they_make_the_step_shorte
             assert t < step, (m2, t, step, fixes)
     if latency == 0.0:  # nothing but the bubble: more micro-batches do help, and are recommended
         assert min(more.values()) < step and any("pipeline.microbatches=" in f for f in fixes), fixes
+
+
+def test_more_ranks_than_cpus_on_a_host_is_crowded_whatever_its_load_average():
+    # the load average lags a job that has just started; three ranks on two CPUs share them already
+    job = run_events(3, 6, [1.0] * 3, [2.0] * 3)
+    for r in job.ranks:
+        r.info.update(loadavg=0.2, cpu_count=2, cpus=[0, 1])
+    assert crowded_hosts(job) == "host h runs 3 of the job's ranks on 2 CPUs"
+    assert not any(f.severity == "fix" for f in pipeline_findings(job))
+    for r in job.ranks:
+        r.info.update(cpu_count=4, cpus=[0, 1, 2, 3])
+    assert crowded_hosts(job) == ""
+
+
+def test_on_a_host_with_more_ranks_than_cpus_a_new_split_is_mentioned_not_recommended():
+    # three stages on one host of two CPUs, stage 1 twice as heavy
+    job = run_events(3, 6, [1.0, 2.0, 1.0], [2.0, 4.0, 2.0], balance=[2, 4, 2])
+    for r in job.ranks:
+        r.info.update(loadavg=0.2, cpu_count=2, cpus=[0, 1])
+    heavy = next(f for f in pipeline_findings(job) if "stage 1 is the heaviest" in f.what)
+    assert heavy.severity == "problem"
+    assert heavy.fix.startswith("once every stage has a core of its own: ringpipe train --set pipeline.balance=")
+    assert "not recommended now: host h runs 3 of the job's ranks on 2 CPUs" in heavy.fix
+    # a core per rank: the split is the fix
+    for r in job.ranks:
+        r.info.update(cpu_count=4, cpus=[0, 1, 2, 3])
+    heavy = next(f for f in pipeline_findings(job) if "stage 1 is the heaviest" in f.what)
+    assert heavy.fix.startswith("ringpipe train --set pipeline.balance=")
