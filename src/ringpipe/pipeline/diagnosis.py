@@ -54,7 +54,7 @@ from ringpipe.pipeline.stage_links import LinkTimes, SlowLink, link_times, slow_
 
 __all__ = ["StageTimes", "PipelineBreakdown", "breakdown", "pipeline_findings", "pipeline_figures", "step_time",
            "actions_of", "pass_costs", "mean_stages", "rebalanced_stages", "stage_link_findings", "links_text",
-           "link_figures", "slow_host_figures", "stage_figures", "crowded_hosts", "ms", "PROBLEM_SHARE", "BETTER"]
+           "link_figures", "slow_host_figures", "stage_figures", "crowded_hosts", "imbalance_share", "transport_share", "ms", "PROBLEM_SHARE", "BETTER"]
 
 #: A part of the step this large (share of the measured step time) is named as a problem.
 PROBLEM_SHARE = 0.10
@@ -79,6 +79,17 @@ class StageTimes:
     @property
     def idle(self) -> float:
         return max(0.0, self.period - self.busy)
+
+
+def imbalance_share(measured: float, predicted: float, balanced: float) -> float:
+    """Share of a measured time (a step, a stream's period) that unequal stages add: the simulation with
+    each stage's own passes (``predicted``) over the one with every stage at the mean (``balanced``)."""
+    return max(0.0, predicted - balanced) / measured if measured else 0.0
+
+
+def transport_share(measured: float, predicted: float) -> float:
+    """Share of a measured time that the simulation of the passes does not explain (messages and other)."""
+    return max(0.0, measured - predicted) / measured if measured else 0.0
 
 
 @dataclass
@@ -111,12 +122,12 @@ class PipelineBreakdown:
     @property
     def imbalance(self) -> float:
         """Share of the measured step added by unequal stages."""
-        return max(0.0, self.predicted - self.balanced) / self.measured if self.measured else 0.0
+        return imbalance_share(self.measured, self.predicted, self.balanced)
 
     @property
     def transport(self) -> float:
         """Share of the measured step the simulation does not explain."""
-        return max(0.0, self.measured - self.predicted) / self.measured if self.measured else 0.0
+        return transport_share(self.measured, self.predicted)
 
 
 def actions_of(schedule: str, stages: int, microbatches: int, chunks: int = 1, step_every: int = 1) -> list[list[Action]]:
@@ -482,9 +493,9 @@ def crowded_hosts(job: JobEvents) -> str:
         if cpus and per_host[r.host] > cpus:
             return f"host {r.host} runs {per_host[r.host]} of the job's ranks on {cpus} CPUs"
     for r in job.ranks:
-        load, cpus = r.info.get("loadavg"), r.info.get("cpu_count")
-        if load is not None and cpus and load > cpus:
-            return f"host {r.host} ran a load average of {load:.1f} on {cpus} CPUs"
+        load, count = r.info.get("loadavg"), r.info.get("cpu_count")
+        if load is not None and count and load > count:
+            return f"host {r.host} ran a load average of {load:.1f} on {count} CPUs"
     return ""
 
 

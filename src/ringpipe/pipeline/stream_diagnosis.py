@@ -55,6 +55,7 @@ from ringpipe.pipeline.diagnosis import (
     PROBLEM_SHARE,
     StageTimes,
     crowded_hosts,
+    imbalance_share,
     link_figures,
     links_text,
     mean_stages,
@@ -65,6 +66,7 @@ from ringpipe.pipeline.diagnosis import (
     stage_figures,
     stage_link_findings,
     step_time,
+    transport_share,
 )
 from ringpipe.pipeline.schedules import async_1f1b
 from ringpipe.pipeline.stage_links import LinkTimes, ready_times, slow_links, stream_link_times
@@ -105,12 +107,12 @@ class StreamBreakdown:
     @property
     def imbalance(self) -> float:
         """Share of the measured period added by unequal stages."""
-        return max(0.0, self.predicted - self.balanced) / self.measured if self.measured else 0.0
+        return imbalance_share(self.measured, self.predicted, self.balanced)
 
     @property
     def transport(self) -> float:
         """Share of the measured period the simulation does not explain."""
-        return max(0.0, self.measured - self.predicted) / self.measured if self.measured else 0.0
+        return transport_share(self.measured, self.predicted)
 
     def idle(self, stage: int) -> float:
         """A stage's time per period neither computing nor waiting for a message: waiting for a neighbour."""

@@ -67,9 +67,9 @@ def stream_events(p, m, forward, backward, *, batches=8, streams=1, step_every=1
                     window[s] = (st, w)
                 start = max([free[s], *(done[(k, g, st, mb)] + (0.0 if link is None else latency + extra.get(link, 0.0))
                                         for k, g, mb, link in need)])
-                free[s] = start + {"F": forward[s], "B": backward[s], "S": STEP}[a.kind]
-                done[(a.kind, s, st, a.mb)] = free[s]
                 cost = {"F": forward[s], "B": backward[s], "S": STEP}[a.kind]
+                free[s] = start + cost
+                done[(a.kind, s, st, a.mb)] = free[s]
                 detail = {"mb": a.mb, "chunk": 0, "cpu_ns": int(cost * MS),
                           **({**info, "stage": s} if a.kind == "S" else {})}
                 events[s].append(Event(f"pipeline.{a.kind}", 0, -1, int(start * MS), int(free[s] * MS), 0, "pipeline",
