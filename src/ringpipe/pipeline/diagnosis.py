@@ -108,6 +108,7 @@ class PipelineBreakdown:
     predicted: float  # simulated step time, each stage at its own pass times
     detail: dict[str, Any] = field(default_factory=dict)
     links: list[LinkTimes] = field(default_factory=list)
+    crowded: str = ""  # why the hosts had no core to spare ("": they had), :func:`crowded_hosts`
 
     @property
     def measured_idle(self) -> float:
@@ -254,7 +255,7 @@ def breakdown(job: JobEvents) -> PipelineBreakdown | None:
     return PipelineBreakdown(schedule, stages, m, chunks, list(bal) if bal else None, per_stage, measured,
                              statistics.fmean(busy_bal), balanced, predicted,
                              {"recompute": bool(info.get("recompute")), "period": period, "cpu": cpu},
-                             link_times(body, [first[s][0] for s in range(stages)], chunks))
+                             link_times(body, [first[s][0] for s in range(stages)], chunks), crowded_hosts(job))
 
 
 # ----------------------------------------------------------------------------- what to change
@@ -485,13 +486,22 @@ def _usable_cpus(rank: Any) -> int:
 
 
 def crowded_hosts(job: JobEvents) -> str:
-    """Why the job's hosts had no core to spare ("" when they had): more of the job's ranks on a host than
-    its CPUs, or a load average above them."""
-    per_host = collections.Counter(r.host for r in job.ranks)
+    """Why the job's hosts had no core to spare ("" when they had): more of the job's ranks on a machine than
+    its CPUs (hosts that are namespaces or containers of one machine share its CPUs: one boot id), or a load
+    average above them."""
+    machines: dict[str, list[Any]] = collections.defaultdict(list)
     for r in job.ranks:
-        cpus = _usable_cpus(r)
-        if cpus and per_host[r.host] > cpus:
-            return f"host {r.host} runs {per_host[r.host]} of the job's ranks on {cpus} CPUs"
+        machines[str(r.info.get("machine") or f"host:{r.host}")].append(r)
+    for ranks in machines.values():
+        cpus = set().union(*(set(r.info.get("cpus") or ()) for r in ranks)) if all(
+            r.info.get("cpus") for r in ranks) else set()
+        count = len(cpus) or max(_usable_cpus(r) for r in ranks)
+        if count and len(ranks) > count:
+            hosts = list(dict.fromkeys(r.host for r in ranks))
+            if len(hosts) == 1:
+                return f"host {hosts[0]} runs {len(ranks)} of the job's ranks on {count} CPUs"
+            return (f"hosts {', '.join(hosts)} are one machine (one boot id) and run {len(ranks)} of the job's ranks "
+                    f"on {count} CPUs")
     for r in job.ranks:
         load, count = r.info.get("loadavg"), r.info.get("cpu_count")
         if load is not None and count and load > count:
@@ -599,7 +609,7 @@ def pipeline_findings(job: JobEvents) -> list[Finding]:
 
 def _slow(b: Any) -> list[SlowLink]:
     passes = [v for st in b.per_stage for kind in (st.forward, st.backward) for v in kind.values()]
-    return slow_links(b.links, b.measured, _median(passes))
+    return slow_links(b.links, b.measured, _median(passes), crowded=bool(b.crowded))
 
 
 def link_figures(b: Any) -> list[dict[str, Any]]:

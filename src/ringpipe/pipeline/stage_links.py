@@ -217,18 +217,21 @@ def _stages(x: LinkTimes) -> set[int]:
     return {x.up, x.down}
 
 
-def _against(link: LinkTimes, others: Sequence[LinkTimes], step: float, kind: str) -> SlowLink | None:
-    """``link`` named slow against the median of ``others``' message waits and costs (None: it is not)."""
+def _against(link: LinkTimes, others: Sequence[LinkTimes], step: float, kind: str, noise: float) -> SlowLink | None:
+    """``link`` named slow against the median of ``others``' message waits and costs (None: it is not); its
+    messages must also wait ``noise`` longer each than theirs."""
     typical = _median([x.message for x in others])
     excess = link.total - _median([x.total for x in others])
-    if excess >= LINK_SHARE * step and link.message >= LINK_RATIO * typical:
+    if (excess >= LINK_SHARE * step and link.message >= LINK_RATIO * typical
+            and link.message - typical >= noise):
         return SlowLink(link, link.message / typical if typical > 0 else float("inf"), kind)
     return None
 
 
-def slow_links(links: Sequence[LinkTimes], step: float, pass_time: float) -> list[SlowLink]:
+def slow_links(links: Sequence[LinkTimes], step: float, pass_time: float, crowded: bool = False) -> list[SlowLink]:
     """The links named slow (see the module docstring), in ``links``' order; ``step``: the measured step time;
-    ``pass_time``: a typical pass of the stages."""
+    ``pass_time``: a typical pass of the stages; ``crowded``: the hosts were short of cores."""
+    noise = pass_time if crowded else 0.0
     def by_pass(link: LinkTimes) -> SlowLink | None:
         if pass_time and link.total >= LINK_SHARE * step and link.message >= LINK_RATIO * pass_time:
             return SlowLink(link, link.message / pass_time, "pass")
@@ -238,10 +241,10 @@ def slow_links(links: Sequence[LinkTimes], step: float, pass_time: float) -> lis
         return [s for s in (by_pass(links[0]),) if s is not None]
     out = []
     for link in links:
-        found = _against(link, [x for x in links if x is not link], step, "links")
+        found = _against(link, [x for x in links if x is not link], step, "links", noise)
         apart = [x for x in links if not _stages(x) & _stages(link)]
         if found is None and apart:
-            found = _against(link, apart, step, "apart")
+            found = _against(link, apart, step, "apart", noise)
         if (found is None and (not apart or _median([x.message for x in apart]) >= LINK_RATIO * pass_time)
                 and not any(x.message >= LINK_RATIO * link.message for x in links)):
             found = by_pass(link)

@@ -101,6 +101,7 @@ class StreamBreakdown:
     fill_drain: float  # share of a stream the balanced schedule spends filling and draining
     links: list[LinkTimes] = field(default_factory=list)
     detail: dict[str, Any] = field(default_factory=dict)
+    crowded: str = ""  # why the hosts had no core to spare ("": they had), :func:`crowded_hosts`
 
     schedule = "async_1f1b"
 
@@ -238,7 +239,8 @@ def stream_breakdown(job: JobEvents) -> StreamBreakdown | None:
     return StreamBreakdown(stages, int(info["microbatches"]), k, int(_median(lengths)), list(bal) if bal else None,
                            per_stage, messages, measured, mean_period, balanced, stream_period(per_stage, k),
                            _fill_drain(mean, k, int(_median(lengths)), balanced), links,
-                           {"cpu": cpu, "recompute": bool(info.get("recompute")), "streams": len(lengths)})
+                           {"cpu": cpu, "recompute": bool(info.get("recompute")), "streams": len(lengths)},
+                           crowded_hosts(job))
 
 
 def _stream_lengths(acts: Sequence[Any], of: dict[int, int]) -> list[int]:
@@ -323,7 +325,7 @@ def stream_findings(job: JobEvents) -> list[Finding]:
             fix,
         ))
     passes = [v for st in b.per_stage for t in (st.forward, st.backward) for v in t.values()]
-    slow = slow_links(b.links, b.measured, _median(passes))
+    slow = slow_links(b.links, b.measured, _median(passes), crowded=bool(b.crowded))
     if b.transport >= PROBLEM_SHARE:
         found.append(Finding(
             "problem",

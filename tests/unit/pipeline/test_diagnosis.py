@@ -182,6 +182,18 @@ def test_more_ranks_than_cpus_on_a_host_is_crowded_whatever_its_load_average():
     assert crowded_hosts(job) == ""
 
 
+def test_hosts_that_are_one_machine_share_its_cpus():
+    """Namespace hosts (or containers) of one machine share one boot id and its CPUs."""
+    job = run_events(3, 6, [1.0] * 3, [2.0] * 3, hosts=["rp-host-a", "rp-host-b", "rp-host-c"])
+    for r in job.ranks:
+        r.info.update(loadavg=0.2, cpu_count=2, cpus=[0, 1], machine="boot-1")
+    assert crowded_hosts(job) == ("hosts rp-host-a, rp-host-b, rp-host-c are one machine (one boot id) and run 3 of "
+                                  "the job's ranks on 2 CPUs")
+    for i, r in enumerate(job.ranks):  # three machines: a rank each
+        r.info.update(machine=f"boot-{i}")
+    assert crowded_hosts(job) == ""
+
+
 def test_on_a_host_with_more_ranks_than_cpus_a_new_split_is_mentioned_not_recommended():
     # three stages on one host of two CPUs, stage 1 twice as heavy
     job = run_events(3, 6, [1.0, 2.0, 1.0], [2.0, 4.0, 2.0], balance=[2, 4, 2])

@@ -224,3 +224,23 @@ def test_the_doctors_json_names_the_slow_host(tmp_path, capsys):
     assert pipe["slow_hosts"] == [{"host": "rp-host-b", "stage": 1}]
     one = run_events(3, 4, [F] * 3, [B] * 3, latency=LAT, links={1: 5.0}, schedule="gpipe", hosts=HOSTS[:3])
     assert doctor_json(one, tmp_path, capsys)["pipeline"]["slow_hosts"] == []
+
+
+def test_on_hosts_short_of_cores_a_link_must_wait_a_pass_longer_than_the_others_to_be_named():
+    """A receiver waiting for a core after its message arrived waits about a pass: on crowded hosts a link whose
+    messages wait less than a pass longer than the other links' is not named, however many times theirs."""
+    # T = 2.5: activations wait 2.6, 1.5, 1.5, 1.5, gradients 2.6, 0.5, 0.5, 0.5: median 1.5 ms against 0.1
+    near = run_events(3, 4, [F] * 3, [B] * 3, latency=LAT, links={1: 2.5}, schedule="gpipe", hosts=HOSTS[:3])
+    b = breakdown(near)
+    assert b.links[1].message * 1e3 == pytest.approx(1.5, abs=1e-3) and b.links[0].message * 1e3 == pytest.approx(LAT)
+    assert [(s.link.up, s.against) for s in slow_links(b.links, b.measured, PASS * 1e-3)] == [(1, "links")]
+    assert slow_links(b.links, b.measured, PASS * 1e-3, crowded=True) == []  # 1.4 ms more than the other: < 1.5
+    for r in near.ranks:  # three namespace hosts of one 2-CPU machine: crowded
+        r.info.update(machine="boot-1", cpus=[0, 1], cpu_count=2, loadavg=0.5)
+    assert _links(pipeline_findings(near)) == []
+    # T = 5: 4.0 ms a message, 3.9 more than the other link's, over a pass: named on crowded hosts too
+    far = run_events(3, 4, [F] * 3, [B] * 3, latency=LAT, links={1: 5.0}, schedule="gpipe", hosts=HOSTS[:3])
+    for r in far.ranks:
+        r.info.update(machine="boot-1", cpus=[0, 1], cpu_count=2, loadavg=0.5)
+    named = _links(pipeline_findings(far))
+    assert [(f.severity, f.hosts) for f in named] == [("problem", ("rp-host-b", "rp-host-c"))]
