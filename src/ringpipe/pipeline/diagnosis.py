@@ -116,6 +116,26 @@ class PipelineBreakdown:
         return statistics.fmean(s.idle for s in self.per_stage) / self.measured if self.measured else 0.0
 
     @property
+    def message_waits(self) -> list[float]:
+        """Per stage, its waits per step for messages in transit (:mod:`~ringpipe.pipeline.stage_links`): the
+        activations from the stage before it, the gradients from the one after it."""
+        waits = [0.0] * self.stages
+        for x in self.links:
+            waits[x.down] += x.activations
+            waits[x.up] += x.gradients
+        return waits
+
+    @property
+    def measured_bubble(self) -> float:
+        """The stages' mean idle share of the measured step less their waits for messages in transit: the idle
+        time in which a stage waited for a neighbour still computing, what the schedule (and unequal stages)
+        leave idle and :attr:`bubble` predicts for balanced stages."""
+        if not self.measured:
+            return 0.0
+        waits = self.message_waits
+        return statistics.fmean(max(0.0, s.idle - waits[i]) for i, s in enumerate(self.per_stage)) / self.measured
+
+    @property
     def bubble(self) -> float:
         """The schedule's own bubble: its idle share with balanced stages."""
         return 1.0 - self.ideal / self.balanced if self.balanced else 0.0
@@ -537,8 +557,10 @@ def pipeline_findings(job: JobEvents) -> list[Finding]:
     if b.bubble >= PROBLEM_SHARE:
         found.append(Finding(
             "problem", f"the schedule's own bubble: {name} leaves each stage idle {100 * b.bubble:.1f}% of the step",
-            f"predicted from the schedule's action lists with the measured pass times and balanced stages "
-            f"(the measured idle share, {100 * b.measured_idle:.1f}%, also holds imbalance and transport); this "
+            f"predicted from the schedule's action lists with the measured pass times and balanced stages; "
+            f"measured: stages idle {100 * b.measured_idle:.1f}% of the step, {100 * b.measured_bubble:.1f}% of it "
+            f"waiting for a neighbour still computing (the rest waiting for messages in transit), which also holds "
+            f"any imbalance; this "
             "idle time is the schedule's fill and drain, not a fault: fewer of it needs more micro-batches per "
             "batch, interleaving or a zero-bubble schedule",
             "see the recommended change below, if any ([fix])",
@@ -644,7 +666,7 @@ def pipeline_figures(job: JobEvents) -> dict[str, Any] | None:
             "predicted_s": b.predicted, "balanced_s": b.balanced,
             "between_steps_s": max(0.0, b.detail.get("period", 0.0) - b.measured), "cpu_times": b.detail.get("cpu"),
             "shares": {"bubble": b.bubble, "imbalance": b.imbalance, "transport": b.transport,
-                       "idle": b.measured_idle},
+                       "idle": b.measured_idle, "measured_bubble": b.measured_bubble},
             "per_stage": [stage_figures(st) for st in b.per_stage], "links": link_figures(b),
             "slow_hosts": slow_host_figures(b)}
 

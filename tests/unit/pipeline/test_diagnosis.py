@@ -89,6 +89,21 @@ def test_a_balanced_split_is_named_the_schedules_bubble_at_the_papers_fraction(p
     assert not any("heaviest" in f.what or "longer than" in f.what for f in pipeline_findings(job))
 
 
+def test_the_measured_bubble_leaves_out_the_waits_for_messages_in_transit():
+    """With a 0.3 ms latency per message the stages idle 6 points more than the paper's bubble on 2 stages; what
+    they idle waiting for a neighbour still computing stays within 2 points of it."""
+    p, m = 2, 4
+    paper = (p - 1) / (m + p - 1)
+    b = breakdown(run_events(p, m, [1.0] * p, [2.0] * p, latency=0.3, hosts=["a", "b"]))
+    assert b.measured_idle - paper > 0.05
+    assert abs(b.measured_bubble - paper) < 0.02 and b.measured_bubble < b.measured_idle
+    assert all(w > 0 for w in b.message_waits)
+    named = next(f for f in pipeline_findings(run_events(p, m, [1.0] * p, [2.0] * p, latency=0.3, hosts=["a", "b"]))
+                 if f.what.startswith("the schedule's own bubble"))
+    assert (f"stages idle {100 * b.measured_idle:.1f}% of the step, {100 * b.measured_bubble:.1f}% of it waiting for "
+            "a neighbour still computing") in named.evidence
+
+
 def test_one_stage_twice_as_heavy_is_named_and_a_better_split_recommended():
     job = run_events(3, 8, [1.0, 2.0, 1.0], [2.0, 4.0, 2.0], balance=[2, 2, 2])
     found = pipeline_findings(job)
