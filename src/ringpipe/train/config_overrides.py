@@ -35,25 +35,37 @@ def parse_override(item: str) -> tuple[list[str], Any]:
 def apply_overrides(raw: dict[str, Any], overrides: Iterable[str]) -> dict[str, Any]:
     """Apply ``--set key=value`` items to a raw config dict (a copy is returned).
 
-    Setting ``section.name`` to another variant drops the section's keys that the old variant
-    had and the new one does not read, so ``--set model.name=cnn`` works on an MLP config.
-    A top-level pipeline short key (``--set step_every=2``) sets ``pipeline.step_every``.
+    Setting ``section.name`` to another variant starts the section afresh from that variant's defaults
+    (so ``--set model.name=cnn`` works on an MLP config), keeping the section's keys that this
+    command's other ``--set`` items give, whatever their order: ``--set optimizer.lr=0.01 --set
+    optimizer.name=sgd`` is ``--set optimizer.name=sgd --set optimizer.lr=0.01``. A top-level pipeline
+    short key (``--set step_every=2``) sets ``pipeline.step_every``.
     """
     out = json.loads(json.dumps(raw, default=str))
+    given: dict[str, list[tuple[list[str], Any, str]]] = {}  # a section's items so far, but its name
     for item in overrides:
         path, value = parse_override(item)
         if len(path) == 1 and path[0] in PIPELINE_SHORT_KEYS:
             path = ["pipeline", path[0]]  # the short form of a pipeline key
-        node = out
-        for p in path[:-1]:
-            child = node.get(p)
-            if child is None:
-                child = node[p] = {}
-            if not isinstance(child, dict):
-                raise ConfigError(f"--set {item!r}: {p!r} is a value ({child!r}), not a section")
-            node = child
-        last = path[-1]
-        if last == "name" and node.get("name") not in (None, value) and len(path) == 2:
-            node.clear()
-        node[last] = value
+        if len(path) == 2 and path[1] == "name" and isinstance(out.get(path[0]), dict) \
+                and out[path[0]].get("name") not in (None, value):
+            out[path[0]] = {}
+            for earlier, v, text in given.get(path[0], []):
+                _put(out, earlier, v, text)
+        _put(out, path, value, item)
+        if len(path) >= 2 and path[1:] != ["name"]:
+            given.setdefault(path[0], []).append((path, value, item))
     return out
+
+
+def _put(out: dict[str, Any], path: list[str], value: Any, item: str) -> None:
+    """Set ``value`` at the dotted ``path`` of ``out``, making the sections on the way."""
+    node = out
+    for p in path[:-1]:
+        child = node.get(p)
+        if child is None:
+            child = node[p] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set {item!r}: {p!r} is a value ({child!r}), not a section")
+        node = child
+    node[path[-1]] = value

@@ -189,3 +189,25 @@ def test_bundled_examples_by_name():
     assert load_config("gpipe").mode == "gpipe" and load_config("async.yaml").mode == "async"
     with pytest.raises(ConfigError, match="name of a bundled example: 1f1b, async"):
         load_config("no_such_example")
+
+
+def test_a_variants_name_set_after_its_keys_keeps_them():
+    """``--set optimizer.lr=0.01 --set optimizer.name=sgd`` once ran with SGD's default rate 0.05 and the
+    default rate scaling: the name started the section afresh and dropped the keys set before it."""
+    orders = [["optimizer.lr=0.01", "optimizer.scale_lr=false", "optimizer.name=sgd"],
+              ["optimizer.name=sgd", "optimizer.lr=0.01", "optimizer.scale_lr=false"],
+              ["optimizer.scale_lr=false", "optimizer.name=sgd", "optimizer.lr=0.01"]]
+    for sets in orders:
+        cfg = load_config(overrides=sets)
+        assert (cfg.optimizer.name, cfg.optimizer.lr, cfg.optimizer.scale_lr, cfg.optimizer.momentum) == \
+            ("sgd", 0.01, False, 0.9), sets
+    # the keys of the variant replaced still go: an MLP's hidden sizes do not reach a ResNet
+    raw = apply_overrides({"model": {"name": "mlp", "hidden": [3]}}, ["model.name=resnet"])
+    assert raw["model"] == {"name": "resnet"}
+    # a key given for the new variant that it does not read is an error naming it, in either order
+    for sets in (["model.hidden=[8]", "model.name=cnn"], ["model.name=cnn", "model.hidden=[8]"]):
+        with pytest.raises(ConfigError, match="hidden"):
+            load_config(overrides=sets)
+    # a name set twice: the second variant keeps the keys given for the section too
+    cfg = load_config(overrides=["schedule.name=step", "schedule.gamma=0.5", "schedule.name=multistep"])
+    assert (cfg.schedule.name, cfg.schedule.gamma) == ("multistep", 0.5)
