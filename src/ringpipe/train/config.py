@@ -340,14 +340,15 @@ def resolve_raw(
     base: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The raw config dict of :func:`load_config`, before validation (keys left out take their defaults)."""
-    raw = default_sections()
+    raw, given = default_sections(), dict[str, Any]()
     for layer in (base, read_file(path) if path is not None else None):
         if layer is not None:
             try:
                 raw = merge(raw, _nest_short_keys(layer))
+                given = merge(given, _nest_short_keys(layer))
             except ValueError as exc:
                 raise ConfigError(f"invalid configuration:\n  {exc}") from None
-    return apply_overrides(raw, overrides)
+    return apply_overrides(raw, overrides, given)
 
 
 def validate(raw: Mapping[str, Any]) -> TrainConfig:

@@ -8,13 +8,13 @@ section's key. :mod:`ringpipe.train.config` re-exports both functions.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import yaml
 
 from ringpipe.train.config_parallel import PIPELINE_SHORT_KEYS
-from ringpipe.train.config_sections import ConfigError
+from ringpipe.train.config_sections import ConfigError, variant_fields
 
 __all__ = ["apply_overrides", "parse_override"]
 
@@ -32,29 +32,36 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     return key.split("."), value
 
 
-def apply_overrides(raw: dict[str, Any], overrides: Iterable[str]) -> dict[str, Any]:
+def apply_overrides(raw: dict[str, Any], overrides: Iterable[str],
+                    given: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Apply ``--set key=value`` items to a raw config dict (a copy is returned).
 
     Setting ``section.name`` to another variant starts the section afresh from that variant's defaults
     (so ``--set model.name=cnn`` works on an MLP config), keeping the section's keys that this
-    command's other ``--set`` items give, whatever their order: ``--set optimizer.lr=0.01 --set
-    optimizer.name=sgd`` is ``--set optimizer.name=sgd --set optimizer.lr=0.01``. A top-level pipeline
-    short key (``--set step_every=2``) sets ``pipeline.step_every``.
+    command's other ``--set`` items give, whatever their order (``--set optimizer.lr=0.01 --set
+    optimizer.name=sgd`` is ``--set optimizer.name=sgd --set optimizer.lr=0.01``), and those that the
+    user's config (``given``: the file's and the caller's keys, defaults left out) gives and the new
+    variant reads (a file's ``optimizer.lr`` stays when ``--set optimizer.name=sgd`` switches
+    to SGD; Adam's ``betas`` go). A top-level pipeline short key (``--set step_every=2``) sets
+    ``pipeline.step_every``.
     """
     out = json.loads(json.dumps(raw, default=str))
-    given: dict[str, list[tuple[list[str], Any, str]]] = {}  # a section's items so far, but its name
+    earlier_sets: dict[str, list[tuple[list[str], Any, str]]] = {}  # a section's items so far, but its name
     for item in overrides:
         path, value = parse_override(item)
         if len(path) == 1 and path[0] in PIPELINE_SHORT_KEYS:
             path = ["pipeline", path[0]]  # the short form of a pipeline key
         if len(path) == 2 and path[1] == "name" and isinstance(out.get(path[0]), dict) \
                 and out[path[0]].get("name") not in (None, value):
-            out[path[0]] = {}
-            for earlier, v, text in given.get(path[0], []):
+            fields = variant_fields(path[0], value)
+            mine = (given or {}).get(path[0])
+            out[path[0]] = {k: v for k, v in mine.items() if k != "name" and k in fields} \
+                if fields is not None and isinstance(mine, Mapping) else {}
+            for earlier, v, text in earlier_sets.get(path[0], []):
                 _put(out, earlier, v, text)
         _put(out, path, value, item)
         if len(path) >= 2 and path[1:] != ["name"]:
-            given.setdefault(path[0], []).append((path, value, item))
+            earlier_sets.setdefault(path[0], []).append((path, value, item))
     return out
 
 

@@ -33,7 +33,7 @@ __all__ = [
     "MODE_NAMES",
     "PIPELINE_MODES",
     "MLPConfig", "CNNConfig", "ResNetConfig", "TransformerConfig", "ModelConfig",
-    "DigitsConfig", "IDXConfig", "CIFARConfig", "SyntheticConfig", "SyntheticLMConfig", "DataConfig",
+    "variant_fields", "DigitsConfig", "IDXConfig", "CIFARConfig", "SyntheticConfig", "SyntheticLMConfig", "DataConfig",
     "SGDConfig", "AdamConfig", "OptimizerConfig",
     "ConstantSchedule", "StepSchedule", "MultiStepSchedule", "CosineSchedule", "ScheduleConfig",
     "CheckpointConfig", "ObserveConfig",
@@ -331,6 +331,20 @@ ScheduleConfig = Annotated[
     ConstantSchedule | StepSchedule | MultiStepSchedule | CosineSchedule,
     Field(discriminator="name"),
 ]
+
+def variant_fields(section: str, name: Any) -> frozenset[str] | None:
+    """The keys that the built-in variant ``name`` of ``section`` (model, data, optimizer, schedule) reads
+    (None: not a built-in variant, e.g. the user's own factory, which may read any key)."""
+    classes: dict[str, Any] = {
+        "optimizer": {"sgd": SGDConfig, "adam": AdamConfig, "adamw": AdamConfig},
+        "schedule": {"constant": ConstantSchedule, "step": StepSchedule, "multistep": MultiStepSchedule,
+                     "cosine": CosineSchedule},
+        "model": {k: globals()[v] for k, v in BUILTIN_MODELS.items()},
+        "data": {k: globals()[v] for k, v in BUILTIN_DATA.items()},
+    }.get(section, {})
+    cls = classes.get(name) if isinstance(name, str) else None
+    return frozenset(cls.model_fields) if cls is not None else None
+
 
 # --------------------------------------------------------------------------------- other sections
 

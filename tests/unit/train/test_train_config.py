@@ -211,3 +211,18 @@ def test_a_variants_name_set_after_its_keys_keeps_them():
     # a name set twice: the second variant keeps the keys given for the section too
     cfg = load_config(overrides=["schedule.name=step", "schedule.gamma=0.5", "schedule.name=multistep"])
     assert (cfg.schedule.name, cfg.schedule.gamma) == ("multistep", 0.5)
+
+
+def test_a_files_keys_that_the_new_variant_reads_stay_when_set_switches_the_variant(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("optimizer: {lr: 0.01, scale_lr: false}\nmodel: {hidden: [8], dropout: 0.1}\n")
+    cfg = load_config(f, ["optimizer.name=sgd", "model.name=resnet"])
+    assert (cfg.optimizer.name, cfg.optimizer.lr, cfg.optimizer.scale_lr, cfg.optimizer.momentum) == \
+        ("sgd", 0.01, False, 0.9)
+    assert cfg.model.name == "resnet"  # the MLP's hidden sizes and dropout, which a ResNet does not read, are gone
+    g = tmp_path / "adam.yaml"
+    g.write_text("optimizer: {name: adam, lr: 0.002, betas: [0.8, 0.9]}\n")
+    cfg = load_config(g, ["optimizer.name=sgd"])
+    assert (cfg.optimizer.name, cfg.optimizer.lr) == ("sgd", 0.002)  # Adam's betas are not SGD's: dropped
+    # defaults are not the user's: the default Adam rate does not become SGD's
+    assert load_config(overrides=["optimizer.name=sgd"]).optimizer.lr == 0.05
