@@ -558,9 +558,9 @@ def pipeline_findings(job: JobEvents) -> list[Finding]:
         found.append(Finding(
             "problem", f"the schedule's own bubble: {name} leaves each stage idle {100 * b.bubble:.1f}% of the step",
             f"predicted from the schedule's action lists with the measured pass times and balanced stages; "
-            f"measured: stages idle {100 * b.measured_idle:.1f}% of the step, {100 * b.measured_bubble:.1f}% of it "
-            f"waiting for a neighbour still computing (the rest waiting for messages in transit), which also holds "
-            f"any imbalance; this "
+            f"measured: stages idle {100 * b.measured_idle:.1f}% of the step, {100 * b.measured_bubble:.1f}% of the "
+            f"step waiting for a neighbour still computing (which also holds any imbalance and the delays that "
+            f"messages pass on) and the rest for messages in transit; this "
             "idle time is the schedule's fill and drain, not a fault: fewer of it needs more micro-batches per "
             "batch, interleaving or a zero-bubble schedule",
             "see the recommended change below, if any ([fix])",

@@ -100,8 +100,8 @@ def test_the_measured_bubble_leaves_out_the_waits_for_messages_in_transit():
     assert all(w > 0 for w in b.message_waits)
     named = next(f for f in pipeline_findings(run_events(p, m, [1.0] * p, [2.0] * p, latency=0.3, hosts=["a", "b"]))
                  if f.what.startswith("the schedule's own bubble"))
-    assert (f"stages idle {100 * b.measured_idle:.1f}% of the step, {100 * b.measured_bubble:.1f}% of it waiting for "
-            "a neighbour still computing") in named.evidence
+    assert (f"stages idle {100 * b.measured_idle:.1f}% of the step, {100 * b.measured_bubble:.1f}% of the step "
+            "waiting for a neighbour still computing") in named.evidence
 
 
 def test_one_stage_twice_as_heavy_is_named_and_a_better_split_recommended():
