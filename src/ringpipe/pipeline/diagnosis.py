@@ -523,9 +523,9 @@ def crowded_hosts(job: JobEvents) -> str:
             return (f"hosts {', '.join(hosts)} are one machine (one boot id) and run {len(ranks)} of the job's ranks "
                     f"on {count} CPUs")
     for r in job.ranks:
-        load, count = r.info.get("loadavg"), r.info.get("cpu_count")
-        if load is not None and count and load > count:
-            return f"host {r.host} ran a load average of {load:.1f} on {count} CPUs"
+        load, cpu_count = r.info.get("loadavg"), r.info.get("cpu_count")
+        if load is not None and cpu_count and load > cpu_count:
+            return f"host {r.host} ran a load average of {load:.1f} on {cpu_count} CPUs"
     return ""
 
 
