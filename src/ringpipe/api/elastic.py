@@ -75,7 +75,11 @@ class SamplerStateHandler(_Handler):
         self.value.load_state_dict(_api().broadcast_object(self.value.state_dict(), root_rank=0))
 
 
-def _handler(value: Any) -> _Handler | None:
+#: the handler of each kind of value a TorchState saves by its ``state_dict``
+_Handlers = _ModelHandler | _OptimizerHandler | SamplerStateHandler
+
+
+def _handler(value: Any) -> _Handlers | None:
     if isinstance(value, torch.nn.Module):
         return _ModelHandler(value)
     if isinstance(value, torch.optim.Optimizer):
@@ -93,10 +97,13 @@ class TorchState(ObjectState):
     their ``state_dict`` and synced by broadcast from rank 0; the rest as Python objects.
     """
 
+    #: the models', optimizers' and samplers' handlers by attribute name (set past ``__setattr__``, which reads it)
+    _handlers: dict[str, _Handlers]
+
     def __init__(self, model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
                  **kwargs: Any) -> None:
         kwargs.update(model=model, optimizer=optimizer)
-        handlers: dict[str, _Handler] = {}
+        handlers: dict[str, _Handlers] = {}
         for name, value in list(kwargs.items()):
             handler = _handler(value)
             if handler is not None:

@@ -298,8 +298,8 @@ class Communicator(ABC):
                 raise CommError(f"split: ranks {members} must be distinct ranks of {self.name} (size {self.size})")
             return {"ranks": members}
 
-        ranks = self._agree("split", validate)["ranks"]
-        return self._split(ranks, name or f"{self.name}/{'-'.join(map(str, ranks))}")
+        members: list[int] = self._agree("split", validate)["ranks"]
+        return self._split(members, name or f"{self.name}/{'-'.join(map(str, members))}")
 
     def node_comm(self) -> Communicator:
         """The ranks of this communicator on this node (collective the first time)."""

@@ -189,7 +189,8 @@ class Departures:
 
     def records(self) -> dict[int, dict[str, Any]]:
         """Every other rank's record (ranks that wrote none are left out)."""
-        store, out = self.store, {}
+        store = self.store
+        out: dict[int, dict[str, Any]] = {}
         if store is None:
             return out
         for r in range(self.size):

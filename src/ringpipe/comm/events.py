@@ -173,7 +173,8 @@ def split_internal(events: Iterable[Event]) -> tuple[list[Event], list[Event]]:
     for e in events:
         if "." not in e.op and e.detail.get("algorithm") and not e.op.startswith("i") and e.op not in _P2P:
             runs.setdefault(e.comm, []).append((e.start_ns, e.end_ns))
-    mine, theirs = [], []
+    mine: list[Event] = []
+    theirs: list[Event] = []
     for e in events:
         inside = e.op in _P2P and any(a <= e.start_ns <= b for a, b in runs.get(e.comm, ()))
         (theirs if e.detail.get("internal") or "." in e.op or inside else mine).append(e)

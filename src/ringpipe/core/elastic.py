@@ -86,9 +86,10 @@ class State:
         """
         if not elastic_rendezvous.active() or not basics.is_initialized():
             return
-        update = elastic_rendezvous.hosts_updated() if basics.rank() == 0 else None
+        update: tuple[bool, bool] | None = elastic_rendezvous.hosts_updated() if basics.rank() == 0 else None
         if basics.size() > 1:
             update = movement.broadcast_object(update, root_rank=0)
+        assert update is not None  # rank 0 asked (a world of one is rank 0 alone); the others got its answer
         updated, added = update
         if updated:
             raise HostsUpdatedInterrupt(skip_sync=not added)

@@ -11,6 +11,7 @@ process set.")``, and a removed set can no longer be used.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -35,6 +36,8 @@ __all__ = [
     "set_root",
 ]
 
+_NOT_RANKS_OR_COMM = "ProcessSet should be initialized with a list of process ranks or an mpi4py Comm object"
+
 
 class ProcessSet:
     """A set of world ranks (or an mpi4py communicator) that runs collectives together.
@@ -52,15 +55,15 @@ class ProcessSet:
         if isinstance(ranks_or_comm, Iterable) and not isinstance(ranks_or_comm, (str, bytes)):
             ranks = sorted(ranks_or_comm)
             if any(not isinstance(r, int) or isinstance(r, bool) for r in ranks):
-                raise ValueError("ProcessSet should be initialized with a list of process ranks or an mpi4py Comm object")
+                raise ValueError(_NOT_RANKS_OR_COMM)
             self.ranks = ranks
             return
         try:
             from mpi4py import MPI
         except ImportError:
-            MPI = None  # noqa: N806
-        if MPI is None or not isinstance(ranks_or_comm, MPI.Comm):
-            raise ValueError("ProcessSet should be initialized with a list of process ranks or an mpi4py Comm object")
+            raise ValueError(_NOT_RANKS_OR_COMM) from None
+        if not isinstance(ranks_or_comm, MPI.Comm):
+            raise ValueError(_NOT_RANKS_OR_COMM)
         self.mpi_comm = ranks_or_comm
 
     def size(self) -> int | None:
@@ -163,7 +166,7 @@ def register_initial(world: World, process_sets: Sequence[ProcessSet] | str | No
         if ps.ranks is None and ps.mpi_comm is not None:
             # every rank names its own communicator's members; register each distinct set once
             mine = _world_ranks_of(world, ps.mpi_comm)
-            every = world.engine.run(lambda mine=mine: world.comm.allgather_object(mine), name="process_sets")
+            every = world.engine.run(functools.partial(world.comm.allgather_object, mine), name="process_sets")
             for ranks in dict.fromkeys(tuple(r) for r in every):
                 if _registered_id(world, list(ranks)) is None:
                     holder = ps if list(ranks) == mine else ProcessSet(list(ranks))

@@ -24,6 +24,7 @@ buckets), and ``step()`` announces the update and sends the joined ranks its hyp
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import logging
 import os
@@ -420,7 +421,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for p in params:
             by_dtype.setdefault(p.dtype, []).append(p.detach())
         for deltas in by_dtype.values():  # one fused Adasum per dtype
-            self.engine.run(lambda deltas=deltas: adasum_allreduce(self.comm, deltas), name="adasum-step")
+            self.engine.run(functools.partial(adasum_allreduce, self.comm, deltas), name="adasum-step")
         with torch.no_grad():
             for p, start in zip(params, starts, strict=True):
                 p.add_(start)

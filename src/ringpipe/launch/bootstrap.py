@@ -261,13 +261,13 @@ def failure_report(exc: BaseException, verbose: bool = False, hint: str = "") ->
         e, _, cause = blocks[0]  # ringpipe's own errors say what to fix; another exception shows where it was raised
         blocks[0] = (e, traceback.extract_tb(e.__traceback__)[-1:], cause)
     out: list[str] = []
-    for j, (e, frames, caused) in enumerate(blocks):
+    for j, (e, shown, caused) in enumerate(blocks):
         if j:
             out.append("\nThe above exception was the direct cause of the following exception:\n\n" if caused
                        else "\nDuring handling of the above exception, another exception occurred:\n\n")
-        if frames:
+        if shown:
             out.append("Traceback (most recent call last):\n")
-            out.extend(traceback.format_list(frames))
+            out.extend(traceback.format_list(shown))
         out.extend(traceback.format_exception_only(type(e), e))
     if hidden and hint:
         out.append(f"({hint})\n")

@@ -114,7 +114,7 @@ def _suspects(hosts: list[str], links: list[dict[str, Any]], slow: float, groups
     fastest host pair's (a burst of other work during that host pair's turn reads as a slow path)."""
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for x in links:
-        groups.setdefault(tuple(sorted((hosts[x["src"]], hosts[x["dst"]]))), []).append(x)  # type: ignore[arg-type]
+        groups.setdefault(tuple(sorted((hosts[x["src"]], hosts[x["dst"]]))), []).append(x)
     meds = {k: statistics.median(x["gbps"] for x in group) for k, group in groups.items()}
     out = set()
     for k, group in groups.items():

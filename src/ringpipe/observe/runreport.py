@@ -60,8 +60,8 @@ def write_run_observations(comm: Communicator, run: Path, timeline: bool,
         return
     steps_job = window_job(job)
     (run / "comm_profile.txt").write_text(format_profile(steps_job) + "\n")
-    comm = comm_line(steps_job)
-    (run / "doctor.txt").write_text(format_report(steps_job, diagnose(steps_job), [comm] if comm else []) + "\n")
+    line = comm_line(steps_job)
+    (run / "doctor.txt").write_text(format_report(steps_job, diagnose(steps_job), [line] if line else []) + "\n")
     save_events(run / "events.json", job)  # for `ringpipe doctor RUN` and `ringpipe trace RUN`, in every run
     if timeline:
         write_timeline(run / "timeline.json", job)

@@ -50,7 +50,14 @@ from ringpipe.pipeline.partition import balance_by_size
 from ringpipe.pipeline.schedule_checks import list_schedule
 from ringpipe.pipeline.schedules import SCHEDULES, async_1f1b
 from ringpipe.pipeline.schedules_interleaved import interleaved_1f1b
-from ringpipe.pipeline.stage_links import LinkTimes, SlowLink, link_times, slow_links, slow_stage
+from ringpipe.pipeline.stage_links import (
+    LinkTimes,
+    SlowLink,
+    link_times,
+    median_or_zero,
+    slow_links,
+    slow_stage,
+)
 
 __all__ = ["StageTimes", "PipelineBreakdown", "breakdown", "pipeline_findings", "pipeline_figures", "step_time",
            "actions_of", "pass_costs", "mean_stages", "rebalanced_stages", "stage_link_findings", "links_text",
@@ -171,10 +178,6 @@ def step_time(per_stage: Sequence[Sequence[Action]], cost: Costs) -> tuple[float
     return makespan, busy
 
 
-def _median(values: Sequence[float]) -> float:
-    return statistics.median(values) if values else 0.0
-
-
 def _steps(events: Sequence[Any]) -> tuple[list[list[Any]], dict[str, Any]]:
     """A rank's actions cut into steps (each ends with its ``S``), and the schedule the steps carry."""
     acts = sorted((e for e in events if e.op in _OPS), key=lambda e: e.start_ns)
@@ -199,10 +202,10 @@ def _stage_times(done: list[list[Any]], info: dict[str, Any], spans: Sequence[fl
             passes.setdefault((_OPS[e.op], int(e.detail.get("chunk", 0))), []).append(d / 1e9)
     for (kind, chunk), ds in passes.items():
         if kind in ("F", "B", "W"):
-            {"F": st.forward, "B": st.backward, "W": st.weight}[kind][chunk] = _median(ds)
-    st.step = _median(passes.get(("S", 0), []))
-    st.period = _median(list(spans))
-    st.busy = _median([sum(e.detail["cpu_ns"] if cpu else e.end_ns - e.start_ns for e in s) / 1e9 for s in body])
+            {"F": st.forward, "B": st.backward, "W": st.weight}[kind][chunk] = median_or_zero(ds)
+    st.step = median_or_zero(passes.get(("S", 0), []))
+    st.period = median_or_zero(list(spans))
+    st.busy = median_or_zero([sum(e.detail["cpu_ns"] if cpu else e.end_ns - e.start_ns for e in s) / 1e9 for s in body])
     st.steps = len(body)
     return st
 
@@ -260,7 +263,7 @@ def breakdown(job: JobEvents) -> PipelineBreakdown | None:
     spans = [(max(first[s][1][k][-1].end_ns for s in range(stages))
               - min(first[s][1][k][0].start_ns for s in range(stages))) / 1e9 for k in range(1, n)]
     ends = [first[0][1][k][-1].end_ns for k in range(n)]
-    period = _median([(b - a) / 1e9 for a, b in zip(ends, ends[1:], strict=False)])
+    period = median_or_zero([(b - a) / 1e9 for a, b in zip(ends, ends[1:], strict=False)])
     cpu = all(first[s][2].get("threads") == 1 and all("cpu_ns" in e.detail for step in first[s][1] for e in step)
               for s in range(stages))
     per_stage = [_stage_times(first[s][1][:n], first[s][2], spans, cpu) for s in range(stages)]
@@ -269,7 +272,7 @@ def breakdown(job: JobEvents) -> PipelineBreakdown | None:
     mean = mean_stages(per_stage)
     balanced, busy_bal = step_time(lists, pass_costs(mean))
     predicted, _ = step_time(lists, pass_costs(per_stage))
-    measured = _median(spans)
+    measured = median_or_zero(spans)
     bal = info.get("balance")
     body = [[first[s][1][k] for s in range(stages)] for k in range(n)]
     return PipelineBreakdown(schedule, stages, m, chunks, list(bal) if bal else None, per_stage, measured,
@@ -523,9 +526,9 @@ def crowded_hosts(job: JobEvents) -> str:
             return (f"hosts {', '.join(hosts)} are one machine (one boot id) and run {len(ranks)} of the job's ranks "
                     f"on {count} CPUs")
     for r in job.ranks:
-        load, count = r.info.get("loadavg"), r.info.get("cpu_count")
-        if load is not None and count and load > count:
-            return f"host {r.host} ran a load average of {load:.1f} on {count} CPUs"
+        load, cpu_count = r.info.get("loadavg"), r.info.get("cpu_count")
+        if load is not None and cpu_count and load > cpu_count:
+            return f"host {r.host} ran a load average of {load:.1f} on {cpu_count} CPUs"
     return ""
 
 
@@ -631,7 +634,7 @@ def pipeline_findings(job: JobEvents) -> list[Finding]:
 
 def _slow(b: Any) -> list[SlowLink]:
     passes = [v for st in b.per_stage for kind in (st.forward, st.backward) for v in kind.values()]
-    return slow_links(b.links, b.measured, _median(passes), crowded=bool(b.crowded))
+    return slow_links(b.links, b.measured, median_or_zero(passes), crowded=bool(b.crowded))
 
 
 def link_figures(b: Any) -> list[dict[str, Any]]:

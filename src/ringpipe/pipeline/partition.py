@@ -29,8 +29,8 @@ class BalanceError(ValueError):
     """A balance does not describe a valid split of the layers."""
 
 
-def as_layers(model: nn.Sequential | Sequence[nn.Module]) -> list[nn.Module]:
-    """The layers of an ``nn.Sequential`` or a list of modules, refusing anything else."""
+def as_layers(model: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:
+    """The layers of an ``nn.Sequential`` or a list of modules, refusing anything else (another module too)."""
     if isinstance(model, nn.Sequential):
         return list(model.children())
     if isinstance(model, nn.Module):

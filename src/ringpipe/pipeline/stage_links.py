@@ -47,7 +47,7 @@ from typing import Any, NamedTuple
 from ringpipe.pipeline.action_events import ACTION_OPS
 
 __all__ = ["LinkTimes", "Ready", "boundaries", "ready_times", "message_waits", "link_times", "stream_link_times",
-           "slow_links", "SlowLink", "slow_stage", "LINK_RATIO", "LINK_SHARE"]
+           "slow_links", "SlowLink", "slow_stage", "LINK_RATIO", "LINK_SHARE", "median_or_zero"]
 
 #: A link is named slow when its messages' median wait is this many times what it is compared with (the other
 #: links', the links' that share no stage with it, or a typical pass) ...
@@ -58,7 +58,8 @@ LINK_SHARE = 0.05
 _OPS = {v: v.removeprefix("pipeline.") for v in ACTION_OPS.values()}
 
 
-def _median(values: Sequence[float]) -> float:
+def median_or_zero(values: Sequence[float]) -> float:
+    """The median of ``values``, 0.0 when there are none (a figure of the pipeline doctors with nothing measured)."""
     return statistics.median(values) if values else 0.0
 
 
@@ -171,9 +172,9 @@ def link_times(steps: Sequence[Sequence[list[Any]]], ranks: Sequence[Any], chunk
     for (up, down), rows in sorted(_waits(steps, stages, chunks).items()):
         both = _link_bytes(ranks[up], down, since, until) + _link_bytes(ranks[down], up, since, until)
         acts, grads = [sum(r[0]) for r in rows], [sum(r[1]) for r in rows]
-        out.append(LinkTimes(up, down, ranks[up].host, ranks[down].host, max(0.0, _median(acts)),
-                             max(0.0, _median(grads)), max(0.0, _median([a + g for a, g in zip(acts, grads, strict=True)])),
-                             max(0.0, _median([w for r in rows for w in (*r[0], *r[1])])), both // (len(steps) - 1)))
+        out.append(LinkTimes(up, down, ranks[up].host, ranks[down].host, max(0.0, median_or_zero(acts)),
+                             max(0.0, median_or_zero(grads)), max(0.0, median_or_zero([a + g for a, g in zip(acts, grads, strict=True)])),
+                             max(0.0, median_or_zero([w for r in rows for w in (*r[0], *r[1])])), both // (len(steps) - 1)))
     return out
 
 
@@ -198,7 +199,7 @@ def stream_link_times(when: Sequence[Ready], ranks: Sequence[Any], steps: int, s
         both = _link_bytes(ranks[up], down, since, until) + _link_bytes(ranks[down], up, since, until)
         out.append(LinkTimes(up, down, ranks[up].host, ranks[down].host, max(0.0, sum(acts) / steps),
                              max(0.0, sum(grads) / steps), max(0.0, (sum(acts) + sum(grads)) / steps),
-                             max(0.0, _median(acts + grads)), both // steps))
+                             max(0.0, median_or_zero(acts + grads)), both // steps))
     return out
 
 
@@ -220,8 +221,8 @@ def _stages(x: LinkTimes) -> set[int]:
 def _against(link: LinkTimes, others: Sequence[LinkTimes], step: float, kind: str, noise: float) -> SlowLink | None:
     """``link`` named slow against the median of ``others``' message waits and costs (None: it is not); its
     messages must also wait ``noise`` longer each than theirs."""
-    typical = _median([x.message for x in others])
-    excess = link.total - _median([x.total for x in others])
+    typical = median_or_zero([x.message for x in others])
+    excess = link.total - median_or_zero([x.total for x in others])
     if (excess >= LINK_SHARE * step and link.message >= LINK_RATIO * typical
             and link.message - typical >= noise):
         return SlowLink(link, link.message / typical if typical > 0 else float("inf"), kind)
@@ -245,7 +246,7 @@ def slow_links(links: Sequence[LinkTimes], step: float, pass_time: float, crowde
         apart = [x for x in links if not _stages(x) & _stages(link)]
         if found is None and apart:
             found = _against(link, apart, step, "apart", noise)
-        if (found is None and (not apart or _median([x.message for x in apart]) >= LINK_RATIO * pass_time)
+        if (found is None and (not apart or median_or_zero([x.message for x in apart]) >= LINK_RATIO * pass_time)
                 and not any(x.message >= LINK_RATIO * link.message for x in links)):
             found = by_pass(link)
         if found is not None:

@@ -69,7 +69,13 @@ from ringpipe.pipeline.diagnosis import (
     transport_share,
 )
 from ringpipe.pipeline.schedules import async_1f1b
-from ringpipe.pipeline.stage_links import LinkTimes, ready_times, slow_links, stream_link_times
+from ringpipe.pipeline.stage_links import (
+    LinkTimes,
+    median_or_zero,
+    ready_times,
+    slow_links,
+    stream_link_times,
+)
 
 __all__ = ["StreamBreakdown", "stream_breakdown", "stream_findings", "stream_figures", "stream_period"]
 
@@ -77,10 +83,6 @@ _OPS = {v: v.removeprefix("pipeline.") for v in ACTION_OPS.values()}
 #: A stream of up to this many micro-batches is simulated whole for its fill and drain; a longer one is
 #: extrapolated from it (in steady state every period is the same).
 _SIMULATED = 512
-
-
-def _median(values: Sequence[float]) -> float:
-    return statistics.median(values) if values else 0.0
 
 
 @dataclass
@@ -189,8 +191,8 @@ def _stage_times(stage: int, acts: Sequence[Any], of: dict[int, int], cpu: bool)
         passes.setdefault(_OPS[e.op], []).append(_pass_s(e, cpu))
     for kind, table in (("F", st.forward), ("B", st.backward), ("W", st.weight)):
         if passes.get(kind):
-            table[0] = _median(passes[kind])
-    st.step = _median(passes.get("S", []))
+            table[0] = median_or_zero(passes[kind])
+    st.step = median_or_zero(passes.get("S", []))
     st.busy = statistics.fmean(busy) if busy else 0.0
     st.steps = len(periods)
     return st, periods
@@ -216,14 +218,14 @@ def stream_breakdown(job: JobEvents) -> StreamBreakdown | None:
     if any(len(periods) < 2 for _, periods in timed):
         return None
     per_stage = [st for st, _ in timed]
-    measured = _median([statistics.fmean(periods) for _, periods in timed])
+    measured = median_or_zero([statistics.fmean(periods) for _, periods in timed])
     for st in per_stage:
         st.period = measured
     step_ends = [[e.end_ns for e in first[s][1] if e.op == "pipeline.S"] for s in range(stages)]
-    mean_period = _median([(ends[-1] - ends[0]) / 1e9 / (len(ends) - 1) for ends in step_ends])
+    mean_period = median_or_zero([(ends[-1] - ends[0]) / 1e9 / (len(ends) - 1) for ends in step_ends])
     # links: the messages from every stage's first optimizer step to the first stage's last
     since, until = max(ends[0] for ends in step_ends), min(ends[-1] for ends in step_ends)
-    counted = _median([sum(since < t <= until for t in ends) for ends in step_ends])
+    counted = median_or_zero([sum(since < t <= until for t in ends) for ends in step_ends])
     when = [ready_times(first[s][1], first[s][1][0].start_ns,
                         key=lambda e, of=first[s][2]: (of[id(e)], int(e.detail.get("mb", -1))))
             for s in range(stages)]
@@ -236,9 +238,9 @@ def stream_breakdown(job: JobEvents) -> StreamBreakdown | None:
     mean = mean_stages(per_stage)
     balanced = stream_period(mean, k)
     bal = info.get("balance")
-    return StreamBreakdown(stages, int(info["microbatches"]), k, int(_median(lengths)), list(bal) if bal else None,
+    return StreamBreakdown(stages, int(info["microbatches"]), k, int(median_or_zero(lengths)), list(bal) if bal else None,
                            per_stage, messages, measured, mean_period, balanced, stream_period(per_stage, k),
-                           _fill_drain(mean, k, int(_median(lengths)), balanced), links,
+                           _fill_drain(mean, k, int(median_or_zero(lengths)), balanced), links,
                            {"cpu": cpu, "recompute": bool(info.get("recompute")), "streams": len(lengths)},
                            crowded_hosts(job))
 
@@ -325,7 +327,7 @@ def stream_findings(job: JobEvents) -> list[Finding]:
             fix,
         ))
     passes = [v for st in b.per_stage for t in (st.forward, st.backward) for v in t.values()]
-    slow = slow_links(b.links, b.measured, _median(passes), crowded=bool(b.crowded))
+    slow = slow_links(b.links, b.measured, median_or_zero(passes), crowded=bool(b.crowded))
     if b.transport >= PROBLEM_SHARE:
         found.append(Finding(
             "problem",

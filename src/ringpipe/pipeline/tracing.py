@@ -105,6 +105,8 @@ class TracedStage(nn.Module):
 
     #: a stage runtime calls it with its boundary value whole (a mapping is not keyword arguments)
     takes_boundary = True
+    #: the graph traced in eval mode, over the train graph's parameters (set past ``nn.Module.__setattr__``)
+    eval_graph_module: fx.GraphModule
 
     def __init__(self, train_graph: fx.GraphModule, eval_graph: fx.GraphModule, index: int, out_spec: Any,
                  in_spec: Any, input_names: list[str] | None, boundary: list[str]) -> None:
@@ -340,10 +342,10 @@ def _cut(gm: fx.GraphModule, points: list[str]) -> list[tuple[fx.GraphModule, li
             if n.op == "call_function" and stage_of[n] == k:
                 for a in n.all_input_nodes:
                     if a.op == "get_attr" and a not in env:
-                        env[a] = g.get_attr(a.target)  # type: ignore[arg-type]
-                env[n] = g.node_copy(n, lambda a, env=env: env[a])
+                        env[a] = g.get_attr(a.target)
+                env[n] = g.node_copy(n, env.__getitem__)
         if k == last:
-            g.output(tuple(env[a] if isinstance(a, fx.Node) else a for a in out_node.args[0]))  # type: ignore[union-attr]
+            g.output(tuple(env[a] if isinstance(a, fx.Node) else a for a in out_node.args[0]))
             names: list[str] = []
         else:
             g.output(tuple(env[n] for n in boundaries[k + 1]))

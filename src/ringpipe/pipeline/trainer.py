@@ -88,7 +88,7 @@ class PipelineTrainer:
     def __init__(
         self,
         comm: Communicator,
-        layers: nn.Sequential | Sequence[nn.Module],
+        layers: nn.Module | Sequence[nn.Module],
         balance: Sequence[int] | str | None = None,
         schedule: str = "gpipe",
         microbatches: int = 4,
@@ -142,6 +142,7 @@ class PipelineTrainer:
         self.chunks = chunks
         self.traced = split_points is not None or (isinstance(layers, nn.Module) and not isinstance(layers, nn.Sequential))
         self.split_points: list[str] | None = None
+        parts: Sequence[nn.Module]  # a traced model's stages, or the layer lists' parts (nn.Sequential)
         if self.traced:
             parts, num_parts, num_stages = self._split_traced(layers, split_points, balance, sample, comm.size, replicas)
             all_layers = parts

@@ -131,30 +131,30 @@ class PipelineRunner(ModeRunner):
             )
         replicas = size // pc.stages
         model = ctx.build_model()
-        traced = pc.split_points is not None or not isinstance(model, nn.Sequential)
+        # an nn.Sequential without split points is split by layer counts; any other model is traced
+        sequential = model if isinstance(model, nn.Sequential) and pc.split_points is None else None
+        traced = sequential is None
         assert ctx.device is not None
-        if traced:
+        if sequential is None:
             _check_traced(pc, model, parts)
-            layers: nn.Module = model
             self.hooks: list[Any] = []
         else:
-            layers = model
-            self.hooks = autocast_layers(list(layers), ctx.cfg.precision, ctx.device.type)
+            self.hooks = autocast_layers(list(sequential), ctx.cfg.precision, ctx.device.type)
         self.scaler = ctx.scaler()
         clip = ctx.cfg.optimizer.clip_grad_norm
         self.loss = _ScaledLoss(ctx.loss)
         balance: Any
-        if traced:
+        if sequential is None:
             balance = None
         elif pc.balance is not None:
             balance = list(pc.balance)
         elif pc.partition == "uniform":
-            n = len(layers)
+            n = len(sequential)
             balance = [n // parts + (1 if i < n % parts else 0) for i in range(parts)]
         else:
             balance = "params" if pc.partition == "parameters" else "time"
-        if not traced:
-            _check_stages(list(layers), balance, pc, ctx.cfg.model.name, parts)
+        if sequential is not None:
+            _check_stages(list(sequential), balance, pc, ctx.cfg.model.name, parts)
         scales: list[float] = []
 
         def factory(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
@@ -183,7 +183,7 @@ class PipelineRunner(ModeRunner):
 
         self.trainer = PipelineTrainer(
             ctx.comm,
-            layers,
+            model,
             balance=balance,
             schedule=SCHEDULE_OF_MODE[mode],
             microbatches=pc.microbatches,

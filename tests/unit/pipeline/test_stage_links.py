@@ -16,7 +16,13 @@ import statistics
 import pytest
 
 from ringpipe.pipeline.diagnosis import breakdown, pipeline_findings
-from ringpipe.pipeline.stage_links import LINK_RATIO, boundaries, slow_links, slow_stage
+from ringpipe.pipeline.stage_links import (
+    LINK_RATIO,
+    boundaries,
+    median_or_zero,
+    slow_links,
+    slow_stage,
+)
 from unit.pipeline.test_diagnosis import run_events
 from unit.pipeline.test_stream_diagnosis import doctor_json
 
@@ -244,3 +250,9 @@ def test_on_hosts_short_of_cores_a_link_must_wait_a_pass_longer_than_the_others_
         r.info.update(machine="boot-1", cpus=[0, 1], cpu_count=2, loadavg=0.5)
     named = _links(pipeline_findings(far))
     assert [(f.severity, f.hosts) for f in named] == [("problem", ("rp-host-b", "rp-host-c"))]
+
+
+def test_median_or_zero_is_the_middle_value_the_mean_of_the_middle_two_and_zero_for_nothing():
+    assert median_or_zero([5.0, 1.0, 3.0]) == 3.0  # sorted 1, 3, 5: the middle one
+    assert median_or_zero([4.0, 1.0, 3.0, 2.0]) == 2.5  # sorted 1, 2, 3, 4: (2 + 3) / 2
+    assert median_or_zero([]) == 0.0  # nothing measured: a figure of zero, not statistics' error
