@@ -180,3 +180,46 @@ def test_the_doctors_json_holds_the_stream_breakdown_and_its_links(tmp_path, cap
     assert [(x["up"], x["down"], x["up_host"], x["down_host"], x["slow"]) for x in pipe["links"]] == \
         [(0, 1, "a", "b", False), (1, 2, "b", "c", False)]
     assert pipe["slow_hosts"] == []
+
+
+def crowded(job, load=5.0, cpus=2):
+    """``job`` as gathered on hosts short of cores: a load average of ``load`` on ``cpus`` CPUs."""
+    for r in job.ranks:
+        r.info.update(loadavg=load, cpu_count=cpus)
+    return job
+
+
+@pytest.mark.parametrize(("p", "stage"), [(3, 1), (4, 2)])
+def test_a_host_whose_network_is_slow_is_named_once_not_one_of_its_links(p, stage):
+    # every message to and from ``stage``'s host takes 10 ms more (both its links), a pass 1-2 ms: in the stream
+    # a stage holds micro-batches in flight, so some of its messages arrive while it is busy (no wait) and the
+    # rest wait about the whole delay, in proportions the schedule sets per link and direction; each link's
+    # figure per message must still read as slow as the other's
+    hosts = "abcd"[:p]
+    job = stream_events(p, 4, [1.0] * p, [2.0] * p, latency=0.05, links={stage - 1: 10.0, stage: 10.0}, hosts=hosts)
+    got = stream_breakdown(job)
+    links = {(x.up, x.down): x for x in got.links}
+    for pair in ((stage - 1, stage), (stage, stage + 1)):
+        x = links[pair]
+        # the oracle: a message's mean wait is the link's waits per optimizer step over its 2 messages per step
+        assert x.message == pytest.approx(x.total / 2, rel=0.15), (pair, x)
+        assert x.message * 1e3 > 3 * 1.5  # 3 typical passes (F 1 ms, B 2 ms)
+    found = stream_findings(job)
+    named = [x for x in found if x.what.startswith("the link between") or "neighbours are slow" in x.what]
+    assert len(named) == 1 and named[0].what.startswith(f"host {hosts[stage]}'s links to both neighbours are slow"), \
+        [x.what for x in named]
+    assert named[0].severity == "problem" and named[0].hosts == (hosts[stage],)
+    assert "(mean)" in named[0].what
+
+
+def test_on_one_host_short_of_cores_no_link_between_its_stages_is_named():
+    # all three stages on host h, with more runnable processes than its CPUs: a message between two of them
+    # crosses no network, and a receiver that waits long for it waited for a core
+    job = crowded(stream_events(3, 4, [1.0] * 3, [2.0] * 3, latency=0.05, links={1: 4.0}))
+    found = stream_findings(job)
+    assert not [x for x in found if x.what.startswith("the link between")], [x.what for x in found]
+    # the same waits between stages on hosts of their own are a link named
+    job = crowded(stream_events(3, 4, [1.0] * 3, [2.0] * 3, latency=0.05, links={1: 4.0}, hosts=["a", "b", "c"]))
+    named = [x for x in stream_findings(job) if x.what.startswith("the link between")]
+    assert [x.hosts for x in named] == [("b", "c")], named
+
