@@ -5,7 +5,8 @@ the asynchronous 1F1B stream (:func:`~ringpipe.pipeline.schedules.async_1f1b_win
 then the drain), an action starting when the stage is free and its inputs are there (the forward of the
 previous stage, the backward of the next one, each message taking ``latency`` plus ``links[s]`` ms on the
 link between stages ``s`` and ``s + 1``), and each stage doing ``gap`` ms of the loop's own work
-before each window. Micro-batch numbers start again at 0 after each drain.
+before each window; ``contention[s]``: the factor by which 3 in every 5 of stage ``s``'s passes are slowed,
+their CPU time too (another process sharing the core's caches and memory). Micro-batch numbers start again at 0 after each drain.
 
 The oracle is the steady state of a stream written plainly: with no message delay every stage steps at
 the rate of the slowest, ``max over stages of (step_every x (F + B) + S)`` per optimizer step; a stage's
@@ -33,7 +34,7 @@ STEP = 0.1  # ms, every optimizer step
 
 
 def stream_events(p, m, forward, backward, *, batches=8, streams=1, step_every=1, latency=0.0, links=None, gap=0.0,
-                  balance=None, hosts=None):
+                  balance=None, hosts=None, contention=None):
     """Every stage's events of ``streams`` streams of ``batches`` batches of ``m`` micro-batches each."""
     extra = links or {}
     info = {"schedule": "async_1f1b", "stages": p, "microbatches": m, "chunks": 1, "balance": balance or [2] * p,
@@ -68,6 +69,8 @@ def stream_events(p, m, forward, backward, *, batches=8, streams=1, step_every=1
                 start = max([free[s], *(done[(k, g, st, mb)] + (0.0 if link is None else latency + extra.get(link, 0.0))
                                         for k, g, mb, link in need)])
                 cost = {"F": forward[s], "B": backward[s], "S": STEP}[a.kind]
+                if a.kind != "S" and a.mb % 5 < 3:
+                    cost *= (contention or {}).get(s, 1.0)
                 free[s] = start + cost
                 done[(a.kind, s, st, a.mb)] = free[s]
                 detail = {"mb": a.mb, "chunk": 0, "cpu_ns": int(cost * MS),
@@ -223,3 +226,20 @@ def test_on_one_host_short_of_cores_no_link_between_its_stages_is_named():
     named = [x for x in stream_findings(job) if x.what.startswith("the link between")]
     assert [x.hosts for x in named] == [("b", "c")], named
 
+
+def test_passes_slowed_by_other_processes_do_not_make_a_stage_the_heaviest():
+    # every stage does the same work (F 1 ms, B 2 ms), but 3 in every 5 of stage 0's passes run 1.5 times longer,
+    # CPU time too (another process sharing its core's caches and memory): the stage's work is its unhindered
+    # passes, and what the slowed ones add is time outside the work (a busy CPU), not a heavier split
+    job = crowded(stream_events(3, 4, [1.0] * 3, [2.0] * 3, contention={0: 1.5}, balance=[2, 2, 2]))
+    got = stream_breakdown(job)
+    assert sum(got.per_stage[0].forward.values()) * 1e3 == pytest.approx(1.0)
+    assert sum(got.per_stage[0].backward.values()) * 1e3 == pytest.approx(2.0)
+    assert got.imbalance < 0.01
+    found = stream_findings(job)
+    assert not [x for x in found if "heaviest" in x.what], [x.what for x in found]
+    assert got.transport > 0.1  # the slowed passes lengthen the period: time outside the work
+    # a stage whose every pass is 1.5 times longer is the heaviest
+    job = crowded(stream_events(3, 4, [1.5, 1.0, 1.0], [3.0, 2.0, 2.0], balance=[2, 2, 2]))
+    heavy = [x for x in stream_findings(job) if "heaviest" in x.what]
+    assert [x.severity for x in heavy] == ["problem"] and "pipeline stage 0 is the heaviest" in heavy[0].what
