@@ -194,25 +194,26 @@ def crowded(job, load=5.0, cpus=2):
 
 @pytest.mark.parametrize(("p", "stage"), [(3, 1), (4, 2)])
 def test_a_host_whose_network_is_slow_is_named_once_not_one_of_its_links(p, stage):
-    # every message to and from ``stage``'s host takes 10 ms more (both its links), a pass 1-2 ms: in the stream
+    # every message to and from ``stage``'s host takes 12 ms more (both its links), a pass 1-2 ms: in the stream
     # a stage holds micro-batches in flight, so some of its messages arrive while it is busy (no wait) and the
-    # rest wait about the whole delay, in proportions the schedule sets per link and direction; each link's
-    # figure per message must still read as slow as the other's
+    # rest wait about the whole delay, in proportions the schedule sets per link and direction (half of each
+    # link's messages, here); each link's figure per message must read as slow as the other's
     hosts = "abcd"[:p]
-    job = stream_events(p, 4, [1.0] * p, [2.0] * p, latency=0.05, links={stage - 1: 10.0, stage: 10.0}, hosts=hosts)
+    job = stream_events(p, 4, [1.0] * p, [2.0] * p, latency=0.05, links={stage - 1: 12.0, stage: 12.0}, hosts=hosts)
     got = stream_breakdown(job)
     links = {(x.up, x.down): x for x in got.links}
-    for pair in ((stage - 1, stage), (stage, stage + 1)):
-        x = links[pair]
-        # the oracle: a message's mean wait is the link's waits per optimizer step over its 2 messages per step
-        assert x.message == pytest.approx(x.total / 2, rel=0.15), (pair, x)
-        assert x.message * 1e3 > 3 * 1.5  # 3 typical passes (F 1 ms, B 2 ms)
+    figures = [links[pair].message for pair in ((stage - 1, stage), (stage, stage + 1))]
+    assert figures[0] == pytest.approx(figures[1], rel=0.2), links
+    # the oracle: half of the messages wait the 12 ms, the longest tenth of all left out: 0.4 / 0.9 of 12 ms each
+    for x in figures:
+        assert x * 1e3 == pytest.approx(0.4 / 0.9 * 12.0, rel=0.2)
+        assert x * 1e3 > 3 * 1.5  # 3 typical passes (F 1 ms, B 2 ms)
     found = stream_findings(job)
     named = [x for x in found if x.what.startswith("the link between") or "neighbours are slow" in x.what]
     assert len(named) == 1 and named[0].what.startswith(f"host {hosts[stage]}'s links to both neighbours are slow"), \
         [x.what for x in named]
     assert named[0].severity == "problem" and named[0].hosts == (hosts[stage],)
-    assert "(mean)" in named[0].what
+    assert "(mean, the longest tenth left out)" in named[0].what
 
 
 def test_on_one_host_short_of_cores_no_link_between_its_stages_is_named():
