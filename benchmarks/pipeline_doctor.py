@@ -395,7 +395,7 @@ def link_table(stage_counts: list[int], trials: int, rate: str, steps: int, kind
                         "ratio (to the other links; 2 stages: to a pass), median (range)",
                         "every link's message wait / a typical pass, median (range)", "step ms"], rows,
                        [True, False, True, True, True, True, True, True, False, False, True]))
-    print("medians over the trials; a message wait is the doctor's " + ("mean" if schedule == "async" else "median")
+    print("medians over the trials; a message wait is the doctor's " + ("mean (the longest tenth left out)" if schedule == "async" else "median")
           + " wait of one message of the link; slow links: the shaped pair's link, or both links of host b's stage 1")
 
 
