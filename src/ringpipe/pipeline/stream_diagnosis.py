@@ -291,7 +291,7 @@ def _per_stage_text(b: StreamBreakdown) -> str:
 
 
 def _per_step(st: StageTimes, k: int) -> float:
-    """A stage's passes per optimizer step (``k`` micro-batches and the step), from its medians."""
+    """A stage's passes per optimizer step (``k`` micro-batches and the step), from its pass times."""
     return k * sum(sum(t.values()) for t in (st.forward, st.backward, st.weight)) + st.step
 
 
