@@ -16,7 +16,13 @@ import statistics
 import pytest
 
 from ringpipe.pipeline.diagnosis import breakdown, pipeline_findings
-from ringpipe.pipeline.stage_links import LINK_RATIO, boundaries, slow_links, slow_stage, trimmed_mean
+from ringpipe.pipeline.stage_links import (
+    LINK_RATIO,
+    boundaries,
+    slow_links,
+    slow_stage,
+    trimmed_mean,
+)
 from unit.pipeline.test_diagnosis import run_events
 from unit.pipeline.test_stream_diagnosis import doctor_json
 
