@@ -25,8 +25,9 @@ delay as fewer or more than half of it wait: of two equally slow links it named 
 (stage 1's upstream link, on the synthetic stream) and so never the host. The mean is the link's
 waits per message, which the proportions scale but do not flip; the longest tenth is left out for what
 the median left out, the few messages whose receiver waited long for a core on a crowded host (up to 73
-typical passes at a load average of 10 on 2 CPUs, which put a fair link's plain mean at 2.9 passes, its
-trimmed one at most 1.4; the slow links' read 9 passes or more either way).
+typical passes at a load average of 10 on 2 CPUs, which put a fair link's plain mean at up to 4.8 passes and
+had one named; trimmed, fair links read at most 1.5 passes in 4 runs of 10 trials, the shaped links and slow
+hosts' at least 6.7).
 
 :func:`slow_links` names a link slow when its messages' median wait is :data:`LINK_RATIO` times
 what it is compared with and it costs at least :data:`LINK_SHARE` of the step more than that, trying
