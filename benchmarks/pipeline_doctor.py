@@ -3,6 +3,7 @@
     python benchmarks/pipeline_doctor.py --trials 10          # 2, 3 and 4 stages, every case
     python benchmarks/pipeline_doctor.py --trials 10 --cases link   # only the link cases (root)
     python benchmarks/pipeline_doctor.py --trials 5 --cases link,host --stages 3,4   # and a slow host (root)
+    python benchmarks/pipeline_doctor.py --trials 10 --schedule async --stages 2,3 --cases schedule,link,host
     python benchmarks/pipeline_doctor.py --quick              # seconds: 2 stages, 1 trial, no link cases
 
 Each trial trains an MLP of equal blocks (``--width``, 2 blocks per stage and a small head on the
@@ -42,6 +43,27 @@ cores counts as named, and is said).
 Every case also counts a link named where none is shaped (the one-host cases above) as a false
 accusation.
 
+``--schedule async`` runs the asynchronous pipeline instead (``async_1f1b``, ``ringpipe train --mode
+async``: each trial's batches fed as one stream with ``stream_step`` and drained at its end, an
+optimizer step per micro-batch) and its doctor (:mod:`ringpipe.pipeline.stream_diagnosis`), which
+explains the **period**, the time per optimizer step of a stage, instead of a step's bubble:
+
+- ``balanced``: the blocks split evenly, ``m = 2 p`` micro-batches per batch; expected: no stage
+  named the heaviest as a problem (a false accusation; as information, said in its own column).
+- ``heavy``: stage 1 twice the blocks; expected: stage 1 named the heaviest (a problem), counted, and a
+  ``pipeline.balance`` named, counted on its own: recommended, or on hosts short of cores mentioned
+  (the doctor names a split only when it predicts it 1.1 times faster, the run's time outside the
+  passes kept); another stage named the heaviest is a false accusation. The split named is trained
+  (the same schedule) and its measured period compared with the trial's (the speed-up; how many
+  trials were faster); the split the doctor computes but does not name (predicted under 1.1x faster:
+  it is in the finding's evidence) is trained too, so that the doctor's restraint is measured: the
+  speed-up of every split computed, and apart of those named.
+- ``few`` has no counterpart: the stream has no bubble but its fill and drain, which the number of
+  micro-batches per batch does not change.
+
+The link and host cases run ``pipeline_link.py --schedule async`` (the trials' batches one stream
+each) and are scored as above, with the asynchronous doctor's findings.
+
 A recommended change (a ``fix``: on a host whose load exceeds its CPUs the bubble changes are only
 mentioned, as they cannot help there) is then run (the verification) and its median step time
 compared with the trial's. A false accusation: an imbalance named in ``balanced`` or ``few``, or a
@@ -57,6 +79,7 @@ import argparse
 import collections
 import os
 import re
+import shutil
 import statistics
 import sys
 import tempfile
@@ -70,13 +93,16 @@ from lib import report, testhelpers  # noqa: E402
 
 from ringpipe.comm.events import EventLog  # noqa: E402
 from ringpipe.launch import spawn  # noqa: E402
-from ringpipe.observe.collect import collect_events, load_events  # noqa: E402
+from ringpipe.observe.collect import collect_events, load_events, save_events  # noqa: E402
 from ringpipe.pipeline import PipelineTrainer  # noqa: E402
 from ringpipe.pipeline.action_events import record_actions  # noqa: E402
 from ringpipe.pipeline.diagnosis import breakdown, pipeline_findings  # noqa: E402
+from ringpipe.pipeline.stream_diagnosis import stream_breakdown, stream_findings  # noqa: E402
 
 LINK = "the link between"
 HOST = "'s links to both neighbours are slow"
+#: Each schedule's doctor: (its breakdown, its findings), both of a job's events.
+DOCTORS = {"1f1b": (breakdown, pipeline_findings), "async": (stream_breakdown, stream_findings)}
 
 
 def blocks(n: int, width: int) -> nn.Sequential:
@@ -89,7 +115,9 @@ def blocks(n: int, width: int) -> nn.Sequential:
 
 
 def train_once(comm, p: int, m: int, balance: list[int], schedule: str, width: int, steps: int, chunks=None,
-               batch: int = 128):
+               batch: int = 128, save: str | None = None):
+    if schedule == "async_1f1b":
+        return train_stream_once(comm, m, balance, width, steps, batch, save)
     n = sum(balance)
     layers = blocks(n - 1, width)  # the last layer is the small head (its stage has one layer more)
     log = EventLog()
@@ -112,11 +140,41 @@ def train_once(comm, p: int, m: int, balance: list[int], schedule: str, width: i
             "findings": [(f.severity, f.what, f.evidence, f.fix) for f in found]}
 
 
-def apply(fix: str, p: int, m: int, balance: list[int]) -> dict | None:
-    """The recommended change as trainer arguments (None: nothing this script can run)."""
-    got = re.search(r"pipeline\.balance=\[([0-9,]+)\]", fix)
+def train_stream_once(comm, m: int, balance: list[int], width: int, steps: int, batch: int = 128,
+                      save: str | None = None):
+    """As :func:`train_once` for the asynchronous pipeline: ``steps`` batches of ``m`` micro-batches fed as one
+    stream (an optimizer step per micro-batch) and drained, read by the asynchronous doctor; ``measured``: its
+    period per optimizer step; ``save``: a path to keep the run's events at (``ringpipe doctor --json``)."""
+    layers = blocks(sum(balance) - 1, width)
+    log = EventLog()
+    t = PipelineTrainer(comm, layers, balance=balance, schedule="async_1f1b", microbatches=m,
+                        optimizer_factory=lambda ps: torch.optim.SGD(ps, lr=0.01),
+                        loss_fn=nn.functional.cross_entropy)
+    record_actions(log, t.runtimes, t.executor, schedule=t.schedule, stage=t.stage, stages=t.num_stages,
+                   microbatches=m, chunks=t.chunks, balance=list(t.balance), recompute=False, step_every=1)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(batch, width, generator=g), torch.randint(0, 10, (batch,), generator=g)
+    for _ in range(steps):
+        t.stream_step(x if t.is_first else None, y if t.is_last else None)
+    t.drain()
+    job = collect_events(comm, log)
+    if job is None:
+        return None
+    if save:
+        save_events(save, job)
+    b = stream_breakdown(job)
+    return {"measured": b.measured if b else None, "imbalance": b.imbalance if b else None,
+            "transport": b.transport if b else None, "fill_drain": b.fill_drain if b else None,
+            "idle": b.measured_idle if b else None,
+            "findings": [(f.severity, f.what, f.evidence, f.fix) for f in stream_findings(job)]}
+
+
+def apply(fix: str, p: int, m: int, balance: list[int], schedule: str = "1f1b") -> dict | None:
+    """The recommended change as trainer arguments (None: nothing this script can run); ``schedule``: the
+    trial's (a new split keeps it)."""
+    got = re.search(r"pipeline\.balance=\[([0-9, ]+)\]", fix)
     if got:
-        return {"m": m, "balance": [int(v) for v in got.group(1).split(",")], "schedule": "1f1b"}
+        return {"m": m, "balance": [int(v) for v in got.group(1).split(",")], "schedule": schedule}
     got = re.search(r"pipeline\.microbatches=(\d+)", fix)
     if got:
         return {"m": int(got.group(1)), "balance": balance, "schedule": "1f1b"}
@@ -135,24 +193,33 @@ def change_kind(change: dict, m: int) -> str:
     """What a recommended change is, in a word or two (the table counts them)."""
     if change.get("chunks"):
         return "interleaving"
-    if change["schedule"] != "1f1b":
+    if change["schedule"] not in ("1f1b", "async_1f1b"):
         return change["schedule"]
     if change["m"] != m:
         return f"m={change['m']}"
     return f"split {change['balance']}"
 
 
-def worker(comm, cases, trials: int, width: int, steps: int, batch: int = 128):
+def worker(comm, cases, trials: int, width: int, steps: int, batch: int = 128, schedule: str = "1f1b",
+           events: str | None = None):
+    """Every trial of every case on this rank (``schedule``: ``1f1b`` or ``async_1f1b``); the asynchronous
+    doctor's split is trained also where it is only mentioned (hosts short of cores) or only in the heaviest
+    stage's evidence (predicted under 1.1x faster: not named), so that its restraint is measured too;
+    ``events``: a folder to keep the asynchronous trials' events in."""
     p = comm.size
     out = []
     for trial in range(trials):
         for case, m, balance in cases:
-            res = train_once(comm, p, m, balance, "1f1b", width, steps, batch=batch)
+            save = str(Path(events) / f"async-{p}-{case}-{trial}.json") if events and comm.rank == 0 else None
+            res = train_once(comm, p, m, balance, schedule, width, steps, batch=batch, save=save)
             verify = None
             if res is not None:
                 fix = next((f[3] for f in res["findings"] if f[0] == "fix" or (
-                    "pipeline.balance=" in f[3] and not f[3].startswith("once every stage"))), "")
-                change = apply(fix, p, m, balance)
+                    "pipeline.balance=" in f[3] and (schedule == "async_1f1b" or
+                                                     not f[3].startswith("once every stage")))), "")
+                if schedule == "async_1f1b" and not fix:  # the split the evidence predicts, not named
+                    fix = next((f[2] for f in res["findings"] if "is the heaviest" in f[1]), "")
+                change = apply(fix, p, m, balance, schedule)
             else:
                 change = None
             change = comm.allgather_object(change)[0]
@@ -181,15 +248,37 @@ def score(row: dict, p: int) -> tuple[bool, bool, bool]:
     return any("micro-batches" in f[1] or "interleaving" in f[1] for f in fixes), imbalance or link, link
 
 
+def score_async(row: dict) -> tuple[bool, bool, bool, bool, str]:
+    """The asynchronous cases: (the expected cause named, a false accusation, of which a link or host named,
+    the heaviest stage named as information only, the split: ``"recommended"``, ``"mentioned"`` (hosts short of
+    cores) or ``""``). ``balanced``: nothing to name (named: no stage named the heaviest as a problem); ``heavy``:
+    stage 1 named the heaviest, a problem."""
+    found = row["findings"]
+    link = any(f[1].startswith(LINK) or HOST in f[1] for f in found)
+    heaviest = [f for f in found if "is the heaviest" in f[1]]
+    problem = [f for f in heaviest if f[0] == "problem"]
+    info = bool(heaviest) and not problem
+    fix = next((f[3] for f in heaviest if "pipeline.balance=" in f[3]), "")
+    split = "" if not fix else "mentioned" if fix.startswith("once every stage") else "recommended"
+    if row["case"] == "balanced":
+        return not problem, bool(problem) or link, link, info, split
+    right = [f for f in problem if f[1].startswith("pipeline stage 1 is the heaviest")]
+    wrong = [f for f in heaviest if not f[1].startswith("pipeline stage 1 ")]
+    return bool(right), bool(wrong) or link, link, info, split
+
+
 def shaped_pair(p: int) -> tuple[int, int]:
     """The stages whose link the shaped case slows: 0-1 of 2 stages, else 1-2."""
     return (0, 1) if p == 2 else (1, 2)
 
 
-def link_trials(p: int, trials: int, case: str, rate: str, port: int, steps: int) -> list[dict]:
+def link_trials(p: int, trials: int, case: str, rate: str, port: int, steps: int, schedule: str = "1f1b",
+                events: str | None = None) -> list[dict]:
     """``trials`` runs of ``pipeline_link.py`` on ``p`` namespace hosts (one stage each) in one launch, each
     scored: ``case`` ``link`` shapes the path between :func:`shaped_pair`'s hosts to ``rate``, ``host`` host b's
-    network (both links of stage 1), ``fair`` nothing."""
+    network (both links of stage 1), ``fair`` nothing; ``schedule``: ``1f1b`` or ``async`` (:data:`DOCTORS`);
+    ``events``: a folder to keep each trial's events in (for ``ringpipe doctor --json``)."""
+    breakdown_of, findings_of = DOCTORS[schedule]
     netns = testhelpers.module("netns")
     script = str(testhelpers.path("scripts/pipeline_link.py"))
     pair = shaped_pair(p)
@@ -197,17 +286,20 @@ def link_trials(p: int, trials: int, case: str, rate: str, port: int, steps: int
     slow_pairs = {"link": [pair], "host": [(0, 1), (1, 2)], "fair": []}[case]
     with tempfile.TemporaryDirectory() as tmp, netns.bridged_hosts(p, **shape) as hosts:
         out = str(Path(tmp) / "events")
-        done = netns.launch_across(hosts, (1,) * p, [script, out, "--trials", str(trials), "--steps", str(steps)],
-                                   port, netns.job_env(), timeout=600)
+        done = netns.launch_across(hosts, (1,) * p, [script, out, "--trials", str(trials), "--steps", str(steps),
+                                                     "--schedule", schedule], port, netns.job_env(), timeout=600)
         for o in done:
             if o.returncode != 0:
                 raise RuntimeError(f"a launcher failed: {o.stderr[-3000:]}")
         rows = []
         for t in range(trials):
             job = load_events(f"{out}.{t}.json")
-            b = breakdown(job)
+            if events:
+                Path(events).mkdir(parents=True, exist_ok=True)
+                shutil.copy(f"{out}.{t}.json", Path(events) / f"{schedule}-{p}-{case}-{t}.json")
+            b = breakdown_of(job)
             # a link or a host named, as a problem or as information
-            named = [f for f in pipeline_findings(job) if f.what.startswith(LINK) or HOST in f.what]
+            named = [f for f in findings_of(job) if f.what.startswith(LINK) or HOST in f.what]
             if case == "link":
                 right = [f for f in named if f.what.startswith(
                     f"{LINK} stage {pair[0]} (host {hosts[pair[0]].hostname}) and stage {pair[1]} "
@@ -243,26 +335,34 @@ def main() -> None:
     ap.add_argument("--schedule-cases", help="of the one-host cases only these (comma-separated: balanced, heavy, few)")
     ap.add_argument("--link-rate", default="20mbit", help="the shaped link's or host's rate (tc tbf)")
     ap.add_argument("--link-steps", type=int, default=8)
+    ap.add_argument("--schedule", choices=("1f1b", "async"), default="1f1b",
+                    help="1f1b, or the asynchronous pipeline (async_1f1b, one stream per trial) and its doctor "
+                         "(cases balanced and heavy; link and host as for 1f1b)")
+    ap.add_argument("--events", help="a folder to keep every asynchronous or namespace-host trial's events in")
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
     stage_counts = [2] if args.quick else [int(s) for s in args.stages.split(",")]
     trials = 1 if args.quick else args.trials
     steps = 6 if args.quick else args.steps
     cases = {"schedule"} if args.quick else set(args.cases.split(","))
+    only = set(args.schedule_cases.split(",")) if args.schedule_cases else None
     report.header("pipeline_doctor")
-    if "schedule" in cases:
-        schedule_table(stage_counts, trials, args.width, steps, args.batch,
-                       set(args.schedule_cases.split(",")) if args.schedule_cases else None)
+    if "schedule" in cases and args.schedule == "1f1b":
+        schedule_table(stage_counts, trials, args.width, steps, args.batch, only)
+    if "schedule" in cases and (args.schedule == "async" or args.quick):
+        stream_table(stage_counts, trials, args.width, steps, args.batch, only, args.events)
     if cases & {"link", "host"}:
         reason = testhelpers.module("netns").can_create()
         if reason:
             print(f"link cases skipped: {reason}")
         else:
-            link_table(stage_counts, trials, args.link_rate, args.link_steps, sorted(cases & {"link", "host"}))
+            link_table(stage_counts, trials, args.link_rate, args.link_steps, sorted(cases & {"link", "host"}),
+                       args.schedule, args.events)
     report.footer()
 
 
-def link_table(stage_counts: list[int], trials: int, rate: str, steps: int, kinds: list[str]) -> None:
+def link_table(stage_counts: list[int], trials: int, rate: str, steps: int, kinds: list[str],
+               schedule: str = "1f1b", events: str | None = None) -> None:
     rows = []
     for i, p in enumerate(stage_counts):
         pair = shaped_pair(p)
@@ -271,7 +371,7 @@ def link_table(stage_counts: list[int], trials: int, rate: str, steps: int, kind
             cases.append((f"host b's network shaped ({rate})", "host"))
         cases.append(("fair network", "fair"))
         for j, (case, kind) in enumerate(cases):
-            got = link_trials(p, trials, kind, rate, 29700 + 8 * i + 2 * j, steps)
+            got = link_trials(p, trials, kind, rate, 29700 + 8 * i + 2 * j, steps, schedule, events)
             cost = [c for g in got for c in g["cost"]]
             message = [m for g in got for m in g["message"]]
             others = [statistics.median(g["others"]) for g in got if g["others"]]
@@ -289,13 +389,14 @@ def link_table(stage_counts: list[int], trials: int, rate: str, steps: int, kind
                          f"{statistics.median(to_pass):.1f}x ({min(to_pass):.1f}-{max(to_pass):.1f})" if to_pass else "-",
                          f"{1e3 * statistics.median(g['measured'] for g in got if g['measured']):.1f}"])
             print(f"  {p} stages, {case}: {rows[-1]}", flush=True)
+    print(f"schedule {schedule}" + (" (step: the period per optimizer step)" if schedule == "async" else ""))
     print(report.table(["stages", "case", "trials", "named", "false accusations",
                         "slow links: waits ms/step", "their message wait ms", "other links' message wait ms",
                         "ratio (to the other links; 2 stages: to a pass), median (range)",
                         "every link's message wait / a typical pass, median (range)", "step ms"], rows,
                        [True, False, True, True, True, True, True, True, False, False, True]))
-    print("medians over the trials; a message wait is the doctor's median wait of one message of the link; slow "
-          "links: the shaped pair's link, or both links of host b's stage 1")
+    print("medians over the trials; a message wait is the doctor's " + ("mean (the longest tenth left out)" if schedule == "async" else "median")
+          + " wait of one message of the link; slow links: the shaped pair's link, or both links of host b's stage 1")
 
 
 def schedule_table(stage_counts: list[int], trials: int, width: int, steps: int, batch: int = 128,
@@ -332,6 +433,56 @@ def schedule_table(stage_counts: list[int], trials: int, width: int, steps: int,
                         "measured bubble within 5 points of the predicted",
                         "step ms (median)", "recommended change, verified (speed-up)", "changes run (trials)"], rows,
                        [True, False, True, True, True, True, True, True, True, True, True, True, False, False]))
+
+
+
+def stream_table(stage_counts: list[int], trials: int, width: int, steps: int, batch: int = 128,
+                 only: set[str] | None = None, events: str | None = None) -> None:
+    """The asynchronous cases (``balanced``, ``heavy``) on one host: ``steps`` batches of ``m = 2 p`` micro-batches
+    per trial, one stream."""
+    rows = []
+    for p in stage_counts:
+        even = [2] * (p - 1) + [3]
+        heavy = list(even)
+        heavy[1] += 2
+        cases = [c for c in (("balanced", 2 * p, even), ("heavy", 2 * p, heavy)) if only is None or c[0] in only]
+        if not cases:
+            continue
+        if events:
+            Path(events).mkdir(parents=True, exist_ok=True)
+        got = spawn(worker, p, args=(cases, trials, width, steps, batch, "async_1f1b", events),
+                    env={"OMP_NUM_THREADS": "1"})[0]
+        for case, m, balance in cases:
+            mine = [r for r in got if r["case"] == case and r["measured"]]
+            scores = [score_async(r) for r in mine]
+            ratio = [r["measured"] / r["verify"] for r in mine if r["verify"]]
+            named = [r["measured"] / r["verify"] for r, s in zip(mine, scores, strict=True) if r["verify"] and s[4]]
+            splits = collections.Counter(s[4] for s in scores if s[4])
+            rows.append([p, case, str(balance), m, len(mine),
+                         sum(s[0] for s in scores) if case == "heavy" else "-",
+                         ", ".join(f"{v} {k}" for k, v in sorted(splits.items())) or "0",
+                         f"{sum(s[1] for s in scores)} ({sum(s[2] for s in scores)} links)",
+                         sum(s[3] for s in scores),
+                         f"{100 * statistics.median(r['imbalance'] for r in mine):.1f}%",
+                         f"{100 * statistics.median(r['transport'] for r in mine):.1f}%",
+                         f"{100 * statistics.median(r['fill_drain'] for r in mine):.1f}%",
+                         f"{1e3 * statistics.median(r['measured'] for r in mine):.2f}",
+                         f"{statistics.median(ratio):.2f}x ({sum(x > 1 for x in ratio)}/{len(ratio)} faster)"
+                         if ratio else "-",
+                         f"{statistics.median(named):.2f}x ({sum(x > 1 for x in named)}/{len(named)} faster)"
+                         if named else "-",
+                         ", ".join(f"{k} {v}" for k, v in sorted(collections.Counter(
+                             change_kind(r["change"], m) for r in mine if r["change"]).items())) or "-"])
+            print(f"  async, {p} stages, {case}: {rows[-1]}", flush=True)
+    print("schedule async_1f1b (one stream per trial; the period: time per optimizer step of a stage)")
+    print(report.table(["stages", "case", "balance", "m", "trials", "heaviest named (stage 1, a problem)",
+                        "a split named (recommended, or mentioned: hosts short of cores)",
+                        "false accusations (of which links named)", "a heaviest stage as information",
+                        "imbalance share (median)", "transport and other (median)", "fill and drain (median)",
+                        "period ms (median)", "the split computed (named or in the evidence), trained: speed-up of the "
+                        "period (median)", "of it the splits named", "splits trained (trials)"], rows,
+                       [True, False, False, True, True, True, False, True, True, True, True, True, True, False, False,
+                        False]))
 
 
 if __name__ == "__main__":

@@ -98,6 +98,6 @@ def test_an_async_run_gets_its_stream_explained_per_optimizer_step(tmp_path):
         forwards = [e for e in _events(rank) if e["op"] == "pipeline.F"]
         key = "cpu_ns" if pipe["cpu_times"] else None
         times = sorted((e["detail"]["cpu_ns"] if key else e["end_ns"] - e["start_ns"]) / 1e9 for e in forwards)
-        median = times[len(times) // 2]
-        assert abs(row["forward_s"] - median) <= 0.25 * median, (row, median)
+        unhindered = times[len(times) // 10]  # the passes' 10th percentile: the work, without other processes' slowing
+        assert abs(row["forward_s"] - unhindered) <= 0.25 * unhindered, (row, unhindered)
         assert 0 < row["busy_s"] <= pipe["measured_s"] * 1.05 and row["idle_s"] >= 0, (row, pipe["measured_s"])
