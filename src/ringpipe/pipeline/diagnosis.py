@@ -637,8 +637,11 @@ def pipeline_findings(job: JobEvents) -> list[Finding]:
 
 
 def _slow(b: Any) -> list[SlowLink]:
+    """The links of ``b`` named slow, as the findings name them (none between two stages on one crowded host:
+    :func:`stage_link_findings`), so that the JSON marks the same ones."""
     passes = [v for st in b.per_stage for kind in (st.forward, st.backward) for v in kind.values()]
-    return slow_links(b.links, b.measured, median_or_zero(passes), crowded=bool(b.crowded))
+    slow = slow_links(b.links, b.measured, median_or_zero(passes), crowded=bool(b.crowded))
+    return [s for s in slow if not (b.crowded and s.link.up_host == s.link.down_host)]
 
 
 def link_figures(b: Any) -> list[dict[str, Any]]:
