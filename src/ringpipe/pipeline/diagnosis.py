@@ -55,6 +55,7 @@ from ringpipe.pipeline.stage_links import (
     SlowLink,
     link_times,
     median_or_zero,
+    message_latency,
     slow_links,
     slow_stage,
 )
@@ -143,6 +144,14 @@ class PipelineBreakdown:
         return statistics.fmean(max(0.0, s.idle - waits[i]) for i, s in enumerate(self.per_stage)) / self.measured
 
     @property
+    def predicted_idle(self) -> float:
+        """The stages' mean idle share that the schedule predicts with each stage's measured passes and every
+        message taking what one took where its receiver waited for it
+        (:func:`~ringpipe.pipeline.stage_links.message_latency`): what :attr:`measured_idle` is compared with."""
+        step, busy = self.detail.get("with_messages"), self.detail.get("busy")
+        return 1.0 - busy / step if step and busy is not None else self.bubble
+
+    @property
     def bubble(self) -> float:
         """The schedule's own bubble: its idle share with balanced stages."""
         return 1.0 - self.ideal / self.balanced if self.balanced else 0.0
@@ -170,9 +179,9 @@ def actions_of(schedule: str, stages: int, microbatches: int, chunks: int = 1, s
 Costs = Callable[[int, Action], float]
 
 
-def step_time(per_stage: Sequence[Sequence[Action]], cost: Costs) -> tuple[float, list[float]]:
-    """(makespan, busy time per stage) of the lists under ``cost``."""
-    spans = list_schedule(per_stage, cost)
+def step_time(per_stage: Sequence[Sequence[Action]], cost: Costs, latency: float = 0.0) -> tuple[float, list[float]]:
+    """(makespan, busy time per stage) of the lists under ``cost``, each message between stages taking ``latency``."""
+    spans = list_schedule(per_stage, cost, latency)
     makespan = max((rank[-1][2] for rank in spans if rank), default=0.0)
     busy = [sum(cost(s, a) for a in acts) for s, acts in enumerate(per_stage)]
     return makespan, busy
@@ -275,10 +284,16 @@ def breakdown(job: JobEvents) -> PipelineBreakdown | None:
     measured = median_or_zero(spans)
     bal = info.get("balance")
     body = [[first[s][1][k] for s in range(stages)] for k in range(n)]
+    links = link_times(body, [first[s][0] for s in range(stages)], chunks)
+    # the schedule again with each message taking what one takes where its receiver waits: the idle it predicts
+    message = message_latency(body, stages, chunks)
+    with_messages, busy_own = step_time(lists, pass_costs(per_stage), message)
     return PipelineBreakdown(schedule, stages, m, chunks, list(bal) if bal else None, per_stage, measured,
                              statistics.fmean(busy_bal), balanced, predicted,
-                             {"recompute": bool(info.get("recompute")), "period": period, "cpu": cpu},
-                             link_times(body, [first[s][0] for s in range(stages)], chunks), crowded_hosts(job))
+                             {"recompute": bool(info.get("recompute")), "period": period, "cpu": cpu,
+                              "message": message, "with_messages": with_messages,
+                              "busy": statistics.fmean(busy_own)},
+                             links, crowded_hosts(job))
 
 
 # ----------------------------------------------------------------------------- what to change
@@ -565,7 +580,9 @@ def pipeline_findings(job: JobEvents) -> list[Finding]:
         found.append(Finding(
             "problem", f"the schedule's own bubble: {name} leaves each stage idle {100 * b.bubble:.1f}% of the step",
             f"predicted from the schedule's action lists with the measured pass times and balanced stages; "
-            f"measured: stages idle {100 * b.measured_idle:.1f}% of the step, {100 * b.measured_bubble:.1f}% of the "
+            f"with each stage's passes and every message taking what one took where its receiver waited for it "
+            f"({ms(b.detail.get('message', 0.0))}, median) the schedule predicts stages idle {100 * b.predicted_idle:.1f}% "
+            f"of the step; measured: stages idle {100 * b.measured_idle:.1f}% of the step, {100 * b.measured_bubble:.1f}% of the "
             f"step waiting for a neighbour still computing (which also holds any imbalance and the delays that "
             f"messages pass on) and the rest for messages in transit; this "
             "idle time is the schedule's fill and drain, not a fault: fewer of it needs more micro-batches per "
@@ -676,7 +693,8 @@ def pipeline_figures(job: JobEvents) -> dict[str, Any] | None:
             "predicted_s": b.predicted, "balanced_s": b.balanced,
             "between_steps_s": max(0.0, b.detail.get("period", 0.0) - b.measured), "cpu_times": b.detail.get("cpu"),
             "shares": {"bubble": b.bubble, "imbalance": b.imbalance, "transport": b.transport,
-                       "idle": b.measured_idle, "measured_bubble": b.measured_bubble},
+                       "idle": b.measured_idle, "measured_bubble": b.measured_bubble,
+                       "predicted_idle": b.predicted_idle},
             "per_stage": [stage_figures(st) for st in b.per_stage], "links": link_figures(b),
             "slow_hosts": slow_host_figures(b)}
 

@@ -53,13 +53,13 @@ network is the common part of their paths.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from ringpipe.pipeline.action_events import ACTION_OPS
 
-__all__ = ["LinkTimes", "Ready", "boundaries", "ready_times", "message_waits", "link_times", "stream_link_times",
+__all__ = ["LinkTimes", "Ready", "boundaries", "ready_times", "message_waits", "message_latency", "link_times", "stream_link_times",
            "slow_links", "SlowLink", "slow_stage", "LINK_RATIO", "LINK_SHARE", "median_or_zero", "trimmed_mean",
            "TRIMMED"]
 
@@ -138,20 +138,44 @@ def ready_times(events: Sequence[Any], free: int, key: Any = None) -> Ready:
     return mine
 
 
+def _messages(when: Sequence[Ready], pair_crossings: Sequence[tuple[int, int, int, int]], since: int = 0,
+              until: float = float("inf")) -> Iterator[tuple[str, int, int, int]]:
+    """Each message over one link's ``pair_crossings`` whose receiving pass starts from ``since`` to ``until``:
+    ``(kind, sent, free, start)``, ``kind`` ``"F"`` for an activation and ``"B"`` for a gradient, ``sent`` when the
+    pass that made it ended, ``free`` when its receiver's previous action ended, ``start`` when the pass that uses it
+    began (nanoseconds)."""
+    for us, uc, ds, dc in pair_crossings:
+        for (kind, mb, c), (start, _, free) in when[ds].items():
+            if kind == "F" and c == dc and since <= start <= until and ("F", mb, uc) in when[us]:  # down waited for up
+                yield "F", when[us][("F", mb, uc)][1], free, start
+        for (kind, mb, c), (start, _, free) in when[us].items():
+            if kind == "B" and c == uc and since <= start <= until and ("B", mb, dc) in when[ds]:  # up waited for down
+                yield "B", when[ds][("B", mb, dc)][1], free, start
+
+
 def message_waits(when: Sequence[Ready], pair_crossings: Sequence[tuple[int, int, int, int]],
                   since: int = 0, until: float = float("inf")) -> tuple[list[float], list[float]]:
     """(each activation's wait, each gradient's), seconds, over one link's ``pair_crossings`` (:func:`boundaries`),
     from every stage's :data:`Ready`: each message whose receiving pass starts from ``since`` to ``until``."""
     acts: list[float] = []
     grads: list[float] = []
-    for us, uc, ds, dc in pair_crossings:
-        for (kind, mb, c), (start, _, free) in when[ds].items():
-            if kind == "F" and c == dc and since <= start <= until and ("F", mb, uc) in when[us]:  # down waited for up
-                acts.append((start - max(when[us][("F", mb, uc)][1], free)) / 1e9)
-        for (kind, mb, c), (start, _, free) in when[us].items():
-            if kind == "B" and c == uc and since <= start <= until and ("B", mb, dc) in when[ds]:  # up waited for down
-                grads.append((start - max(when[ds][("B", mb, dc)][1], free)) / 1e9)
+    for kind, sent, free, start in _messages(when, pair_crossings, since, until):
+        (acts if kind == "F" else grads).append((start - max(sent, free)) / 1e9)
     return acts, grads
+
+
+def message_latency(steps: Sequence[Sequence[list[Any]]], stages: int, chunks: int = 1) -> float:
+    """The time a message between stages takes where its receiver waits for it, seconds: over the steps after the
+    first (``steps[k][stage]``, as :func:`link_times`), the median of the receiving pass's start less the sending
+    pass's end, over the messages whose receiver was free when they were sent (one sent while its receiver still
+    computed hides its transfer behind that work, and is left out); 0.0 when there are none."""
+    out: list[float] = []
+    crossing = boundaries(stages, chunks)
+    for k in range(1, len(steps)):
+        when = [ready_times(steps[k][s], steps[k - 1][s][-1].end_ns) for s in range(stages)]
+        for crossings in crossing.values():
+            out += [(start - sent) / 1e9 for _, sent, free, start in _messages(when, crossings) if free <= sent]
+    return median_or_zero(out)
 
 
 def _waits(steps: Sequence[Sequence[list[Any]]], stages: int,

@@ -89,6 +89,21 @@ def test_a_balanced_split_is_named_the_schedules_bubble_at_the_papers_fraction(p
     assert not any("heaviest" in f.what or "longer than" in f.what for f in pipeline_findings(job))
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("p", [2, 4])
+def test_with_the_messages_latency_learned_from_the_run_the_schedule_predicts_the_measured_idle(p, schedule):
+    """Each message takes 0.3 ms in the generated run: the doctor learns that from the messages whose receiver waited
+    (GPipe hides most of its messages behind work: their waits are 0) and, simulating the schedule with it, predicts
+    the stages' idle share the run measured, which the bubble without messages does not."""
+    m = 2 * p
+    b = breakdown(run_events(p, m, [1.0] * p, [2.0] * p, latency=0.3, schedule=schedule, hosts=["a", "b", "c", "d"][:p]))
+    assert b.detail["message"] * 1e3 == pytest.approx(0.3, abs=1e-6)
+    assert abs(b.predicted_idle - b.measured_idle) < 0.005
+    assert b.measured_idle - b.bubble > 0.025
+    quiet = breakdown(run_events(p, m, [1.0] * p, [2.0] * p, schedule=schedule))  # no latency: the bubble itself
+    assert quiet.predicted_idle == pytest.approx(quiet.bubble, abs=0.005) == pytest.approx((p - 1) / (m + p - 1), abs=0.005)
+
+
 def test_the_measured_bubble_leaves_out_the_waits_for_messages_in_transit():
     """With a 0.3 ms latency per message the stages idle 6 points more than the paper's bubble on 2 stages; what
     they idle waiting for a neighbour still computing stays within 2 points of it."""
