@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import typing
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -26,7 +27,8 @@ def format_error(err: ValidationError, raw: Mapping[str, Any], root: type[BaseMo
         if e["type"] == "extra_forbidden":
             valid = _valid_keys(raw, clean[:-1], root)
             hint = f"; valid keys here: {', '.join(valid)}" if valid else ""
-            lines.append(f"{field}: unknown key (value {e['input']!r}){did_you_mean(clean[-1], valid)}{hint}")
+            near = did_you_mean(clean[-1], valid) or (_in_a_section(clean[0], root) if len(clean) == 1 else "")
+            lines.append(f"{field}: unknown key (value {e['input']!r}){near}{hint}")
         elif e["type"] == "union_tag_invalid":
             ctx = e.get("ctx", {})
             tag, expected = str(ctx.get("tag")), str(ctx.get("expected_tags", ""))
@@ -47,6 +49,15 @@ def did_you_mean(word: str, choices: Iterable[str]) -> str:
     """``" (did you mean 'epochs'?)"`` for the closest of ``choices``, or "" when none is close."""
     close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
     return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _in_a_section(key: str, root: type[BaseModel]) -> str:
+    """``" (did you mean 'pipeline.microbatches'?)"`` for a top-level ``key`` that is a key of one of ``root``'s
+    sections (a section with one model, such as ``pipeline`` or ``checkpoint``), or "" when none has it."""
+    homes = [f"{name}.{key}" for name, f in root.model_fields.items()
+             if any(isinstance(t, type) and issubclass(t, BaseModel) and key in t.model_fields
+                    for t in (f.annotation, *typing.get_args(f.annotation)))]
+    return f" (did you mean {' or '.join(repr(h) for h in homes)}?)" if homes else ""
 
 
 def _is_tag(raw: Mapping[str, Any], path: Sequence[str], part: str) -> bool:

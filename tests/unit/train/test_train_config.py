@@ -226,3 +226,11 @@ def test_a_files_keys_that_the_new_variant_reads_stay_when_set_switches_the_vari
     assert (cfg.optimizer.name, cfg.optimizer.lr) == ("sgd", 0.002)  # Adam's betas are not SGD's: dropped
     # defaults are not the user's: the default Adam rate does not become SGD's
     assert load_config(overrides=["optimizer.name=sgd"]).optimizer.lr == 0.05
+
+
+def test_a_sections_key_given_at_the_top_level_is_pointed_to_its_section():
+    assert "(did you mean 'pipeline.microbatches'?)" in _error("microbatches=4")
+    assert "(did you mean 'optimizer.lr'?)" in _error("lr=0.1")
+    assert "(did you mean 'checkpoint.keep'?)" in _error("keep=2")
+    assert "(did you mean 'epochs'?)" in _error("epoch=2")  # a close top-level key still comes first
+    assert "did you mean" not in _error("zzz=1")
