@@ -246,9 +246,12 @@ def split_model(
         unknown = [p for p in points if p not in names or p == ""]
         if unknown:
             near = [n for n in names if n and any(n.startswith(u.rsplit(".", 1)[0]) for u in unknown)][:8]
+            top = [n for n, _ in model.named_children()]
+            shown = (f"; modules there: {near}" if near else
+                     f"; its top-level modules: {top[:8]}{' ...' if len(top) > 8 else ''}" if top else "")
             raise SplitError(
-                f"split point(s) {unknown} name no submodule of {type(model).__name__}"
-                + (f"; modules there: {near}" if near else "") + "; give qualified names as in model.named_modules()"
+                f"split point(s) {unknown} name no submodule of {type(model).__name__}{shown}"
+                "; give qualified names as in model.named_modules()"
             )
         if len(set(points)) != len(points):
             raise SplitError(f"split points {points} repeat a name; each stage begins at its own module")

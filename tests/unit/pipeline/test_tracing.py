@@ -159,6 +159,9 @@ def test_bad_split_points_and_untraceable_models_are_named():
     model, x = Plain(), torch.randn(3, 4)
     with pytest.raises(SplitError, match=r"split point\(s\) \['c'\] name no submodule"):
         split_model(model, x, ["c"])
+    # where no name is near, the model's top-level modules are listed (an nn.Sequential's are numbers)
+    with pytest.raises(SplitError, match=r"\['foo'\] name no submodule of Sequential; its top-level modules: \['0', '1'\]"):
+        split_model(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), x, ["foo"])
     with pytest.raises(SplitError, match="'unused' is a module that the traced forward never runs"):
         split_model(model, x, ["unused"])
     with pytest.raises(SplitError, match="not in the order the model runs them"):
