@@ -62,7 +62,7 @@ from ringpipe.pipeline.stage_links import (
 
 __all__ = ["StageTimes", "PipelineBreakdown", "breakdown", "pipeline_findings", "pipeline_figures", "step_time",
            "actions_of", "pass_costs", "mean_stages", "rebalanced_stages", "stage_link_findings", "links_text",
-           "link_figures", "slow_host_figures", "stage_figures", "crowded_hosts", "imbalance_share", "transport_share", "ms", "PROBLEM_SHARE", "BETTER"]
+           "link_figures", "named_slow_links", "slow_host_figures", "stage_figures", "crowded_hosts", "imbalance_share", "transport_share", "ms", "PROBLEM_SHARE", "BETTER"]
 
 #: A part of the step this large (share of the measured step time) is named as a problem.
 PROBLEM_SHARE = 0.10
@@ -280,14 +280,14 @@ def breakdown(job: JobEvents) -> PipelineBreakdown | None:
     lists = actions_of(schedule, stages, m, chunks, int(info.get("step_every") or 1))
     mean = mean_stages(per_stage)
     balanced, busy_bal = step_time(lists, pass_costs(mean))
-    predicted, _ = step_time(lists, pass_costs(per_stage))
+    predicted, busy_own = step_time(lists, pass_costs(per_stage))
     measured = median_or_zero(spans)
     bal = info.get("balance")
     body = [[first[s][1][k] for s in range(stages)] for k in range(n)]
     links = link_times(body, [first[s][0] for s in range(stages)], chunks)
     # the schedule again with each message taking what one takes where its receiver waits: the idle it predicts
     message = message_latency(body, stages, chunks)
-    with_messages, busy_own = step_time(lists, pass_costs(per_stage), message)
+    with_messages, _ = step_time(lists, pass_costs(per_stage), message)
     return PipelineBreakdown(schedule, stages, m, chunks, list(bal) if bal else None, per_stage, measured,
                              statistics.fmean(busy_bal), balanced, predicted,
                              {"recompute": bool(info.get("recompute")), "period": period, "cpu": cpu,
@@ -468,12 +468,8 @@ def stage_link_findings(b: Any, slow: Sequence[SlowLink], crowded: str, summed: 
     """A problem for each link named slow, or one for the host whose links to both neighbours are the links named
     (:func:`~ringpipe.pipeline.stage_links.slow_stage`). A link named only against a typical pass (the one link
     of two stages, or a link with no fair link apart from it) on hosts short of cores (``crowded`` says why)
-    is information only: its waits may be the receivers waiting for a core after their message arrived. A link
-    whose two stages are on one such host is not named at all, whatever it was compared with: its messages cross
-    no network, so a receiver that waited long for one waited for a core (the busy host is its own finding);
-    which of that host's links its receivers wait on longest is the scheduler's doing (on one host of 2 CPUs,
-    3 asynchronous stages and other jobs, the link below a heavy stage read 3.0-3.3 times the other, 3 of 10
-    runs). ``b``: a breakdown
+    is information only: its waits may be the receivers waiting for a core after their message arrived (a link
+    within one such host is not named at all: :func:`~ringpipe.pipeline.stage_links.slow_links`). ``b``: a breakdown
     with ``links``, ``measured`` and ``per_stage``; ``summed``: how its figures per step were taken (default:
     the median over the steps of each step's sum)."""
     summed = summed or f"the median over {b.per_stage[0].steps} steps of each step's sum"
@@ -482,7 +478,6 @@ def stage_link_findings(b: Any, slow: Sequence[SlowLink], crowded: str, summed: 
     caveat = (f"; {crowded}: a receiver that waits for a core after its message arrived reads as a slow link, "
               + ("and with one link there is no other to tell them apart" if len(b.links) == 1 else
                  "and a typical pass does not tell them apart as the other links would"))
-    slow = [s for s in slow if not (crowded and s.link.up_host == s.link.down_host)]
     host = _slow_host(b, slow)
     if host is not None:
         stage, name = host
@@ -603,7 +598,7 @@ def pipeline_findings(job: JobEvents) -> list[Finding]:
             fix = f"ringpipe train --set {split} (now {b.balance})"
             t = _estimate(b, t, b.microbatches * b.chunks)
             gain = f"; predicted step {ms(t)} instead of {ms(b.measured)} ({b.measured / t:.2f}x)"
-            crowded = crowded_hosts(job)
+            crowded = b.crowded
             if crowded:  # the simulation gives every stage a core; here evener stages take turns on fewer
                 fix = (f"once every stage has a core of its own: {fix}; not recommended now: {crowded}, and the "
                        "prediction gives each stage a core: a stage that waits less is one more process "
@@ -616,7 +611,7 @@ def pipeline_findings(job: JobEvents) -> list[Finding]:
             f"({100 * skew:.1f}% longer){gain}",
             fix,
         ))
-    slow = _slow(b)
+    slow = named_slow_links(b)
     if b.transport >= PROBLEM_SHARE:
         found.append(Finding(
             "problem",
@@ -628,14 +623,14 @@ def pipeline_findings(job: JobEvents) -> list[Finding]:
              "check the links between the stages' hosts (ringpipe doctor -n N --probe) and the CPU load; "
              "larger micro-batches send fewer, larger messages"),
         ))
-    found += stage_link_findings(b, slow, crowded_hosts(job))
+    found += stage_link_findings(b, slow, b.crowded)
     if b.bubble >= PROBLEM_SHARE / 2:
         cands = sorted(((c[0], c[1], _estimate(b, c[2], c[3])) for c in _candidates(b) if c[2] > 0),
                        key=lambda c: c[2])
         if cands and b.measured / cands[0][2] >= BETTER:
             what_, how, t = cands[0]
             others = ", ".join(f"{c[0]}: {ms(c[2])}" for c in cands[1:4])
-            crowded = crowded_hosts(job)
+            crowded = b.crowded
             evidence = (f"simulated with the measured pass times, plus the time outside the passes per message "
                         f"({ms(_outside_per_message(b))}): step {ms(t)} "
                         f"instead of {ms(b.measured)} ({b.measured / t:.2f}x)" + (f"; others: {others}" if others else ""))
@@ -653,18 +648,18 @@ def pipeline_findings(job: JobEvents) -> list[Finding]:
     return found
 
 
-def _slow(b: Any) -> list[SlowLink]:
-    """The links of ``b`` named slow, as the findings name them (none between two stages on one crowded host:
-    :func:`stage_link_findings`), so that the JSON marks the same ones."""
+def named_slow_links(b: Any) -> list[SlowLink]:
+    """The links of ``b`` (a synchronous or asynchronous breakdown) named slow: compared with each other and with
+    a typical pass of its stages, on hosts short of cores or not (:func:`~ringpipe.pipeline.stage_links.slow_links`);
+    the findings and the JSON both read them."""
     passes = [v for st in b.per_stage for kind in (st.forward, st.backward) for v in kind.values()]
-    slow = slow_links(b.links, b.measured, median_or_zero(passes), crowded=bool(b.crowded))
-    return [s for s in slow if not (b.crowded and s.link.up_host == s.link.down_host)]
+    return slow_links(b.links, b.measured, median_or_zero(passes), crowded=bool(b.crowded))
 
 
 def link_figures(b: Any) -> list[dict[str, Any]]:
     """``b``'s links as JSON-ready figures (seconds per step, bytes per step), each marked ``slow`` when
     :func:`~ringpipe.pipeline.stage_links.slow_links` names it."""
-    slow = {(s.link.up, s.link.down) for s in _slow(b)}
+    slow = {(s.link.up, s.link.down) for s in named_slow_links(b)}
     return [{"up": x.up, "down": x.down, "up_host": x.up_host, "down_host": x.down_host,
              "activations_s": x.activations, "gradients_s": x.gradients, "total_s": x.total,
              "message_s": x.message, "bytes": x.nbytes, "slow": (x.up, x.down) in slow} for x in b.links]
@@ -673,7 +668,7 @@ def link_figures(b: Any) -> list[dict[str, Any]]:
 def slow_host_figures(b: Any) -> list[dict[str, Any]]:
     """The host whose links to both neighbours are named slow, as JSON (``[]``: none): its ``host`` and ``stage``,
     named in one finding instead of its two links."""
-    host = _slow_host(b, _slow(b))
+    host = _slow_host(b, named_slow_links(b))
     return [] if host is None else [{"host": host[1], "stage": host[0]}]
 
 

@@ -65,6 +65,7 @@ from ringpipe.pipeline.diagnosis import (
     links_text,
     mean_stages,
     ms,
+    named_slow_links,
     pass_costs,
     rebalanced_stages,
     slow_host_figures,
@@ -78,7 +79,6 @@ from ringpipe.pipeline.stage_links import (
     LinkTimes,
     median_or_zero,
     ready_times,
-    slow_links,
     stream_link_times,
 )
 
@@ -350,7 +350,7 @@ def stream_findings(job: JobEvents) -> list[Finding]:
                          f"{ms(by_passes)} against {ms(b.predicted)}): the imbalance is the layers' size")
             if b.measured / t >= BETTER and fixable:
                 fix = f"ringpipe train --set pipeline.balance=[{','.join(map(str, new))}] (now {b.balance})"
-                crowded = crowded_hosts(job)
+                crowded = b.crowded
                 if crowded:  # as the synchronous doctor: the prediction gives each stage a core
                     fix = (f"once every stage has a core of its own: {fix}; not recommended now: {crowded}, and "
                            "the prediction gives each stage a core")
@@ -364,8 +364,7 @@ def stream_findings(job: JobEvents) -> list[Finding]:
             f"against {ms(b.balanced)} with balanced stages ({100 * skew:.1f}% longer){gain}",
             fix,
         ))
-    passes = [v for st in b.per_stage for t in (st.forward, st.backward) for v in t.values()]
-    slow = slow_links(b.links, b.measured, median_or_zero(passes), crowded=bool(b.crowded))
+    slow = named_slow_links(b)
     if b.transport >= PROBLEM_SHARE:
         found.append(Finding(
             "problem",
@@ -377,7 +376,7 @@ def stream_findings(job: JobEvents) -> list[Finding]:
              "check the links between the stages' hosts (ringpipe doctor -n N --probe) and the CPU load; "
              "larger micro-batches send fewer, larger messages"),
         ))
-    found += stage_link_findings(b, slow, crowded_hosts(job),
+    found += stage_link_findings(b, slow, b.crowded,
                                  f"the mean over {b.per_stage[0].steps} optimizer steps of the waits of every message")
     if b.fill_drain >= PROBLEM_SHARE:
         found.append(Finding(
