@@ -116,20 +116,25 @@ def blocks(n: int, width: int) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
-def train_once(comm, p: int, m: int, balance: list[int], schedule: str, width: int, steps: int, chunks=None,
-               batch: int = 128, save: str | None = None):
-    if schedule == "async_1f1b":
-        return train_stream_once(comm, m, balance, width, steps, batch, save)
-    n = sum(balance)
-    layers = blocks(n - 1, width)  # the last layer is the small head (its stage has one layer more)
+def recorded_trainer(comm, m: int, balance: list[int], schedule: str, width: int, batch: int, chunks=None):
+    """A trainer of :func:`blocks` (the last layer the small head: its stage has one layer more) with its actions
+    recorded into a fresh event log, and one batch ``(x, y)``: ``(trainer, log, x, y)``."""
     log = EventLog()
-    t = PipelineTrainer(comm, layers, balance=balance, schedule=schedule, microbatches=m, chunks=chunks,
-                        optimizer_factory=lambda ps: torch.optim.SGD(ps, lr=0.01),
+    t = PipelineTrainer(comm, blocks(sum(balance) - 1, width), balance=balance, schedule=schedule, microbatches=m,
+                        chunks=chunks, optimizer_factory=lambda ps: torch.optim.SGD(ps, lr=0.01),
                         loss_fn=nn.functional.cross_entropy)
     record_actions(log, t.runtimes, t.executor, schedule=t.schedule, stage=t.stage, stages=t.num_stages,
                    microbatches=m, chunks=t.chunks, balance=list(t.balance), recompute=False, step_every=1)
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(batch, width, generator=g), torch.randint(0, 10, (batch,), generator=g)
+    return t, log, x, y
+
+
+def train_once(comm, p: int, m: int, balance: list[int], schedule: str, width: int, steps: int, chunks=None,
+               batch: int = 128, save: str | None = None):
+    if schedule == "async_1f1b":
+        return train_stream_once(comm, m, balance, width, steps, batch, save)
+    t, log, x, y = recorded_trainer(comm, m, balance, schedule, width, batch, chunks)
     for _ in range(steps):
         t.train_step(x if t.is_first else None, y if t.is_last else None)
     job = collect_events(comm, log)
@@ -148,15 +153,7 @@ def train_stream_once(comm, m: int, balance: list[int], width: int, steps: int, 
     """As :func:`train_once` for the asynchronous pipeline: ``steps`` batches of ``m`` micro-batches fed as one
     stream (an optimizer step per micro-batch) and drained, read by the asynchronous doctor; ``measured``: its
     period per optimizer step; ``save``: a path to keep the run's events at (``ringpipe doctor --json``)."""
-    layers = blocks(sum(balance) - 1, width)
-    log = EventLog()
-    t = PipelineTrainer(comm, layers, balance=balance, schedule="async_1f1b", microbatches=m,
-                        optimizer_factory=lambda ps: torch.optim.SGD(ps, lr=0.01),
-                        loss_fn=nn.functional.cross_entropy)
-    record_actions(log, t.runtimes, t.executor, schedule=t.schedule, stage=t.stage, stages=t.num_stages,
-                   microbatches=m, chunks=t.chunks, balance=list(t.balance), recompute=False, step_every=1)
-    g = torch.Generator().manual_seed(0)
-    x, y = torch.randn(batch, width, generator=g), torch.randint(0, 10, (batch,), generator=g)
+    t, log, x, y = recorded_trainer(comm, m, balance, "async_1f1b", width, batch)
     for _ in range(steps):
         t.stream_step(x if t.is_first else None, y if t.is_last else None)
     t.drain()
