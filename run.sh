@@ -30,7 +30,7 @@ setup() {
     echo "run.sh: installing torch 2.13.0 (first run only; a large download)" >&2
     "$vpy" -m pip install --progress-bar on "torch==2.13.0"
   fi
-  if ! have ringpipe pydantic tqdm matplotlib sklearn yaml; then
+  if ! have ringpipe pydantic tqdm matplotlib yaml; then
     echo "run.sh: installing ringpipe and its dependencies into $VENV (first run only)" >&2
     "$vpy" -m pip install --progress-bar on -e .
   fi

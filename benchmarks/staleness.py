@@ -19,7 +19,7 @@ modes run in blocks (``--throughput-repeats``, order rotated per block) and the 
 the range over blocks are reported.
 
 
-- ``digits``: scikit-learn's 8x8 handwritten digits, a 4-stage MLP;
+- ``digits``: the 8x8 handwritten digits ringpipe ships, a 4-stage MLP;
 - ``deep``: a synthetic 8-class task labelled by a random teacher network, an 8-stage MLP
   (staleness up to 7).
 
@@ -102,11 +102,11 @@ def _mlp_stages(
 
 def digits_task(seed: int, epochs: int, lr: float) -> Task:
     """8x8 digits (1,797 images), 75/25 split, a 4-stage MLP 64-128-128-64-10."""
-    from sklearn.datasets import load_digits
+    from ringpipe.train.datasets import digits_arrays
 
-    data = load_digits()
-    x = torch.tensor(data.data, dtype=torch.float32) / 16.0
-    y = torch.tensor(data.target, dtype=torch.long)
+    images, labels = digits_arrays()
+    x = torch.from_numpy(images.reshape(len(images), 64)) / 16.0
+    y = torch.from_numpy(labels)
     perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
     x, y = x[perm], y[perm]
     cut = int(0.75 * len(x))

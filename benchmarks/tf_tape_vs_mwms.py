@@ -62,11 +62,11 @@ def _model():  # noqa: ANN202
 
 def _data(rank: int, size: int):  # noqa: ANN202
     import numpy as np
-    from sklearn.datasets import load_digits
 
-    digits = load_digits()
-    x = (digits.images[..., None] / 16.0).astype("float32")
-    y = digits.target.astype("int64")
+    from ringpipe.train.datasets import digits_arrays
+
+    images, y = digits_arrays()
+    x = images[..., None] / np.float32(16.0)
     return np.ascontiguousarray(x[rank::size]), np.ascontiguousarray(y[rank::size])
 
 

@@ -3,7 +3,7 @@
 Run it with any launcher, e.g. ``ringpipe launch -n 2 examples/horovod_mnist_style.py`` (torchrun
 agent, gloo), ``ringpipe launch -n 2 --backend mpi examples/horovod_mnist_style.py`` (mpirun) or
 plain ``python examples/horovod_mnist_style.py`` (one process). It trains a small CNN on the 8x8
-handwritten digits shipped with scikit-learn, so it runs offline in seconds.
+handwritten digits shipped with ringpipe, so it runs offline in seconds.
 
 On a GPU host ``hvd.init()`` picks NCCL: each process is pinned to the GPU of its local rank
 and the model, the batches and the metric tensors live there (start at most one process per
@@ -19,9 +19,9 @@ import torch.nn.functional as F
 import torch.optim as optim
 import torch.utils.data
 import torch.utils.data.distributed
-from sklearn.datasets import load_digits
 
 import ringpipe as hvd  # was: import horovod.torch as hvd
+from ringpipe.train.datasets import digits_arrays  # the 8x8 digits, shipped with ringpipe
 
 parser = argparse.ArgumentParser(description="Horovod-style digits example")
 parser.add_argument("--batch-size", type=int, default=32, help="input batch size per rank")
@@ -111,9 +111,9 @@ if __name__ == "__main__":
         device = torch.device("cuda", hvd.local_rank())
     torch.set_num_threads(1)
 
-    digits = load_digits()
-    images = torch.tensor(digits.images / 16.0, dtype=torch.float32).unsqueeze(1)
-    labels = torch.tensor(digits.target, dtype=torch.long)
+    pixels, targets = digits_arrays()  # float32 pixel counts 0..16, int64 labels
+    images = torch.from_numpy(pixels / 16.0).unsqueeze(1)
+    labels = torch.from_numpy(targets)
     train_dataset = torch.utils.data.TensorDataset(images[:1500], labels[:1500])
     test_dataset = torch.utils.data.TensorDataset(images[1500:], labels[1500:])
 

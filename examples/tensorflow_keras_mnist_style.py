@@ -1,6 +1,6 @@
 """Seed 002's Keras + Horovod CNN program on ringpipe: only the import line changes (plus what Keras 3 itself changed).
 
-Runs on the 8x8 handwritten digits that scikit-learn ships (no download). Start it with
+Runs on the 8x8 handwritten digits that ringpipe ships (no download). Start it with
 
     ringpipe launch -n 2 examples/tensorflow_keras_mnist_style.py --epochs 4 --warmup_epochs 1
 
@@ -15,10 +15,11 @@ import os
 import time
 
 import keras
+import numpy as np
 import tensorflow as tf
-from sklearn.datasets import load_digits
 
 import ringpipe.tensorflow.keras as hvd  # was: import horovod.tensorflow.keras as hvd
+from ringpipe.train.datasets import digits_arrays  # the 8x8 digits, shipped with ringpipe
 
 parser = argparse.ArgumentParser(description="Keras CNN on the digits with ringpipe (Horovod's Keras API)")
 parser.add_argument("--batch_size", type=int, default=32, help="per-rank batch size")
@@ -37,9 +38,8 @@ if gpus:
     tf.config.experimental.set_visible_devices(gpus[hvd.local_rank()], "GPU")
 
 # 7. Each rank reads its shard of the data
-digits = load_digits()
-x = (digits.images[..., None] / 16.0).astype("float32")
-y = digits.target.astype("int64")
+images, y = digits_arrays()  # float32 pixel counts 0..16, int64 labels
+x = images[..., None] / np.float32(16.0)
 x_train, y_train = x[hvd.rank() :: hvd.size()], y[hvd.rank() :: hvd.size()]
 
 keras.utils.set_random_seed(1234 + hvd.rank())  # different on purpose: step 5 makes them equal

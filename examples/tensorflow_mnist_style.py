@@ -1,6 +1,6 @@
 """Seed 002's TensorFlow 2 + Horovod ``GradientTape`` program on ringpipe: only the import line changes.
 
-Runs on the 8x8 handwritten digits that scikit-learn ships (no download). Start it with
+Runs on the 8x8 handwritten digits that ringpipe ships (no download). Start it with
 
     ringpipe launch -n 2 examples/tensorflow_mnist_style.py --epochs 4
 
@@ -16,10 +16,11 @@ import os
 import time
 
 import keras
+import numpy as np
 import tensorflow as tf
-from sklearn.datasets import load_digits
 
 import ringpipe.tensorflow as hvd  # was: import horovod.tensorflow as hvd
+from ringpipe.train.datasets import digits_arrays  # the 8x8 digits, shipped with ringpipe
 
 parser = argparse.ArgumentParser(description="CNN on the digits with ringpipe (Horovod's TensorFlow API)")
 parser.add_argument("--batch_size", type=int, default=32, help="per-rank batch size")
@@ -39,9 +40,8 @@ if gpus:
     tf.config.experimental.set_visible_devices(gpus[hvd.local_rank()], "GPU")
 
 # 7. Each rank reads its shard of the data
-digits = load_digits()
-x = (digits.images[..., None] / 16.0).astype("float32")
-y = digits.target.astype("int64")
+images, y = digits_arrays()  # float32 pixel counts 0..16, int64 labels
+x = images[..., None] / np.float32(16.0)
 dataset = (tf.data.Dataset.from_tensor_slices((x, y)).shard(hvd.size(), hvd.rank())
            .shuffle(2048, seed=1234).batch(args.batch_size))
 

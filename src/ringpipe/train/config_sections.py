@@ -179,7 +179,7 @@ ModelConfig = Annotated[
 
 
 class DigitsConfig(_Section):
-    """scikit-learn's 8x8 handwritten digits (1,797 images), shipped with the package: no download."""
+    """The 8x8 handwritten digits (UCI, 1,797 images), shipped with the package: no download."""
 
     name: Literal["digits"] = "digits"
     test_fraction: float = Field(default=0.2, gt=0.0, lt=1.0)

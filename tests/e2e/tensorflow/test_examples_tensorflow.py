@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("tensorflow")
-pytest.importorskip("sklearn")
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 

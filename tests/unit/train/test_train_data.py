@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ringpipe.train.config import load_config
-from ringpipe.train.datasets import DatasetError, load_dataset
+from ringpipe.train.datasets import DatasetError, digits_arrays, load_dataset
 from ringpipe.train.formats import (
     FormatError,
     read_cifar_batch,
@@ -101,6 +101,24 @@ def test_digits_split_is_fixed():
     a = load_dataset(load_config().data)
     b = load_dataset(load_config(overrides=["seed=7"]).data)
     assert len(a.train) + len(a.test) == 1797 and torch.equal(a.test.y, b.test.y)
+
+
+def test_digits_are_the_uci_test_set():
+    """The shipped file holds the UCI optdigits test set: its class counts and first row as the UCI files give them."""
+    images, labels = digits_arrays()
+    assert images.shape == (1797, 8, 8) and images.dtype == np.float32 and labels.dtype == np.int64
+    assert np.bincount(labels).tolist() == [178, 182, 177, 183, 181, 182, 181, 179, 174, 180]
+    assert images.min() == 0 and images.max() == 16 and np.array_equal(images, images.round())
+    first = [0, 0, 5, 13, 9, 1, 0, 0, 0, 0, 13, 15, 10, 15, 5, 0, 0, 3, 15, 2, 0, 11, 8, 0, 0, 4, 12, 0, 0, 8, 8, 0,
+             0, 5, 8, 0, 0, 9, 8, 0, 0, 4, 11, 0, 1, 12, 7, 0, 0, 2, 14, 5, 10, 12, 0, 0, 0, 0, 6, 13, 10, 0, 0, 0]
+    assert images[0].ravel().tolist() == first and labels[0] == 0
+
+
+def test_digits_equal_scikit_learns_copy_where_it_is_installed():
+    sklearn_datasets = pytest.importorskip("sklearn.datasets")
+    theirs = sklearn_datasets.load_digits()
+    images, labels = digits_arrays()
+    assert np.array_equal(images, theirs.images) and np.array_equal(labels, theirs.target)
 
 
 @pytest.mark.parametrize("model,data", [
