@@ -141,6 +141,10 @@ class World:
         self.starts = 0  # how many times the ranks were started (1 unless a check broke them)
 
     def _start(self) -> None:
+        # Every rank that steps a torch optimizer imports torch._dynamo (about 1 s of CPU, at the
+        # first step): imported here once, each forked rank has it already.
+        import torch._dynamo  # noqa: F401
+
         ctx = multiprocessing.get_context("fork")
         for rank in range(self.size):
             mine, theirs = ctx.Pipe()
