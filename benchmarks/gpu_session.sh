@@ -6,8 +6,9 @@
 # Stages: env (GPU, torch, NCCL), tests (the cuda-marked tests),
 # nccl2 (whether two NCCL ranks may share one GPU), bench (ringpipe bench over NCCL on as many
 # ranks as GPUs), dp1/dp2 (DistributedOptimizer against DDP on the GPU), profile (where a step's
-# time goes on the GPU, by torch.profiler), suite (the whole test suite on the GPU
-# host). Uses the machine's own python3 with torch; ringpipe is taken from src/.
+# time goes on the GPU, by torch.profiler), pipeline (the pipeline doctor's heavy-stage case on
+# 3 and 4 stages with a core per stage: is the recommended split measured faster?), suite (the
+# whole test suite on the GPU host). Uses the machine's own python3 with torch; ringpipe is taken from src/.
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT"
@@ -68,6 +69,14 @@ stage_profile() {
         timeout 150 $PY benchmarks/dp_breakdown.py --by profiler --models $m --device cuda --steps 20 --trace "$OUT/$m" 2>&1 \
             | grep -v USDT | cut -c1-150 | head -30
     done
+}
+
+stage_pipeline() {
+    # The doctor's heavy-stage case where each stage has cores of its own (on 2 cores, 3 and 4
+    # stages share them and no split can be faster): heavy stage named, split recommended, and
+    # the recommendation measured by --verify, ${PIPE_TRIALS:-10} trials per stage count.
+    timeout ${PIPE_S:-500} $PY benchmarks/pipeline_doctor.py --stages 3,4 --cases schedule --schedule-cases heavy \
+        --trials ${PIPE_TRIALS:-10} 2>&1 | tee "$OUT/pipeline_doctor_heavy.log" | tail -30
 }
 
 stage_suite() {
