@@ -176,11 +176,17 @@ def message_latency(steps: Sequence[Sequence[list[Any]]], stages: int, chunks: i
     computed hides its transfer behind that work, and is left out); 0.0 when there are none."""
     out: list[float] = []
     crossing = boundaries(stages, chunks)
-    for k in range(1, len(steps)):
-        when = [ready_times(steps[k][s], steps[k - 1][s][-1].end_ns) for s in range(stages)]
+    for when in _ready_by_step(steps, stages):
         for crossings in crossing.values():
             out += [(start - sent) / 1e9 for _, sent, free, start in _messages(when, crossings) if free <= sent]
     return median_or_zero(out)
+
+
+def _ready_by_step(steps: Sequence[Sequence[list[Any]]], stages: int) -> Iterator[list[Ready]]:
+    """Every stage's :data:`Ready` of each step after the first (``steps[k][stage]``), each stage free before a
+    step at its previous step's last action."""
+    for k in range(1, len(steps)):
+        yield [ready_times(steps[k][s], steps[k - 1][s][-1].end_ns) for s in range(stages)]
 
 
 def _waits(steps: Sequence[Sequence[list[Any]]], stages: int,
@@ -188,9 +194,7 @@ def _waits(steps: Sequence[Sequence[list[Any]]], stages: int,
     """Per link (:func:`boundaries`) and step (the first left out): (each activation's wait, each gradient's), s."""
     out: dict[tuple[int, int], list[tuple[list[float], list[float]]]] = {}
     crossing = boundaries(stages, chunks)
-    for k in range(1, len(steps)):
-        # each stage free before the step: at the previous step's last action
-        when = [ready_times(steps[k][s], steps[k - 1][s][-1].end_ns) for s in range(stages)]
+    for when in _ready_by_step(steps, stages):
         for pair, crossings in crossing.items():
             out.setdefault(pair, []).append(message_waits(when, crossings))
     return out
