@@ -85,6 +85,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -107,20 +108,56 @@ HOST = "'s links to both neighbours are slow"
 DOCTORS = {"1f1b": (breakdown, pipeline_findings), "async": (stream_breakdown, stream_findings)}
 
 
-def blocks(n: int, width: int) -> nn.Sequential:
+class _HoldInBackward(torch.autograd.Function):
+    """The identity, whose backward holds the calling thread ``seconds`` (asleep, off the CPU)."""
+
+    @staticmethod
+    def forward(ctx, t, seconds):
+        ctx.seconds = seconds
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(ctx.seconds)
+        return grad, None
+
+
+class HeldBlock(nn.Module):
+    """A linear layer and a ReLU that also hold their stage, asleep and off the CPU, for ``hold`` seconds per
+    sample of the micro-batch in forward, as long again for the input's gradient (``B``) and as long again
+    for the weight's (``W``): a block whose passes run on a device, as a GPU's kernels do, while the CPU is
+    free, with the zero-bubble papers' equal ``F``, ``B`` and ``W``."""
+
+    def __init__(self, width: int, hold: float):
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+        self.hold = hold
+
+    def forward(self, x):
+        seconds = self.hold * x.shape[0]
+        time.sleep(seconds)
+        x = _HoldInBackward.apply(x, seconds)  # on the input gradient's path only
+        weight = _HoldInBackward.apply(self.linear.weight, seconds)  # on the weight gradient's path only
+        return nn.functional.relu(nn.functional.linear(x, weight, self.linear.bias))
+
+
+def blocks(n: int, width: int, hold: float = 0.0) -> nn.Sequential:
+    """``n`` blocks (a linear layer and a ReLU) and a small head; ``hold``: each block also holds its stage
+    that many seconds per sample and pass off the CPU (:class:`HeldBlock`)."""
     torch.manual_seed(0)
     layers: list[nn.Module] = []
     for _ in range(n):
-        layers.append(nn.Sequential(nn.Linear(width, width), nn.ReLU()))
+        layers.append(HeldBlock(width, hold) if hold else nn.Sequential(nn.Linear(width, width), nn.ReLU()))
     layers.append(nn.Linear(width, 10))
     return nn.Sequential(*layers)
 
 
-def recorded_trainer(comm, m: int, balance: list[int], schedule: str, width: int, batch: int, chunks=None):
+def recorded_trainer(comm, m: int, balance: list[int], schedule: str, width: int, batch: int, chunks=None,
+                     hold: float = 0.0):
     """A trainer of :func:`blocks` (the last layer the small head: its stage has one layer more) with its actions
     recorded into a fresh event log, and one batch ``(x, y)``: ``(trainer, log, x, y)``."""
     log = EventLog()
-    t = PipelineTrainer(comm, blocks(sum(balance) - 1, width), balance=balance, schedule=schedule, microbatches=m,
+    t = PipelineTrainer(comm, blocks(sum(balance) - 1, width, hold), balance=balance, schedule=schedule, microbatches=m,
                         chunks=chunks, optimizer_factory=lambda ps: torch.optim.SGD(ps, lr=0.01),
                         loss_fn=nn.functional.cross_entropy)
     record_actions(log, t.runtimes, t.executor, schedule=t.schedule, stage=t.stage, stages=t.num_stages,
@@ -131,10 +168,10 @@ def recorded_trainer(comm, m: int, balance: list[int], schedule: str, width: int
 
 
 def train_once(comm, p: int, m: int, balance: list[int], schedule: str, width: int, steps: int, chunks=None,
-               batch: int = 128, save: str | None = None):
+               batch: int = 128, save: str | None = None, hold: float = 0.0):
     if schedule == "async_1f1b":
-        return train_stream_once(comm, m, balance, width, steps, batch, save)
-    t, log, x, y = recorded_trainer(comm, m, balance, schedule, width, batch, chunks)
+        return train_stream_once(comm, m, balance, width, steps, batch, save, hold)
+    t, log, x, y = recorded_trainer(comm, m, balance, schedule, width, batch, chunks, hold)
     for _ in range(steps):
         t.train_step(x if t.is_first else None, y if t.is_last else None)
     job = collect_events(comm, log)
@@ -149,11 +186,11 @@ def train_once(comm, p: int, m: int, balance: list[int], schedule: str, width: i
 
 
 def train_stream_once(comm, m: int, balance: list[int], width: int, steps: int, batch: int = 128,
-                      save: str | None = None):
+                      save: str | None = None, hold: float = 0.0):
     """As :func:`train_once` for the asynchronous pipeline: ``steps`` batches of ``m`` micro-batches fed as one
     stream (an optimizer step per micro-batch) and drained, read by the asynchronous doctor; ``measured``: its
     period per optimizer step; ``save``: a path to keep the run's events at (``ringpipe doctor --json``)."""
-    t, log, x, y = recorded_trainer(comm, m, balance, "async_1f1b", width, batch)
+    t, log, x, y = recorded_trainer(comm, m, balance, "async_1f1b", width, batch, hold=hold)
     for _ in range(steps):
         t.stream_step(x if t.is_first else None, y if t.is_last else None)
     t.drain()
@@ -201,7 +238,7 @@ def change_kind(change: dict, m: int) -> str:
 
 
 def worker(comm, cases, trials: int, width: int, steps: int, batch: int = 128, schedule: str = "1f1b",
-           events: str | None = None):
+           events: str | None = None, hold: float = 0.0):
     """Every trial of every case on this rank (``schedule``: ``1f1b`` or ``async_1f1b``); the asynchronous
     doctor's split is trained also where it is only mentioned (hosts short of cores) or only in the heaviest
     stage's evidence (predicted under 1.1x faster: not named), so that its restraint is measured too;
@@ -211,7 +248,7 @@ def worker(comm, cases, trials: int, width: int, steps: int, batch: int = 128, s
     for trial in range(trials):
         for case, m, balance in cases:
             save = str(Path(events) / f"async-{p}-{case}-{trial}.json") if events and comm.rank == 0 else None
-            res = train_once(comm, p, m, balance, schedule, width, steps, batch=batch, save=save)
+            res = train_once(comm, p, m, balance, schedule, width, steps, batch=batch, save=save, hold=hold)
             verify = None
             if res is not None:
                 fix = next((f[3] for f in res["findings"] if f[0] == "fix" or (
@@ -225,7 +262,7 @@ def worker(comm, cases, trials: int, width: int, steps: int, batch: int = 128, s
             change = comm.allgather_object(change)[0]
             if change is not None:
                 v = train_once(comm, p, change["m"], change["balance"], change["schedule"], width, steps,
-                               change.get("chunks"), batch)
+                               change.get("chunks"), batch, hold=hold)
                 verify = v["measured"] if v else None
             if res is not None:
                 out.append({"trial": trial, "case": case, "m": m, "balance": balance, **res, "verify": verify,
@@ -339,8 +376,14 @@ def main() -> None:
                     help="1f1b, or the asynchronous pipeline (async_1f1b, one stream per trial) and its doctor "
                          "(cases balanced and heavy; link and host as for 1f1b)")
     ap.add_argument("--events", help="a folder to keep every asynchronous or namespace-host trial's events in")
+    ap.add_argument("--hold", type=float, default=0.0, metavar="US",
+                    help="each block also holds its stage US microseconds per sample in forward, B and W each "
+                         "asleep, off the CPU, as a device's kernels do: stages that need no core of their own, so "
+                         "that 3 and 4 stages run as on a core (or GPU) each on a machine of fewer CPUs; with a small "
+                         "--width the hold is nearly all of a pass")
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
+    hold = args.hold / 1e6
     stage_counts = [2] if args.quick else [int(s) for s in args.stages.split(",")]
     trials = 1 if args.quick else args.trials
     steps = 6 if args.quick else args.steps
@@ -348,9 +391,9 @@ def main() -> None:
     only = set(args.schedule_cases.split(",")) if args.schedule_cases else None
     report.header("pipeline_doctor")
     if "schedule" in cases and args.schedule == "1f1b":
-        schedule_table(stage_counts, trials, args.width, steps, args.batch, only)
+        schedule_table(stage_counts, trials, args.width, steps, args.batch, only, hold)
     if "schedule" in cases and (args.schedule == "async" or args.quick):
-        stream_table(stage_counts, trials, args.width, steps, args.batch, only, args.events)
+        stream_table(stage_counts, trials, args.width, steps, args.batch, only, args.events, hold)
     if cases & {"link", "host"}:
         reason = testhelpers.module("netns").can_create()
         if reason:
@@ -400,7 +443,7 @@ def link_table(stage_counts: list[int], trials: int, rate: str, steps: int, kind
 
 
 def schedule_table(stage_counts: list[int], trials: int, width: int, steps: int, batch: int = 128,
-                   only: set[str] | None = None) -> None:
+                   only: set[str] | None = None, hold: float = 0.0) -> None:
     rows = []
     for p in stage_counts:
         even = [2] * (p - 1) + [3]  # 2 blocks per stage, the last also the head
@@ -408,7 +451,8 @@ def schedule_table(stage_counts: list[int], trials: int, width: int, steps: int,
         heavy[1] += 2
         cases = [("balanced", 2 * p, even), ("heavy", 2 * p, heavy), ("few", max(1, p // 2), even)]
         cases = [c for c in cases if only is None or c[0] in only]
-        got = spawn(worker, p, args=(cases, trials, width, steps, batch), env={"OMP_NUM_THREADS": "1"})[0]
+        got = spawn(worker, p, args=(cases, trials, width, steps, batch, "1f1b", None, hold),
+                    env={"OMP_NUM_THREADS": "1"})[0]
         for case, m, _ in cases:
             mine = [r for r in got if r["case"] == case]
             scores = [score(r, p) for r in mine]
@@ -439,7 +483,7 @@ def schedule_table(stage_counts: list[int], trials: int, width: int, steps: int,
 
 
 def stream_table(stage_counts: list[int], trials: int, width: int, steps: int, batch: int = 128,
-                 only: set[str] | None = None, events: str | None = None) -> None:
+                 only: set[str] | None = None, events: str | None = None, hold: float = 0.0) -> None:
     """The asynchronous cases (``balanced``, ``heavy``) on one host: ``steps`` batches of ``m = 2 p`` micro-batches
     per trial, one stream."""
     rows = []
@@ -452,7 +496,7 @@ def stream_table(stage_counts: list[int], trials: int, width: int, steps: int, b
             continue
         if events:
             Path(events).mkdir(parents=True, exist_ok=True)
-        got = spawn(worker, p, args=(cases, trials, width, steps, batch, "async_1f1b", events),
+        got = spawn(worker, p, args=(cases, trials, width, steps, batch, "async_1f1b", events, hold),
                     env={"OMP_NUM_THREADS": "1"})[0]
         for case, m, balance in cases:
             mine = [r for r in got if r["case"] == case and r["measured"]]

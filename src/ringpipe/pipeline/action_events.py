@@ -8,6 +8,12 @@ the program's own calls). Each ``pipeline.S`` carries what the pipeline doctor
 (:mod:`ringpipe.pipeline.diagnosis`) needs to rebuild the schedule: its name, the stage,
 stages, micro-batches, chunks, the balance (layers per part) and whether the stage recomputes.
 The cost is four clock reads and one append per action.
+
+:func:`cpu_times_measure_passes` says how to read those clocks back: a pass's CPU time is its work
+without the time it waited for a core when torch ran one intra-op thread and the pass computed on the
+CPU at all; a pass whose thread was on a CPU for under a tenth of its time (:data:`ON_CPU_SHARE`)
+computed elsewhere (a GPU's kernels, an accelerator, a device held for a fixed time) and its wall time
+is its work. Such a stage needs no core of its own for its passes.
 """
 
 from __future__ import annotations
@@ -18,12 +24,16 @@ from typing import Any
 
 from ringpipe.comm.events import EventLog
 
-__all__ = ["ACTION_OPS", "SCHEDULE_KEYS", "record_actions"]
+__all__ = ["ACTION_OPS", "SCHEDULE_KEYS", "ON_CPU_SHARE", "record_actions", "computes_on_cpu", "cpu_times_measure_passes"]
 
 ACTION_OPS = {"forward": "pipeline.F", "backward": "pipeline.B", "backward_input": "pipeline.B",
               "backward_weight": "pipeline.W", "step": "pipeline.S"}
 #: What each ``pipeline.S`` event's detail holds about the run.
 SCHEDULE_KEYS = ("schedule", "stage", "stages", "microbatches", "chunks", "balance", "recompute", "step_every")
+#: Passes whose calling thread ran on a CPU for less than this share of their wall time (one intra-op
+#: thread) computed elsewhere: on a GPU, an accelerator, or a device held for a fixed time.
+ON_CPU_SHARE = 0.10
+_PASSES = ("pipeline.F", "pipeline.B", "pipeline.W")
 
 
 def _timed(log: EventLog, op: str, fn: Callable[..., Any], chunk: int, detail: dict[str, Any]) -> Callable[..., Any]:
@@ -52,3 +62,28 @@ def record_actions(log: EventLog, runtimes: Sequence[Any], executor: Any, **sche
     import torch
 
     executor.step = _timed(log, ACTION_OPS["step"], executor.step, 0, {**schedule, "threads": torch.get_num_threads()})
+
+
+def computes_on_cpu(events: Sequence[Any]) -> bool:
+    """Whether a stage's recorded passes (``events``: one rank's) computed on its CPU.
+
+    False only when every step ran one intra-op thread and the passes' thread was on a CPU for less
+    than :data:`ON_CPU_SHARE` of their wall time in all (with more threads the calling thread's CPU
+    time is a part of the work, and a crowded machine lowers it: such a stage counts as computing on
+    the CPU); True when no pass recorded its CPU time."""
+    steps = [e for e in events if e.op == "pipeline.S"]
+    passes = [e for e in events if e.op in _PASSES and "cpu_ns" in e.detail]
+    if not passes or not steps or any(e.detail.get("threads") != 1 for e in steps):
+        return True
+    wall = sum(e.end_ns - e.start_ns for e in passes)
+    return sum(e.detail["cpu_ns"] for e in passes) >= ON_CPU_SHARE * wall
+
+
+def cpu_times_measure_passes(events: Sequence[Any]) -> bool:
+    """Whether a stage's passes are measured by their CPU time rather than their wall time: every step ran
+    one intra-op thread, every action recorded its CPU time, and the passes computed on the CPU
+    (:func:`computes_on_cpu`)."""
+    steps = [e for e in events if e.op == "pipeline.S"]
+    actions = [e for e in events if e.op in _PASSES or e.op == "pipeline.S"]
+    return (bool(steps) and all(e.detail.get("threads") == 1 for e in steps)
+            and all("cpu_ns" in e.detail for e in actions) and computes_on_cpu(events))

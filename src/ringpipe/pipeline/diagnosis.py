@@ -4,7 +4,8 @@ From the events of a pipeline run (:mod:`ringpipe.pipeline.action_events`: every
 ``F``, backward ``B``, weight pass ``W`` and step ``S`` of every stage, timed) it measures,
 per stage, the median time of each pass per micro-batch (the thread's CPU time when torch ran
 one intra-op thread, so that a pass that waited for a core is not taken for a heavy one; the
-wall time otherwise), the step period (from one step's end
+wall time otherwise, and where the passes computed off the CPU:
+:func:`~ringpipe.pipeline.action_events.cpu_times_measure_passes`), the step period (from one step's end
 to the next, the first step left out as warm-up) and the stage's busy time per step; the rest
 of the period the stage was idle. It then explains the step time with the schedule's own
 action lists run on an idealised machine (:func:`~ringpipe.pipeline.schedule_checks.list_schedule`,
@@ -44,7 +45,7 @@ from typing import Any
 from ringpipe.observe.collect import JobEvents
 from ringpipe.observe.doctor import register_analyzer, register_figures
 from ringpipe.observe.finding import Finding
-from ringpipe.pipeline.action_events import ACTION_OPS
+from ringpipe.pipeline.action_events import ACTION_OPS, computes_on_cpu, cpu_times_measure_passes
 from ringpipe.pipeline.actions import Action, ScheduleError
 from ringpipe.pipeline.partition import balance_by_size
 from ringpipe.pipeline.schedule_checks import list_schedule
@@ -273,8 +274,7 @@ def breakdown(job: JobEvents) -> PipelineBreakdown | None:
               - min(first[s][1][k][0].start_ns for s in range(stages))) / 1e9 for k in range(1, n)]
     ends = [first[0][1][k][-1].end_ns for k in range(n)]
     period = median_or_zero([(b - a) / 1e9 for a, b in zip(ends, ends[1:], strict=False)])
-    cpu = all(first[s][2].get("threads") == 1 and all("cpu_ns" in e.detail for step in first[s][1] for e in step)
-              for s in range(stages))
+    cpu = all(cpu_times_measure_passes(first[s][0].events) for s in range(stages))
     per_stage = [_stage_times(first[s][1][:n], first[s][2], spans, cpu) for s in range(stages)]
     schedule, m, chunks = str(info["schedule"]), int(info["microbatches"]), int(info.get("chunks") or 1)
     lists = actions_of(schedule, stages, m, chunks, int(info.get("step_every") or 1))
@@ -525,9 +525,12 @@ def _usable_cpus(rank: Any) -> int:
 def crowded_hosts(job: JobEvents) -> str:
     """Why the job's hosts had no core to spare ("" when they had): more of the job's ranks on a machine than
     its CPUs (hosts that are namespaces or containers of one machine share its CPUs: one boot id), or a load
-    average above them."""
+    average above them. A stage whose passes computed off the CPU (:func:`~ringpipe.pipeline.action_events.
+    computes_on_cpu`: a GPU's) is not counted: its passes need no core of their own."""
     machines: dict[str, list[Any]] = collections.defaultdict(list)
     for r in job.ranks:
+        if not computes_on_cpu(r.events):  # its passes ran on a device: they wait for no core
+            continue
         machines[str(r.info.get("machine") or f"host:{r.host}")].append(r)
     for ranks in machines.values():
         cpus = set().union(*(set(r.info.get("cpus") or ()) for r in ranks)) if all(

@@ -54,7 +54,7 @@ from typing import Any
 from ringpipe.observe.collect import JobEvents
 from ringpipe.observe.doctor import register_analyzer, register_figures
 from ringpipe.observe.finding import Finding
-from ringpipe.pipeline.action_events import ACTION_OPS
+from ringpipe.pipeline.action_events import ACTION_OPS, cpu_times_measure_passes
 from ringpipe.pipeline.diagnosis import (
     BETTER,
     PROBLEM_SHARE,
@@ -237,8 +237,7 @@ def stream_breakdown(job: JobEvents) -> StreamBreakdown | None:
         first.setdefault(int(entry[3].get("stage", 0)), entry)
     if sorted(first) != list(range(stages)) or int(info.get("chunks") or 1) != 1:
         return None
-    cpu = all(first[s][3].get("threads") == 1 and all("cpu_ns" in e.detail for e in first[s][1])
-              for s in range(stages))
+    cpu = all(cpu_times_measure_passes(first[s][0].events) for s in range(stages))
     timed = [_stage_times(s, first[s][1], first[s][2], cpu) for s in range(stages)]
     if any(len(periods) < 2 for _, periods in timed):
         return None

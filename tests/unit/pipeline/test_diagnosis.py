@@ -238,3 +238,26 @@ def test_on_a_host_with_more_ranks_than_cpus_a_new_split_is_mentioned_not_recomm
         r.info.update(cpu_count=4, cpus=[0, 1, 2, 3])
     heavy = next(f for f in pipeline_findings(job) if "stage 1 is the heaviest" in f.what)
     assert heavy.fix.startswith("ringpipe train --set pipeline.balance=")
+
+
+def test_stages_computing_off_the_cpu_need_no_core_and_are_timed_by_the_wall_clock():
+    """A GPU's passes (or a device held for a fixed time): the calling thread is on a CPU for a small part
+    of each pass. Three such stages on a host of two CPUs are not short of cores, their wall times are
+    their passes (their CPU times would make every pass nearly free), and the new split is recommended."""
+    job = run_events(3, 6, [1.0, 2.0, 1.0], [2.0, 4.0, 2.0], balance=[2, 4, 2],
+                     cpu=([0.02, 0.04, 0.02], [0.04, 0.08, 0.04]))
+    for r in job.ranks:
+        r.info.update(loadavg=0.2, cpu_count=2, cpus=[0, 1])
+    assert crowded_hosts(job) == ""
+    b = breakdown(job)
+    assert not b.detail["cpu"]
+    assert b.per_stage[1].forward[0] == pytest.approx(0.002) and b.per_stage[1].backward[0] == pytest.approx(0.004)
+    heavy = next(f for f in pipeline_findings(job) if "stage 1 is the heaviest" in f.what)
+    assert heavy.fix.startswith("ringpipe train --set pipeline.balance=")
+    # the same stages computing on the CPU (a tenth of each pass or more on it) share the two CPUs
+    on_cpu = run_events(3, 6, [1.0, 2.0, 1.0], [2.0, 4.0, 2.0], balance=[2, 4, 2],
+                        cpu=([0.1, 0.2, 0.1], [0.2, 0.4, 0.2]))
+    for r in on_cpu.ranks:
+        r.info.update(loadavg=0.2, cpu_count=2, cpus=[0, 1])
+    assert crowded_hosts(on_cpu) == "host h runs 3 of the job's ranks on 2 CPUs"
+    assert breakdown(on_cpu).detail["cpu"]
