@@ -5,6 +5,8 @@
     python benchmarks/pipeline_doctor.py --trials 5 --cases link,host --stages 3,4   # and a slow host (root)
     python benchmarks/pipeline_doctor.py --trials 10 --schedule async --stages 2,3 --cases schedule,link,host
     python benchmarks/pipeline_doctor.py --quick              # seconds: 2 stages, 1 trial, no link cases
+    python benchmarks/pipeline_doctor.py --trials 10 --cases schedule --width 64 --batch 1024 --hold 20
+                                                              # stages on a device each (below)
 
 Each trial trains an MLP of equal blocks (``--width``, 2 blocks per stage and a small head on the
 last, batches of 128) with ``PipelineTrainer``
@@ -65,6 +67,14 @@ explains the **period**, the time per optimizer step of a stage, instead of a st
 
 The link and host cases run ``pipeline_link.py --schedule async`` (the trials' batches one stream
 each) and are scored as above, with the asynchronous doctor's findings.
+
+``--hold US`` makes every block hold its stage US microseconds per sample of the micro-batch in its
+forward, as long again in its input gradient (``B``) and in its weight gradient (``W``), asleep and off
+the CPU (:class:`HeldBlock`), as a GPU's kernels hold a stage while its CPU is free; with a small
+``--width`` the hold is nearly all of each pass. Stages then need no core of their own, so 3 and 4
+stages run on the 2-core machine as they would on a GPU (or a core) each, and the doctor, which sees
+their passes compute off the CPU (``action_events.computes_on_cpu``), recommends (and the script
+verifies) what it would on such a machine.
 
 A recommended change (a ``fix``: on a host whose load exceeds its CPUs the bubble changes are only
 mentioned, as they cannot help there) is then run (the verification) and its median step time

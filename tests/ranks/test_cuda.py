@@ -104,3 +104,28 @@ def test_default_backend_is_nccl_only_where_every_local_rank_has_a_gpu():
     gpus = torch.cuda.device_count()
     assert default_backend(gpus) == "nccl"
     assert default_backend(gpus + 1) == "gloo"  # NCCL refuses two ranks on one GPU
+
+
+def _stage_memory_on_cuda(comm):
+    from ringpipe.pipeline import PipelineTrainer
+    from ringpipe.pipeline.memory import MemoryMeter
+
+    torch.manual_seed(0)
+    layers = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256),
+                                 torch.nn.ReLU(), torch.nn.Linear(256, 10))
+    t = PipelineTrainer(comm, layers, balance=[5], schedule="1f1b", microbatches=4,
+                        optimizer_factory=lambda ps: torch.optim.Adam(ps, lr=1e-3),
+                        loss_fn=torch.nn.functional.cross_entropy)
+    meter = MemoryMeter().attach(t.runtimes, t.executor, t.optimizer, t.policy)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        t.train_step(torch.randn(32, 64, generator=g), torch.randint(0, 10, (32,), generator=g))
+    return t.device.type, meter.peak.as_dict()
+
+
+def test_a_stages_measured_memory_includes_the_gpu_allocators_peak():
+    """On a GPU the meter also reports ``torch.cuda.max_memory_allocated``: at least the tensors the stage holds
+    at its sampled peak (the allocator counts those, rounded up to its blocks, and its temporaries besides)."""
+    ((device, peak),) = spawn(_stage_memory_on_cuda, 1, backend="nccl")
+    assert device == "cuda"
+    assert peak["gpu_peak"] >= peak["peak"] > 0, peak

@@ -310,7 +310,7 @@ class PipelineExecutor:
                     if rt.is_last:
                         if targets is None:
                             raise ValueError(f"stage {self.stage} holds the last part of the model and needs targets")
-                        target = targets(mb)
+                        target = batch_to(targets(mb), self.device)  # as the inputs are
                     w = weights(mb) if weights is not None else 1.0
                     seed = None if self.seed is None else microbatch_seed(self.seed, self.part(c), base + mb)
                     out, loss, metrics = rt.forward(mb, x, staleness.get(mb, 0), target, w, seed)
@@ -377,7 +377,7 @@ class PipelineExecutor:
             for mb in range(num_microbatches):
                 for c, rt in enumerate(self.runtimes):
                     x, run = self._input(c, mb, inputs, run_length, mb + 1 < num_microbatches)
-                    target = targets(mb) if rt.is_last and targets is not None else None
+                    target = batch_to(targets(mb), self.device) if rt.is_last and targets is not None else None
                     out, loss, metrics = rt.evaluate(x, target)
                     sender = self.ports[c].act_out
                     if sender is not None:

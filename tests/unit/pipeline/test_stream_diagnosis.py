@@ -34,8 +34,9 @@ STEP = 0.1  # ms, every optimizer step
 
 
 def stream_events(p, m, forward, backward, *, batches=8, streams=1, step_every=1, latency=0.0, links=None, gap=0.0,
-                  balance=None, hosts=None, contention=None):
-    """Every stage's events of ``streams`` streams of ``batches`` batches of ``m`` micro-batches each."""
+                  balance=None, hosts=None, contention=None, cpu_share=1.0):
+    """Every stage's events of ``streams`` streams of ``batches`` batches of ``m`` micro-batches each; ``cpu_share``:
+    the share of each action the calling thread spent on a CPU (the rest on a device)."""
     extra = links or {}
     info = {"schedule": "async_1f1b", "stages": p, "microbatches": m, "chunks": 1, "balance": balance or [2] * p,
             "recompute": False, "step_every": step_every, "threads": 1}
@@ -73,7 +74,7 @@ def stream_events(p, m, forward, backward, *, batches=8, streams=1, step_every=1
                     cost *= (contention or {}).get(s, 1.0)
                 free[s] = start + cost
                 done[(a.kind, s, st, a.mb)] = free[s]
-                detail = {"mb": a.mb, "chunk": 0, "cpu_ns": int(cost * MS),
+                detail = {"mb": a.mb, "chunk": 0, "cpu_ns": int(cost * cpu_share * MS),
                           **({**info, "stage": s} if a.kind == "S" else {})}
                 events[s].append(Event(f"pipeline.{a.kind}", 0, -1, int(start * MS), int(free[s] * MS), 0, "pipeline",
                                        detail))
@@ -261,3 +262,22 @@ def test_an_imbalance_no_split_of_the_layers_betters_is_information(balance, f, 
     assert len(heavy) == 1 and heavy[0].severity == "info", heavy
     assert "pipeline stage 1 is the heaviest" in heavy[0].what
     assert "no split of its layers" in heavy[0].evidence and "pipeline.balance=" not in heavy[0].fix
+
+
+def test_stages_computing_off_the_cpu_on_a_host_of_fewer_cpus_get_the_split_recommended():
+    """Three stages on two CPUs whose passes ran on a device (2 % of each on the CPU): no core is short, the wall
+    clock times the passes, and the better split is recommended, not only mentioned."""
+    off = stream_events(3, 4, [1.0, 2.0, 1.0], [2.0, 4.0, 2.0], balance=[4, 4, 4], cpu_share=0.02)
+    for r in off.ranks:
+        r.info.update(loadavg=0.2, cpu_count=2, cpus=[0, 1])
+    got = stream_breakdown(off)
+    assert not got.detail["cpu"]
+    assert sum(got.per_stage[1].backward.values()) * 1e3 == pytest.approx(4.0)
+    heavy = next(x for x in stream_findings(off) if "heaviest" in x.what)
+    assert heavy.fix.startswith("ringpipe train --set pipeline.balance=[")
+    # on the CPU, the same three stages share the two CPUs: the split is only mentioned
+    on = stream_events(3, 4, [1.0, 2.0, 1.0], [2.0, 4.0, 2.0], balance=[4, 4, 4])
+    for r in on.ranks:
+        r.info.update(loadavg=0.2, cpu_count=2, cpus=[0, 1])
+    heavy = next(x for x in stream_findings(on) if "heaviest" in x.what)
+    assert heavy.fix.startswith("once every stage has a core of its own")
