@@ -18,8 +18,8 @@ import torch
 
 import ringpipe as rp
 import ringpipe.collectives as C
-from ringpipe.comm import Communicator
 from ringpipe.check.call import InvalidCallError, MismatchError
+from ringpipe.comm import Communicator
 
 #: case -> (the call of rank 0 and the middle ranks, the call of the last rank); ``c`` is the
 #: communicator, ``ar``/``ag``/``bc`` the path's allreduce, allgather and broadcast.

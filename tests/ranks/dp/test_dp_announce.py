@@ -77,8 +77,8 @@ def test_a_small_sum_or_average_is_one_message_once_the_area_fits_it(worlds, ran
 
 def _joined_serves_riding_allreduces(comm):  # noqa: ANN001
     """The last rank joins at once; the others allreduce small tensors, which ride."""
-    from ringpipe.dp.join import join
     from ringpipe.core.ops import allreduce_inplace
+    from ringpipe.dp.join import join
 
     if comm.rank == comm.size - 1:
         return ("joined", join(comm))
