@@ -129,3 +129,30 @@ def test_a_stages_measured_memory_includes_the_gpu_allocators_peak():
     ((device, peak),) = spawn(_stage_memory_on_cuda, 1, backend="nccl")
     assert device == "cuda"
     assert peak["gpu_peak"] >= peak["peak"] > 0, peak
+
+
+def _actions_timed_on_cuda(comm):
+    from ringpipe.comm.events import EventLog
+    from ringpipe.pipeline import PipelineTrainer
+    from ringpipe.pipeline.action_events import computes_on_cpu, record_actions
+
+    torch.manual_seed(0)
+    layers = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 10))
+    t = PipelineTrainer(comm, layers, balance=[3], schedule="1f1b", microbatches=4,
+                        optimizer_factory=lambda ps: torch.optim.SGD(ps, lr=0.1),
+                        loss_fn=torch.nn.functional.cross_entropy)
+    log = EventLog()
+    record_actions(log, t.runtimes, t.executor, schedule=t.schedule, stage=t.stage, stages=1, microbatches=4,
+                   chunks=1, balance=[3], recompute=False, step_every=1)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        t.train_step(torch.randn(512, 256, generator=g), torch.randint(0, 10, (512,), generator=g))
+    events = log.events()
+    return [(e.op, e.detail.get("gpu_ns")) for e in events], computes_on_cpu(events)
+
+
+def test_a_gpu_stages_actions_carry_their_kernels_time_and_need_no_core():
+    ((timed, on_cpu),) = spawn(_actions_timed_on_cuda, 1, backend="nccl")
+    assert {op for op, _ in timed} == {"pipeline.F", "pipeline.B", "pipeline.S"}
+    assert all(ns is not None and ns > 0 for _, ns in timed), timed
+    assert not on_cpu

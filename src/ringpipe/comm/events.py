@@ -133,14 +133,16 @@ class EventLog:
         tag: int = 0,
         comm: str = "",
         **detail: Any,
-    ) -> None:
-        """Record an event whose times are already known (e.g. one step of a collective)."""
+    ) -> dict[str, Any]:
+        """Record an event whose times are already known (e.g. one step of a collective); returns its
+        detail, stored as given (a caller may add to it later, e.g. a device time read afterwards)."""
         name = getattr(_NAMING, "name", None)
         if name and "name" not in detail:
             detail["name"] = name
         if getattr(_NAMING, "internal", False):
             detail["internal"] = True
         self._events.append([op, nbytes, peer, start_ns, end_ns, tag, comm, detail or None])
+        return detail
 
     def events(self) -> list[Event]:
         with self._lock:

@@ -13,7 +13,9 @@ The cost is four clock reads and one append per action.
 without the time it waited for a core when torch ran one intra-op thread and the pass computed on the
 CPU at all; a pass whose thread was on a CPU for under a tenth of its time (:data:`ON_CPU_SHARE`)
 computed elsewhere (a GPU's kernels, an accelerator, a device held for a fixed time) and its wall time
-is its work. Such a stage needs no core of its own for its passes.
+is its work. Such a stage needs no core of its own for its passes. On a GPU, whose passes return
+once their kernels are queued, each action is also timed on the device (``gpu_ns``, CUDA events),
+and :func:`pass_seconds` reads that instead.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from typing import Any
 
 from ringpipe.comm.events import EventLog
 
-__all__ = ["ACTION_OPS", "SCHEDULE_KEYS", "ON_CPU_SHARE", "record_actions", "computes_on_cpu", "cpu_times_measure_passes"]
+__all__ = ["ACTION_OPS", "SCHEDULE_KEYS", "ON_CPU_SHARE", "record_actions", "computes_on_cpu", "cpu_times_measure_passes",
+           "pass_seconds"]
 
 ACTION_OPS = {"forward": "pipeline.F", "backward": "pipeline.B", "backward_input": "pipeline.B",
               "backward_weight": "pipeline.W", "step": "pipeline.S"}
@@ -36,17 +39,60 @@ ON_CPU_SHARE = 0.10
 _PASSES = ("pipeline.F", "pipeline.B", "pipeline.W")
 
 
-def _timed(log: EventLog, op: str, fn: Callable[..., Any], chunk: int, detail: dict[str, Any]) -> Callable[..., Any]:
+class _GpuPassTimes:
+    """CUDA events around each action of a stage on a GPU, read after the stage's optimizer step.
+
+    A pass on a GPU returns once its kernels are queued: its wall and CPU times are the queueing.
+    An event pair on the current stream times the kernels themselves; the pairs are read (the
+    last one waited for) at the end of each optimizer step, into each action's ``gpu_ns``."""
+
+    def __init__(self, torch: Any, device: Any) -> None:
+        self._torch = torch
+        self._device = device  # the stage's: its current stream, whichever device is current
+        self._pending: list[tuple[Any, Any, dict[str, Any]]] = []
+
+    def start(self) -> Any:
+        event = self._torch.cuda.Event(enable_timing=True)
+        event.record(self._torch.cuda.current_stream(self._device))
+        return event
+
+    def finish(self, start: Any, detail: dict[str, Any]) -> None:
+        end = self._torch.cuda.Event(enable_timing=True)
+        end.record(self._torch.cuda.current_stream(self._device))
+        self._pending.append((start, end, detail))
+
+    def read(self) -> None:
+        for start, end, detail in self._pending:
+            end.synchronize()
+            detail["gpu_ns"] = int(start.elapsed_time(end) * 1e6)
+        self._pending.clear()
+
+
+def _timed(log: EventLog, op: str, fn: Callable[..., Any], chunk: int, detail: dict[str, Any],
+           gpu: _GpuPassTimes | None = None) -> Callable[..., Any]:
     def timed(*args: Any, **kwargs: Any) -> Any:
         t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
+        g0 = gpu.start() if gpu is not None else None
         try:
             return fn(*args, **kwargs)
         finally:
             mb = args[0] if args and isinstance(args[0], int) else -1
-            log.record(op, 0, -1, t0, time.perf_counter_ns(), 0, "pipeline", mb=mb, chunk=chunk,
-                       cpu_ns=time.thread_time_ns() - c0, **detail)
+            stored = log.record(op, 0, -1, t0, time.perf_counter_ns(), 0, "pipeline", mb=mb, chunk=chunk,
+                                cpu_ns=time.thread_time_ns() - c0, **detail)
+            if gpu is not None:
+                gpu.finish(g0, stored)
+                if op == ACTION_OPS["step"]:
+                    gpu.read()
 
     return timed
+
+
+def pass_seconds(e: Any, cpu: bool) -> float:
+    """A recorded action's time: its kernels' time on the GPU where recorded (``gpu_ns``), else the thread's
+    CPU time (``cpu``: :func:`cpu_times_measure_passes`) or the wall time."""
+    if "gpu_ns" in e.detail:
+        return e.detail["gpu_ns"] / 1e9
+    return (e.detail["cpu_ns"] if cpu else e.end_ns - e.start_ns) / 1e9
 
 
 def record_actions(log: EventLog, runtimes: Sequence[Any], executor: Any, **schedule: Any) -> None:
@@ -54,24 +100,31 @@ def record_actions(log: EventLog, runtimes: Sequence[Any], executor: Any, **sche
     :data:`SCHEDULE_KEYS` that each step event carries. Each event also holds the CPU time of the
     calling thread (``cpu_ns``), and each step the number of torch's intra-op threads
     (``threads``): with one, a pass's CPU time is its work without the time it waited for a
-    core."""
+    core. On a GPU each action also holds its kernels' time (``gpu_ns``, CUDA events read at the
+    end of each optimizer step)."""
+    import torch
+
+    devices = [torch.device(rt.device) for rt in runtimes if getattr(rt, "device", None) is not None]
+    gpu = next((_GpuPassTimes(torch, d) for d in devices if d.type == "cuda"), None)
     for chunk, rt in enumerate(runtimes):
         for name in ("forward", "backward", "backward_input", "backward_weight"):
             if hasattr(rt, name):
-                setattr(rt, name, _timed(log, ACTION_OPS[name], getattr(rt, name), chunk, {}))
-    import torch
-
-    executor.step = _timed(log, ACTION_OPS["step"], executor.step, 0, {**schedule, "threads": torch.get_num_threads()})
+                setattr(rt, name, _timed(log, ACTION_OPS[name], getattr(rt, name), chunk, {}, gpu))
+    executor.step = _timed(log, ACTION_OPS["step"], executor.step, 0,
+                           {**schedule, "threads": torch.get_num_threads()}, gpu)
 
 
 def computes_on_cpu(events: Sequence[Any]) -> bool:
     """Whether a stage's recorded passes (``events``: one rank's) computed on its CPU.
 
-    False only when every step ran one intra-op thread and the passes' thread was on a CPU for less
+    False when the passes were timed on a GPU (``gpu_ns``), or when every step ran one intra-op thread
+    and the passes' thread was on a CPU for less
     than :data:`ON_CPU_SHARE` of their wall time in all (with more threads the calling thread's CPU
     time is a part of the work, and a crowded machine lowers it: such a stage counts as computing on
     the CPU); True when no pass recorded its CPU time."""
     steps = [e for e in events if e.op == "pipeline.S"]
+    if any("gpu_ns" in e.detail for e in events if e.op in _PASSES):
+        return False  # timed on the GPU
     passes = [e for e in events if e.op in _PASSES and "cpu_ns" in e.detail]
     if not passes or not steps or any(e.detail.get("threads") != 1 for e in steps):
         return True

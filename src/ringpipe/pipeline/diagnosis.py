@@ -45,7 +45,12 @@ from typing import Any
 from ringpipe.observe.collect import JobEvents
 from ringpipe.observe.doctor import register_analyzer, register_figures
 from ringpipe.observe.finding import Finding
-from ringpipe.pipeline.action_events import ACTION_OPS, computes_on_cpu, cpu_times_measure_passes
+from ringpipe.pipeline.action_events import (
+    ACTION_OPS,
+    computes_on_cpu,
+    cpu_times_measure_passes,
+    pass_seconds,
+)
 from ringpipe.pipeline.actions import Action, ScheduleError
 from ringpipe.pipeline.partition import balance_by_size
 from ringpipe.pipeline.schedule_checks import list_schedule
@@ -208,14 +213,13 @@ def _stage_times(done: list[list[Any]], info: dict[str, Any], spans: Sequence[fl
     passes: dict[tuple[str, int], list[float]] = {}
     for step in body:
         for e in step:
-            d = e.detail["cpu_ns"] if cpu else e.end_ns - e.start_ns
-            passes.setdefault((_OPS[e.op], int(e.detail.get("chunk", 0))), []).append(d / 1e9)
+            passes.setdefault((_OPS[e.op], int(e.detail.get("chunk", 0))), []).append(pass_seconds(e, cpu))
     for (kind, chunk), ds in passes.items():
         if kind in ("F", "B", "W"):
             {"F": st.forward, "B": st.backward, "W": st.weight}[kind][chunk] = median_or_zero(ds)
     st.step = median_or_zero(passes.get(("S", 0), []))
     st.period = median_or_zero(list(spans))
-    st.busy = median_or_zero([sum(e.detail["cpu_ns"] if cpu else e.end_ns - e.start_ns for e in s) / 1e9 for s in body])
+    st.busy = median_or_zero([sum(pass_seconds(e, cpu) for e in s) for s in body])
     st.steps = len(body)
     return st
 

@@ -54,7 +54,7 @@ from typing import Any
 from ringpipe.observe.collect import JobEvents
 from ringpipe.observe.doctor import register_analyzer, register_figures
 from ringpipe.observe.finding import Finding
-from ringpipe.pipeline.action_events import ACTION_OPS, cpu_times_measure_passes
+from ringpipe.pipeline.action_events import ACTION_OPS, cpu_times_measure_passes, pass_seconds
 from ringpipe.pipeline.diagnosis import (
     BETTER,
     PROBLEM_SHARE,
@@ -193,10 +193,6 @@ def _stream(events: Sequence[Any]) -> tuple[list[Any], dict[int, int], dict[str,
     return acts, of, info
 
 
-def _pass_s(e: Any, cpu: bool) -> float:
-    return (e.detail["cpu_ns"] if cpu else e.end_ns - e.start_ns) / 1e9
-
-
 def _stage_times(stage: int, acts: Sequence[Any], of: dict[int, int], cpu: bool) -> tuple[StageTimes, list[float]]:
     """The stage's passes (:func:`unhindered`, after its first optimizer step), its mean busy time per period, and its
     periods: between consecutive optimizer steps of one stream before its drain (after the stream's last forward
@@ -210,10 +206,10 @@ def _stage_times(stage: int, acts: Sequence[Any], of: dict[int, int], cpu: bool)
     if len(steady) >= 2:  # else streams shorter than the pipeline: every period fills or drains
         pairs = steady
     periods = [(acts[b].end_ns - acts[a].end_ns) / 1e9 for a, b in pairs]
-    busy = [sum(_pass_s(e, cpu) for e in acts[a + 1:b + 1]) for a, b in pairs]
+    busy = [sum(pass_seconds(e, cpu) for e in acts[a + 1:b + 1]) for a, b in pairs]
     passes: dict[str, list[float]] = {}
     for e in acts[steps[0] + 1:] if steps else []:
-        passes.setdefault(_OPS[e.op], []).append(_pass_s(e, cpu))
+        passes.setdefault(_OPS[e.op], []).append(pass_seconds(e, cpu))
     for kind, table in (("F", st.forward), ("B", st.backward), ("W", st.weight)):
         if passes.get(kind):
             table[0] = unhindered(passes[kind])

@@ -261,3 +261,21 @@ def test_stages_computing_off_the_cpu_need_no_core_and_are_timed_by_the_wall_clo
         r.info.update(loadavg=0.2, cpu_count=2, cpus=[0, 1])
     assert crowded_hosts(on_cpu) == "host h runs 3 of the job's ranks on 2 CPUs"
     assert breakdown(on_cpu).detail["cpu"]
+
+
+def test_passes_timed_on_a_gpu_are_read_from_their_device_time():
+    """A GPU pass returns once its kernels are queued: its wall and CPU times are the queueing, its
+    ``gpu_ns`` (CUDA events) the work. The doctor reads ``gpu_ns``, and such stages need no core."""
+    job = run_events(3, 6, [1.0, 2.0, 1.0], [2.0, 4.0, 2.0], balance=[2, 4, 2],
+                     cpu=([0.5, 0.5, 0.5], [0.5, 0.5, 0.5]))  # queueing only: a third of the lightest pass
+    for r in job.ranks:
+        r.info.update(loadavg=0.2, cpu_count=2, cpus=[0, 1])
+        for e in r.events:
+            if e.op != "pipeline.S":  # the device's time of each pass, a tenth under its wall time
+                e.detail["gpu_ns"] = int(0.9 * (e.end_ns - e.start_ns))
+    b = breakdown(job)
+    assert not b.detail["cpu"] and crowded_hosts(job) == ""
+    assert b.per_stage[1].forward[0] == pytest.approx(0.0018) and b.per_stage[1].backward[0] == pytest.approx(0.0036)
+    assert b.per_stage[0].forward[0] == pytest.approx(0.0009)
+    heavy = next(f for f in pipeline_findings(job) if "stage 1 is the heaviest" in f.what)
+    assert heavy.fix.startswith("ringpipe train --set pipeline.balance=")
