@@ -7,7 +7,8 @@ or ``pipeline.S`` (a ``.`` in the name keeps them out of the communication table
 the program's own calls). Each ``pipeline.S`` carries what the pipeline doctor
 (:mod:`ringpipe.pipeline.diagnosis`) needs to rebuild the schedule: its name, the stage,
 stages, micro-batches, chunks, the balance (layers per part) and whether the stage recomputes.
-The cost is four clock reads and one append per action.
+The cost is four clock reads and one append per action (on a GPU also two CUDA events per action
+and one wait for the last of them per optimizer step).
 
 :func:`cpu_times_measure_passes` says how to read those clocks back: a pass's CPU time is its work
 without the time it waited for a core when torch ran one intra-op thread and the pass computed on the
