@@ -63,8 +63,9 @@ class _GpuPassTimes:
         self._pending.append((start, end, detail))
 
     def read(self) -> None:
+        if self._pending:  # one stream: once its last event is done, every earlier one is
+            self._pending[-1][1].synchronize()
         for start, end, detail in self._pending:
-            end.synchronize()
             detail["gpu_ns"] = int(start.elapsed_time(end) * 1e6)
         self._pending.clear()
 
@@ -123,11 +124,10 @@ def computes_on_cpu(events: Sequence[Any]) -> bool:
     than :data:`ON_CPU_SHARE` of their wall time in all (with more threads the calling thread's CPU
     time is a part of the work, and a crowded machine lowers it: such a stage counts as computing on
     the CPU); True when no pass recorded its CPU time."""
-    steps = [e for e in events if e.op == "pipeline.S"]
     if any("gpu_ns" in e.detail for e in events if e.op in _PASSES):
         return False  # timed on the GPU
     passes = [e for e in events if e.op in _PASSES and "cpu_ns" in e.detail]
-    if not passes or not steps or any(e.detail.get("threads") != 1 for e in steps):
+    if not passes or not _one_intra_op_thread(events):
         return True
     wall = sum(e.end_ns - e.start_ns for e in passes)
     return sum(e.detail["cpu_ns"] for e in passes) >= ON_CPU_SHARE * wall
@@ -137,7 +137,12 @@ def cpu_times_measure_passes(events: Sequence[Any]) -> bool:
     """Whether a stage's passes are measured by their CPU time rather than their wall time: every step ran
     one intra-op thread, every action recorded its CPU time, and the passes computed on the CPU
     (:func:`computes_on_cpu`)."""
-    steps = [e for e in events if e.op == "pipeline.S"]
     actions = [e for e in events if e.op in _PASSES or e.op == "pipeline.S"]
-    return (bool(steps) and all(e.detail.get("threads") == 1 for e in steps)
-            and all("cpu_ns" in e.detail for e in actions) and computes_on_cpu(events))
+    return (_one_intra_op_thread(events) and all("cpu_ns" in e.detail for e in actions)
+            and computes_on_cpu(events))
+
+
+def _one_intra_op_thread(events: Sequence[Any]) -> bool:
+    """Whether the stage recorded steps and torch ran one intra-op thread at every one of them."""
+    steps = [e for e in events if e.op == "pipeline.S"]
+    return bool(steps) and all(e.detail.get("threads") == 1 for e in steps)
