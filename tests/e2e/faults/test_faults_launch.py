@@ -27,12 +27,15 @@ MODES = [
     pytest.param(["--backend", "mpi"], id="mpi", marks=pytest.mark.skipif(not HAVE_MPI, reason="needs mpirun and mpi4py")),
 ]
 
-# Every rank writes its pid, then communicates forever.
+# Every rank writes its pid (whole: written aside, then renamed, so a reader never sees an empty
+# file), then communicates forever.
 FOREVER = """
 import os, sys, time, pathlib
 import ringpipe as rp
 comm = rp.init_world()
-pathlib.Path(sys.argv[1], f"pid-{comm.rank}").write_text(str(os.getpid()))
+out = pathlib.Path(sys.argv[1], f"pid-{comm.rank}")
+out.with_suffix(".part").write_text(str(os.getpid()))
+os.replace(out.with_suffix(".part"), out)
 while True:
     comm.barrier()
     time.sleep(0.2)
