@@ -184,7 +184,10 @@ def _auto_points(model: nn.Module, gm: fx.GraphModule, num_stages: int) -> list[
     The units start as the model's top-level modules in the order they first run; while a unit
     holds more than a stage's share of the parameters and calls two or more submodules, it is
     opened into those (GPT-2's ``transformer`` into its embeddings, ``h``, ``ln_f``; ``h`` into
-    its blocks). The units are then balanced as layers are (:func:`~ringpipe.pipeline.partition.balance_by_size`).
+    its blocks). A unit that only wraps one submodule, with no parameters of its own, is opened
+    into it too (RoBERTa's ``encoder`` into ``layer``, OPT's ``model`` into ``decoder``), so that
+    a wrapper does not hide its blocks. The units are then balanced as layers are
+    (:func:`~ringpipe.pipeline.partition.balance_by_size`).
     """
     from ringpipe.pipeline.partition import balance_by_size
 
@@ -206,13 +209,18 @@ def _auto_points(model: nn.Module, gm: fx.GraphModule, num_stages: int) -> list[
         prefix = f"{path}." if path else ""
         return [prefix + c for c, _ in modules[path].named_children() if prefix + c in first]
 
+    def openable(path: str) -> bool:
+        inside = called_children(path)
+        wrapper = len(inside) == 1 and not any(True for _ in modules[path].parameters(recurse=False))
+        return size(path) > share and (len(inside) >= 2 or wrapper)
+
     share = sum(p.numel() for p in model.parameters()) / max(1, num_stages)
     units = called_children("")
     while True:
-        openable = [u for u in units if size(u) > share and len(called_children(u)) >= 2]
-        if not openable:
+        openable_units = [u for u in units if openable(u)]
+        if not openable_units:
             break
-        big = max(openable, key=size)
+        big = max(openable_units, key=size)
         i = units.index(big)
         units[i : i + 1] = called_children(big)
     units.sort(key=lambda u: first[u])

@@ -89,6 +89,58 @@ def test_without_split_points_the_blocks_are_balanced_by_parameters(gpt2_auto_sp
     assert gpt2_auto_split.split_points == GPT2_POINTS
 
 
+class Encoder(nn.Module):
+    """A wrapper with no parameters of its own around its blocks (as RoBERTa's ``encoder`` around ``layer``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(4))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return x
+
+
+class Wrapped(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(4, 16)
+        self.encoder = Encoder()
+        self.head = nn.Linear(16, 2)
+
+    def forward(self, x):
+        return self.head(self.encoder(self.embed(x)))
+
+
+def test_a_wrapper_around_the_blocks_is_opened_so_the_blocks_are_balanced():
+    """embed 80, four blocks of 272, head 34 parameters: halves of about 601 meet at block 2 (the
+    wrapper left whole would put every block on one stage)."""
+    torch.manual_seed(0)
+    model = Wrapped()
+    split = split_model(model, torch.randn(3, 4), num_stages=2)
+    assert split.split_points == ["encoder.layers.2"]
+    sizes = [sum(p.numel() for p in s.parameters()) for s in split.stages]
+    assert sizes == [80 + 2 * 272, 2 * 272 + 34]
+    x = torch.randn(5, 4)
+    with torch.no_grad():
+        assert torch.equal(run(split.stages, x), model(x))
+
+
+def test_hugging_face_wrappers_are_opened_too():
+    """RoBERTa's ``roberta.encoder`` and OPT's ``model`` each wrap one module: 2 stages split between blocks."""
+    torch.manual_seed(0)
+    roberta = transformers.RobertaForSequenceClassification(transformers.RobertaConfig(
+        vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        max_position_embeddings=40, num_labels=3))
+    opt = transformers.OPTForCausalLM(transformers.OPTConfig(
+        vocab_size=50, hidden_size=32, ffn_dim=64, num_hidden_layers=4, num_attention_heads=4,
+        max_position_embeddings=32, word_embed_proj_dim=32, use_cache=False))
+    ids = torch.randint(1, 50, (2, 8))
+    assert split_model(roberta, {"input_ids": ids}, num_stages=2).split_points == ["roberta.encoder.layer.2"]
+    assert split_model(opt, {"input_ids": ids}, num_stages=2).split_points == ["model.decoder.layers.2"]
+
+
 def test_bert_with_two_inputs_split_in_three():
     torch.manual_seed(0)
     cfg = transformers.BertConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64,
