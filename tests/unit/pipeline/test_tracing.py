@@ -127,18 +127,15 @@ def test_a_wrapper_around_the_blocks_is_opened_so_the_blocks_are_balanced():
         assert torch.equal(run(split.stages, x), model(x))
 
 
-def test_hugging_face_wrappers_are_opened_too():
-    """RoBERTa's ``roberta.encoder`` and OPT's ``model`` each wrap one module: 2 stages split between blocks."""
+def test_a_hugging_face_wrapper_is_opened_too():
+    """RoBERTa's ``roberta.encoder`` wraps its ``layer`` list alone: 2 stages split between blocks
+    (OPT's ``model`` around ``decoder`` is the same case)."""
     torch.manual_seed(0)
     roberta = transformers.RobertaForSequenceClassification(transformers.RobertaConfig(
         vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
         max_position_embeddings=40, num_labels=3))
-    opt = transformers.OPTForCausalLM(transformers.OPTConfig(
-        vocab_size=50, hidden_size=32, ffn_dim=64, num_hidden_layers=4, num_attention_heads=4,
-        max_position_embeddings=32, word_embed_proj_dim=32, use_cache=False))
     ids = torch.randint(1, 50, (2, 8))
     assert split_model(roberta, {"input_ids": ids}, num_stages=2).split_points == ["roberta.encoder.layer.2"]
-    assert split_model(opt, {"input_ids": ids}, num_stages=2).split_points == ["model.decoder.layers.2"]
 
 
 def test_bert_with_two_inputs_split_in_three():
@@ -235,3 +232,34 @@ def test_boundary_values_pack_nested_structures_and_refuse_other_types():
     assert torch.equal(back["hidden"], value["hidden"]) and isinstance(back["more"], list)
     with pytest.raises(BoundaryError, match=r"out\['bad'\] is a set"):
         pack({"bad": {1}}, "out")
+
+
+def _llama():
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32, use_cache=False, tie_word_embeddings=True))
+
+
+def _t5():
+    return transformers.T5ForConditionalGeneration(transformers.T5Config(
+        vocab_size=50, d_model=32, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4, d_kv=8,
+        decoder_start_token_id=0, use_cache=False))
+
+
+@pytest.mark.parametrize(("make", "points", "tied"), [
+    (_llama, ["model.layers.2"], ["model.embed_tokens.weight"]),  # rotary positions, grouped-query attention
+    (_t5, ["decoder.block.0"], ["shared.weight"]),  # encoder-decoder: the encoder's output crosses to the decoder
+], ids=["llama", "t5"])
+def test_decoder_families_split_automatically_into_stages_that_compose_to_the_model(make, points, tied):
+    torch.manual_seed(0)
+    model = make().eval()
+    ids = torch.randint(1, 50, (3, 8))
+    batch = {"input_ids": ids, "decoder_input_ids": torch.randint(1, 50, (3, 8))} if "decoder" in points[0] else \
+        {"input_ids": ids, "attention_mask": torch.ones(3, 8, dtype=torch.long)}
+    split = split_model(model, batch, num_stages=2)
+    assert split.split_points == points
+    assert sorted(split.tied) == tied
+    for s in split.stages:
+        s.eval()
+    with torch.no_grad():
+        assert torch.equal(logits_of(run(split.stages, batch)), call_model(model, batch).logits)
