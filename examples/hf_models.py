@@ -1,4 +1,4 @@
-"""Hugging Face models as ``ringpipe train`` model factories: GPT-2 and BERT from a config, random weights.
+"""Hugging Face models as ``ringpipe train`` model factories: GPT-2, Llama and BERT from a config, random weights.
 
 Nothing is downloaded: each factory builds the model from a ``transformers`` config sized by the
 data (vocabulary, sequence length, classes). One factory serves every mode, ``single`` and the
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["gpt2", "bert"]
+__all__ = ["gpt2", "llama", "bert"]
 
 
 def gpt2(data: Any, layers: int = 4, width: int = 64, heads: int = 4, dropout: float = 0.1) -> Any:
@@ -28,6 +28,18 @@ def gpt2(data: Any, layers: int = 4, width: int = 64, heads: int = 4, dropout: f
                      n_positions=data.input_shape[0], use_cache=False, resid_pdrop=dropout,
                      embd_pdrop=dropout, attn_pdrop=dropout, bos_token_id=0, eos_token_id=0)
     return GPT2LMHeadModel(cfg)
+
+
+def llama(data: Any, layers: int = 4, width: int = 64, heads: int = 4, kv_heads: int = 2) -> Any:
+    """A ``LlamaForCausalLM`` (rotary positions, grouped-query attention, embedding tied to the LM head)
+    for a language-model dataset, as :func:`gpt2`."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(num_hidden_layers=layers, hidden_size=width, intermediate_size=4 * width,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=data.num_classes,
+                      max_position_embeddings=data.input_shape[0], use_cache=False, tie_word_embeddings=True,
+                      bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return LlamaForCausalLM(cfg)
 
 
 def bert(data: Any, vocab: int = 1000, layers: int = 4, width: int = 64, heads: int = 4,

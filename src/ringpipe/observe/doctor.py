@@ -52,6 +52,12 @@ def _expected(job: JobEvents) -> list[list[tuple[int, int]]]:
     return [sorted((e.start_ns, e.end_ns) for e in r.events if e.op == EXPECTED_OP) for r in job.ranks]
 
 
+def _pipeline_stages(job: JobEvents) -> list[int | None]:
+    """Per rank, the pipeline stage it ran (the ``stage`` of its ``pipeline.S`` step events), or None."""
+    return [next((e.detail.get("stage") for e in reversed(r.events) if e.op == "pipeline.S"), None)
+            for r in job.ranks]
+
+
 def _overlap(intervals: Sequence[tuple[int, int]], lo: int, hi: int) -> int:
     return sum(max(0, min(b, hi) - max(a, lo)) for a, b in intervals if a < hi and b > lo)
 
@@ -128,6 +134,10 @@ def late_ranks(job: JobEvents, min_calls: int = 5, min_late_ms: float = 1.0, sha
       intervals (in 3 of 9 once, on 8 ranks sharing 2 busy cores), which must not hide a rank
       that works more in nearly all of them.
 
+    Collectives among ranks of different pipeline stages (the gradient sum of a weight tied
+    across stages) are not judged here: their ranks arrive in the schedule's order (in 1F1B the
+    first stage's last backward ends last), which the pipeline doctor explains with the bubble.
+
     The time the others waited for it must be at least ``share`` of the calls' span (a
     millisecond of scheduling noise per call is no fault); for the work between calls, a fifth of
     that: its consistency already rules noise out, and when ranks that spin make every call slow,
@@ -135,9 +145,10 @@ def late_ranks(job: JobEvents, min_calls: int = 5, min_late_ms: float = 1.0, sha
     sequence where it kept the others waiting longest.
     """
     expected = _expected(job)
+    stages = _pipeline_stages(job)
     best: dict[int, tuple[float, Finding]] = {}
     for (comm, op, nbytes), per_rank in sorted(_sequences(job).items()):
-        if len(per_rank) < 2:
+        if len(per_rank) < 2 or len({stages[r] for r in per_rank}) > 1:
             continue
         ranks = sorted(per_rank)
         n = min(len(v) for v in per_rank.values())

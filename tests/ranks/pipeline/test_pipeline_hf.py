@@ -1,4 +1,4 @@
-"""Hugging Face GPT-2 (tied embedding and LM head) and BERT (two inputs) through every synchronous schedule.
+"""Hugging Face GPT-2 (tied embedding and LM head), BERT (two inputs) and Llama (rotary, grouped-query) through the synchronous schedules.
 
 Each schedule trains ``STEPS`` (5) steps on 2 or 4 stages; the loss of every step and every parameter
 after the last step must equal one process training the whole model on the same batches with
@@ -22,14 +22,23 @@ from torch import nn
 
 pytest.importorskip("transformers")
 
-from transformers import BertConfig, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel  # noqa: E402
+from transformers import (  # noqa: E402
+    BertConfig,
+    BertForSequenceClassification,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+)
 
 from ringpipe.pipeline import PipelineTrainer  # noqa: E402
 from ringpipe.pipeline.model_io import call_model, logits_of  # noqa: E402
 from ringpipe.pipeline.tracing import split_model  # noqa: E402
 
 VOCAB, SEQ, LR, ATOL = 50, 8, 0.05, 1e-5
-ALIAS = {"lm_head.weight": "transformer.wte.weight"}  # GPT-2's tied weight has both names
+# A tied weight has two names: the LM head's and the token embedding's.
+ALIAS = {"lm_head.weight": "transformer.wte.weight"}  # GPT-2
+LLAMA_ALIAS = {"lm_head.weight": "model.embed_tokens.weight"}
 
 
 def gpt2():
@@ -45,6 +54,18 @@ def bert():
                      vocab_size=VOCAB, max_position_embeddings=16, num_labels=3, hidden_dropout_prob=0.0,
                      attention_probs_dropout_prob=0.0, pad_token_id=0)
     return BertForSequenceClassification(cfg)
+
+
+def llama():
+    """Rotary positions, grouped-query attention (2 key-value heads for 4), embedding tied to the LM head."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16, use_cache=False,
+                      tie_word_embeddings=True)
+    return LlamaForCausalLM(cfg)
+
+
+MODELS = {"gpt2": gpt2, "bert": bert, "llama": llama}
 
 
 def lm_loss(out, y):
@@ -106,7 +127,7 @@ def _traced(which, points, sample):
     """
     key = (which, tuple(points))
     if key not in _SPLITS:
-        _SPLITS[key] = split_model((gpt2 if which == "gpt2" else bert)(), sample, points)
+        _SPLITS[key] = split_model(MODELS[which](), sample, points)
     return _SPLITS[key]
 
 
@@ -119,7 +140,7 @@ def _train(comm, which, points, configs, data, microbatches, keep=False, state=N
 
     ``state``: a trainer's ``state_dict()`` to load before training (resuming); ``keep``: return the last
     trainer too (as ``.trainer``)."""
-    make, loss_fn = (gpt2, lm_loss) if which == "gpt2" else (bert, nn.functional.cross_entropy)
+    make, loss_fn = MODELS[which], (nn.functional.cross_entropy if which == "bert" else lm_loss)
     sample = data[0][0]
     split = _traced(which, points, sample)  # traced once per rank; each config trains a fresh copy
     out = _Results()
@@ -179,16 +200,16 @@ def _train_resumed(comm, which, points, configs, data, microbatches, cut):
     return out
 
 
-def _check(results, ref_state, ref_losses, tied):
+def _check(results, ref_state, ref_losses, tied, alias=ALIAS):
     for rank_out in results:
         for key, (state, losses, is_last, tied_equal, tied_names) in rank_out.items():
-            assert [ALIAS.get(n, n) for n in tied_names] == tied, key
+            assert [alias.get(n, n) for n in tied_names] == tied, key
             assert all(tied_equal), (key, tied_equal)
             for name, value in ref_state.items():
                 if name in state:  # a tied weight is listed under one of its names
                     torch.testing.assert_close(torch.from_numpy(state[name]), value, atol=ATOL, rtol=0,
                                                msg=f"{key} {name}")
-            assert {n for n in ref_state if n not in state} <= {"lm_head.weight", "transformer.wte.weight"}
+            assert {n for n in ref_state if n not in state} <= {*alias, *alias.values()}
             if is_last:
                 assert losses == pytest.approx(ref_losses, abs=ATOL), key
 
@@ -223,6 +244,10 @@ FLUSHED = [("async_1f1b", 1, False, {"step_every": 4}), ("async_1f1b", 1, False,
 BERT_ASYNC = [("async_1f1b", 1, False, {"mitigations": "wp+ws+ga", "stream": True}),
               ("async_1f1b", 1, False, {"mitigations": "ws", "step_every": 2, "stream": True})]
 
+#: Llama through 1F1B on its split point and ZB-H1 on its traced stages (the automatic split's point:
+#: tests/unit/pipeline/test_tracing.py).
+LLAMA_SYNC = [("1f1b", 1, True), ("zb_h1", 1, False)]
+
 #: Steps of every synchronous run (the issue's check: every parameter after 5 steps).
 STEPS = 5
 
@@ -245,7 +270,8 @@ def _more_jobs():
     return {"bert_interleaved": ("bert", BERT_POINTS["4stages"], [("interleaved_1f1b", 2, False)], bert_data(STEPS), 4),
             "gpt2_async_flushed": ("gpt2", GPT2_POINTS["2stages"], FLUSHED, gpt2_data(STEPS), 4),
             "bert_async_flushed": ("bert", BERT_POINTS["2stages"], FLUSHED, bert_data(STEPS), 4),
-            "bert_async": ("bert", BERT_POINTS["2stages"], BERT_ASYNC, bert_data(4), 4)}
+            "bert_async": ("bert", BERT_POINTS["2stages"], BERT_ASYNC, bert_data(4), 4),
+            "llama": ("llama", ["model.layers.2"], LLAMA_SYNC, gpt2_data(STEPS), 4)}
 
 
 #: Resumed after 2 of the 5 steps: a synchronous schedule on the split points, and the asynchronous one with
@@ -360,3 +386,11 @@ def test_gpt2_resumed_from_a_checkpoint_matches_one_process(hf_runs):
     # same weights and losses as one process's 5 steps (and the tied copies equal after every step)
     ref_state, ref_losses = one_process(gpt2(), gpt2_data(STEPS), 4, lm_loss)
     _check(hf_runs(2, more=True)["gpt2_resumed"], ref_state, ref_losses, ["transformer.wte.weight"])
+
+
+@SLOW_MORE
+@pytest.mark.timeout(300)
+def test_llama_matches_one_process(hf_runs):
+    # Rotary positions and grouped-query attention inside the stages, the embedding tied to the LM head
+    ref_state, ref_losses = one_process(llama(), gpt2_data(STEPS), 4, lm_loss)
+    _check(hf_runs(2, more=True)["llama"], ref_state, ref_losses, ["model.embed_tokens.weight"], LLAMA_ALIAS)

@@ -356,6 +356,27 @@ def test_declared_expected_work_is_not_lateness():
     assert [f.rank for f in late_ranks(unmarked)] == [0]
 
 
+def test_the_first_stage_last_at_a_tied_weights_gradient_sum_is_the_schedule_not_a_late_rank():
+    """Two pipeline stages sum a tied weight's gradient after each step's passes: in 1F1B stage 0's last
+    backward ends last, so stage 0 enters every sum about a backward later. The pipeline doctor explains
+    that wait (the bubble); the late-rank view, made for ranks doing the same work, names nobody. The
+    same calls between two data-parallel ranks (no pipeline stages) still name rank 0."""
+    events = [[] for _ in range(2)]
+    for k in range(8):
+        t = 100.0 * k
+        for stage in (0, 1):
+            enter = t + (40.0 if stage == 0 else 30.0)
+            events[stage].append(Event("pipeline.B", 0, -1, int((enter - 10) * MS), int(enter * MS), 0, "pipeline",
+                                       {"mb": 3, "chunk": 0}))
+            events[stage].append(Event("allreduce", 8192, -1, int(enter * MS), int((t + 40.5) * MS), 0,
+                                       "world/tied0-1r0", {}))
+            events[stage].append(Event("pipeline.S", 0, -1, int((t + 40.5) * MS), int((t + 41) * MS), 0, "pipeline",
+                                       {"schedule": "1f1b", "stage": stage, "stages": 2, "microbatches": 4}))
+    assert late_ranks(_job(["h0", "h0"], events)) == []
+    data_parallel = [[e for e in rank if not e.op.startswith("pipeline.")] for rank in events]
+    assert [f.rank for f in late_ranks(_job(["h0", "h0"], data_parallel))] == [0]
+
+
 def test_recursive_doubling_steps_give_links_too():
     """Both sides of a step record it with each other as peer; the slower side's wait is not the link's."""
     events = [[] for _ in range(4)]
