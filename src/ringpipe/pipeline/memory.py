@@ -138,16 +138,34 @@ class MicrobatchFootprint:
     split_freed: int = 0
 
 
-def _call(module: nn.Module, inputs: tuple[torch.Tensor, ...]) -> Any:
+def _call(module: nn.Module, inputs: Any) -> Any:
+    """A stage's call on its input: a mapping (a model's keyword batch) as is, a tuple's one element alone."""
+    if isinstance(inputs, Mapping):
+        return module(inputs)
     return module(inputs[0]) if len(inputs) == 1 else module(inputs)
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors of a stage's value: a tensor, or tuples, lists and mappings (a ``ModelOutput``) of them."""
     if isinstance(value, torch.Tensor):
         return [value]
+    if isinstance(value, Mapping):
+        return [t for v in value.values() for t in _tensors(v)]
     if isinstance(value, tuple | list):
         return [t for v in value for t in _tensors(v)]
     return []
+
+
+def _copied(value: Any, grad: Callable[[torch.Tensor], bool]) -> Any:
+    """``value`` with each tensor detached and copied, requiring grad where ``grad(tensor)``, as a stage receives it."""
+    if isinstance(value, torch.Tensor):
+        leaf = value.detach().clone()
+        return leaf.requires_grad_(True) if grad(value) and leaf.is_floating_point() else leaf
+    if isinstance(value, Mapping):
+        return {k: _copied(v, grad) for k, v in value.items()}
+    if isinstance(value, tuple | list):
+        return tuple(_copied(v, grad) for v in value)
+    return value
 
 
 def _weight_layers(module: nn.Module) -> list[nn.Module] | None:
@@ -166,24 +184,29 @@ def _weight_layers(module: nn.Module) -> list[nn.Module] | None:
 
 def microbatch_footprint(
     module: nn.Module,
-    inputs: Sequence[torch.Tensor] | torch.Tensor,
+    inputs: Any,
     first: bool,
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
     target: Any = None,
-) -> tuple[MicrobatchFootprint, tuple[torch.Tensor, ...]]:
+) -> tuple[MicrobatchFootprint, Any]:
     """Run one micro-batch's forward through ``module`` and count what it leaves; returns the footprint and the outputs.
 
-    ``first``: the stage is the first (its input needs no gradient); ``loss_fn`` and ``target``:
-    the last stage's loss, whose saved tensors count too. The module's buffers and the
-    random state are left as they were.
+    ``inputs``: a tensor, a sequence of values, or a mapping (a traced model's keyword batch);
+    ``first``: the stage is the first (its input needs no gradient). Past the first stage, a
+    floating input takes a gradient when it required one where it was made (the previous stage's
+    outputs returned here keep that mark), as a run sends gradients back only for those (a traced
+    Llama's rotary ``cos``/``sin`` take none); inputs none of which is marked all take one.
+    ``loss_fn`` and ``target``:
+    the last stage's loss, whose saved tensors count too; a model output with ``logits`` (a
+    Hugging Face ``ModelOutput``) gives the loss its logits, as the runs do. The module's
+    buffers and the random state are left as they were.
     """
-    x = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
-    leaves = []
-    for t in x:
-        leaf = t.detach().clone()
-        if not first and leaf.is_floating_point():
-            leaf.requires_grad_(True)
-        leaves.append(leaf)
+    from ringpipe.pipeline.model_io import logits_of
+
+    given = inputs if isinstance(inputs, Mapping) else (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+    marked = any(t.requires_grad for t in _tensors(given))
+    x = _copied(given, lambda t: not first and (t.requires_grad or not marked))
+    leaves = _tensors(x)
     params = _param_storages(module.parameters())
     saved: list[torch.Tensor] = []
     layer_outs: list[torch.Tensor] = []
@@ -198,11 +221,15 @@ def microbatch_footprint(
 
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = _tensors(_call(module, tuple(leaves)))
+            raw = _call(module, x)
+            out = _tensors(raw)
             loss = None
             in_module = len(saved)
             if loss_fn is not None:
-                value = out[0] if len(out) == 1 else tuple(out)
+                if isinstance(raw, Mapping) or hasattr(raw, "logits"):
+                    value = logits_of(raw)
+                else:
+                    value = out[0] if len(out) == 1 else tuple(out)
                 loss = loss_fn(value, target)
     finally:
         for h in hooks:
@@ -220,7 +247,8 @@ def microbatch_footprint(
         module_keys = {k[0] for k in (_storage_key(t) for t in [*saved[:in_module], *leaves, *out]) if k is not None}
         freed = _bytes_of([*saved[in_module:], loss], module_keys)
     fp = MicrobatchFootprint(act, _bytes_of(leaves), extra, _bytes_of(captured), freed)
-    return fp, tuple(t.detach() for t in out)
+    passed_on = _copied(raw, lambda t: t.requires_grad)  # leaves, marked as the next stage receives them
+    return fp, passed_on if isinstance(passed_on, tuple) else (passed_on,)
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer | Callable[[list[nn.Parameter]], torch.optim.Optimizer],

@@ -83,7 +83,7 @@ def _footprints(parts: Sequence[nn.Module], x: Any, target: Any, loss_fn: Any) -
 
 
 def plan_memory(
-    layers: nn.Sequential | Sequence[nn.Module],
+    layers: nn.Sequential | Sequence[nn.Module] | None,
     stages: int,
     microbatches: int,
     microbatch: Any,
@@ -96,23 +96,31 @@ def plan_memory(
     step_every: int = 1,
     mitigations: Any = "ws",
     modes: Sequence[str] = MODES,
+    split: Callable[[int], Sequence[nn.Module]] | None = None,
 ) -> list[ScheduleMemory]:
     """Each mode's predicted peak memory per stage (see the module docstring).
 
     ``microbatch`` and ``target``: one micro-batch's inputs and targets; ``balance``: layer
     counts, ``"params"``, ``"time"``, or a function of the number of parts giving one of them;
-    ``mitigations``: the asynchronous mode's (weight stashing keeps copies).
+    ``mitigations``: the asynchronous mode's (weight stashing keeps copies). ``split``: instead
+    of ``layers`` and ``balance``, the model's parts for a number of parts (a model of any
+    shape, traced: :func:`ringpipe.pipeline.tracing.split_model`'s stages).
     """
-    all_layers = as_layers(layers)
-    splits: dict[int, tuple[list[nn.Sequential], list[MicrobatchFootprint]]] = {}
+    if split is None and layers is None:
+        raise ValueError("give the layers to split, or split= (the model's parts for a number of parts)")
+    all_layers = as_layers(layers) if layers is not None and split is None else []
+    splits: dict[int, tuple[list[nn.Module], list[MicrobatchFootprint]]] = {}
     out: list[ScheduleMemory] = []
     for mode in modes:
         k = chunks if mode == "interleaved" else 1
         parts_n = stages * k
         try:
             if parts_n not in splits:
-                bal = balance(parts_n) if callable(balance) else balance
-                parts, _ = partition(all_layers, parts_n, bal, microbatch)
+                if split is not None:
+                    parts: list[nn.Module] = list(split(parts_n))
+                else:
+                    bal = balance(parts_n) if callable(balance) else balance
+                    parts = list(partition(all_layers, parts_n, bal, microbatch)[0])
                 splits[parts_n] = (parts, _footprints(parts, microbatch, target, loss_fn))
             parts, fps = splits[parts_n]
             per_stage = []

@@ -90,7 +90,8 @@ def run_plan(args: argparse.Namespace) -> int:
 
     plans = plan_for(model, data.train, cfg.batch_size, pc.microbatches, pc.stages, balance, loss_fn(data.kind),
                      lambda ps: build_optimizer(ps, cfg.optimizer, lr), MODES, chunks=chunks,
-                     recompute=pc.recompute, step_every=pc.step_every or 1, mitigations=pc.mitigations)
+                     recompute=pc.recompute, step_every=pc.step_every or 1, mitigations=pc.mitigations,
+                     split_points=pc.split_points)
     if args.json:
         print(json.dumps({"mode": cfg.mode, "stages": pc.stages, "microbatches": pc.microbatches, "budget": budget,
                           "plans": [{"mode": p.mode, "error": p.error, "peak": p.peak,

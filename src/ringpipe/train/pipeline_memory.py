@@ -27,17 +27,33 @@ __all__ = ["plan_for", "refuse_over_budget", "memory_summary"]
 def plan_for(build_model: Callable[[], Any], data: Any, batch_size: int, microbatches: int, stages: int,
              balance: Sequence[int] | Callable[[int], Any] | str, loss_fn: Any, optimizer_factory: Any,
              modes: Sequence[str], chunks: int = 2, recompute: bool = False, step_every: int = 1,
-             mitigations: Any = None) -> list[ScheduleMemory]:
-    """The predicted peak per stage of each of ``modes`` for this model and data (see the module docstring)."""
+             mitigations: Any = None, split_points: Sequence[str] | None = None) -> list[ScheduleMemory]:
+    """The predicted peak per stage of each of ``modes`` for this model and data (see the module docstring).
+
+    An ``nn.Sequential`` without ``split_points`` is cut by ``balance``, as a run cuts it; any other model
+    is traced and cut at ``split_points`` where they give the mode's number of parts, else balanced by
+    parameters over that many parts (:func:`ringpipe.pipeline.tracing.split_model`, as a run without
+    split points does)."""
     from ringpipe.pipeline.partition import as_layers
+    from ringpipe.pipeline.tracing import split_model
 
     with torch.random.fork_rng(devices=[]):
-        layers = torch.nn.Sequential(*as_layers(build_model()))
+        model = build_model()
         n = max(1, min(batch_size // microbatches, len(data)))
         x, y = data.batch(torch.arange(n))
-        return plan_memory(layers, stages, microbatches, x, y, loss_fn, optimizer_factory, balance=balance,
-                           chunks=chunks, recompute=recompute, step_every=step_every,
-                           mitigations=mitigations or (), modes=modes)
+        if isinstance(model, torch.nn.Sequential) and split_points is None:
+            return plan_memory(torch.nn.Sequential(*as_layers(model)), stages, microbatches, x, y, loss_fn,
+                               optimizer_factory, balance=balance, chunks=chunks, recompute=recompute,
+                               step_every=step_every, mitigations=mitigations or (), modes=modes)
+        sample = data.batch(torch.arange(max(2, min(batch_size, len(data)))))[0]  # tracing needs 2 samples or more
+
+        def split(parts: int) -> list[torch.nn.Module]:
+            points = list(split_points) if split_points is not None and len(split_points) + 1 == parts else None
+            return list(split_model(model, sample, points, None if points else parts).stages)
+
+        return plan_memory(None, stages, microbatches, x, y, loss_fn, optimizer_factory, chunks=chunks,
+                           recompute=recompute, step_every=step_every, mitigations=mitigations or (), modes=modes,
+                           split=split)
 
 
 def refuse_over_budget(plan: ScheduleMemory, budget: str | int | None) -> None:

@@ -272,7 +272,7 @@ class PipelineRunner(ModeRunner):
             plan = plan_for(ctx.build_model, ctx.data.train, ctx.cfg.batch_size, pc.microbatches, pc.stages,
                             list(t.balance), self.loss, lambda ps: ctx.optimizer(ps, self.replicas)[0], [mode],
                             chunks=chunks, recompute=pc.recompute, step_every=extra.get("step_every", 1),
-                            mitigations=pc.mitigations)[0]
+                            mitigations=pc.mitigations, split_points=t.split_points if t.traced else None)[0]
         except Exception as exc:  # noqa: BLE001 - a prediction must never stop a run it cannot model
             if pc.memory_budget is not None:
                 raise ConfigError(f"pipeline.memory_budget={pc.memory_budget}: cannot predict this run's memory "

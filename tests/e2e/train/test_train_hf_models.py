@@ -9,8 +9,11 @@ sharding changes the random masks).
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -36,12 +39,23 @@ def test_gpt2_factory_trains_alike_in_single_1f1b_split_and_dp(tmp_path, monkeyp
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(EXAMPLES), os.environ.get("PYTHONPATH", "")]))
     rc, ref, ref_metrics = train(tmp_path / "single", *sets([*BASE, "mode=single"]))
     assert rc == 0, capsys.readouterr().err
-    rc, summary, metrics = train(tmp_path / "1f1b", *sets([*BASE, "mode=1f1b", "nprocs=2", "pipeline.microbatches=4",
-                                                           "pipeline.split_points=[transformer.h.2]"]))
+    split = [*BASE, "mode=1f1b", "nprocs=2", "pipeline.microbatches=4", "pipeline.split_points=[transformer.h.2]"]
+    rc, summary, metrics = train(tmp_path / "1f1b", *sets(split))
     assert rc == 0, capsys.readouterr().err
     assert summary["world_size"] == 2 and summary["steps"] == ref["steps"] == 4
     assert _losses(metrics) == pytest.approx(_losses(ref_metrics), rel=1e-4, abs=1e-5)
     assert summary["test_loss"] == pytest.approx(ref["test_loss"], rel=1e-4, abs=1e-5)
+    # each traced stage's memory, predicted as the run splits the model and measured during it; `ringpipe
+    # plan` on the same config predicts the same peaks before the run
+    per_rank = summary["memory"]["per_rank"]
+    assert [r["stage"] for r in per_rank] == [0, 1]
+    assert all(r["predicted"] and abs(r["error"]) <= 0.10 for r in per_rank), per_rank
+    plan = subprocess.run([sys.executable, "-m", "ringpipe.cli", "plan", *sets(split), "--json"], capture_output=True,
+                          text=True, timeout=200, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert plan.returncode == 0, plan.stderr[-3000:]
+    planned = {p["mode"]: p for p in json.loads(plan.stdout)["plans"]}
+    assert [s["peak"] for s in planned["1f1b"]["stages"]] == [r["predicted"]["peak"] for r in per_rank]
+    assert not any(p["error"] for p in planned.values()), planned
     # data parallel on 2 ranks, 8 samples each: the same global batches of 16 as single
     rc, summary, metrics = train(tmp_path / "dp", *sets([*BASE, "mode=dp", "nprocs=2", "batch_size=8"]))
     assert rc == 0, capsys.readouterr().err

@@ -95,3 +95,55 @@ def test_predicted_peak_per_stage_is_within_ten_percent_of_measured(worlds, stag
             for s in range(stages):
                 got, want = measured[s][(model, mode)], plan[mode][s]
                 assert want.peak == pytest.approx(got["peak"], rel=0.10), (model, mode, s, want, got)
+
+
+def llama():
+    """A Hugging Face Llama (traced into stages): rotary ``cos``/``sin`` cross the boundary and take no gradient."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+                                        use_cache=False, tie_word_embeddings=True))
+
+
+TRACED_MODES = ("gpipe", "zb_h2", "async")
+
+
+def _measure_traced(comm):
+    out = {}
+    for mode in TRACED_MODES:
+        x, _ = data("transformer", BATCH)
+        t = PipelineTrainer(comm, llama(), sample=x, schedule=SCHEDULE[mode], microbatches=M, optimizer_factory=adam,
+                            loss_fn=loss_fn, **({"mitigations": "ws"} if mode == "async" else {}))
+        meter = MemoryMeter().attach(t.runtimes, t.executor, t.optimizer, t.policy)
+        for _ in range(3):
+            x, y = data("transformer", BATCH)
+            step = t.stream_step if mode == "async" else t.train_step
+            step(x if t.is_first else None, y if t.is_last else None)
+        if mode == "async":
+            t.drain()
+        out[mode] = meter.peak.as_dict()
+    return out
+
+
+@pytest.mark.slow  # each trainer traces the model (torch.export, twice): in the e2e run
+@pytest.mark.timeout(300)
+def test_a_traced_llama_is_predicted_as_measured(worlds):
+    """The plan splits the model as the run does (``split=``, :func:`~ringpipe.pipeline.tracing.split_model`); within
+    2 %: a received tensor takes a gradient only where it required one on the sending stage, as in the run
+    (marking Llama's rotary tables too predicted 9 % more than measured under gpipe on the last stage)."""
+    pytest.importorskip("transformers")
+    from ringpipe.pipeline.tracing import split_model
+
+    measured = worlds.spawn(_measure_traced, 2)
+    model = llama()
+    x, y = data("transformer", BATCH // M)
+    sample = data("transformer", BATCH)[0]
+    plans = plan_memory(None, 2, M, x, y, loss_fn, adam, mitigations="ws", modes=list(TRACED_MODES),
+                        split=lambda parts: split_model(model, sample, num_stages=parts).stages)
+    for plan in plans:
+        assert not plan.error, plan
+        for s in range(2):
+            got, want = measured[s][plan.mode], plan.stages[s]
+            assert want.peak == pytest.approx(got["peak"], rel=0.02), (plan.mode, s, want, got)
