@@ -244,9 +244,9 @@ FLUSHED = [("async_1f1b", 1, False, {"step_every": 4}), ("async_1f1b", 1, False,
 BERT_ASYNC = [("async_1f1b", 1, False, {"mitigations": "wp+ws+ga", "stream": True}),
               ("async_1f1b", 1, False, {"mitigations": "ws", "step_every": 2, "stream": True})]
 
-#: Llama through 1F1B on its split point and ZB-H1 on its traced stages (the automatic split's point:
-#: tests/unit/pipeline/test_tracing.py).
-LLAMA_SYNC = [("1f1b", 1, True), ("zb_h1", 1, False)]
+#: Llama through 1F1B and ZB-H1 on its stages traced once per rank at the automatic split's point
+#: (tests/unit/pipeline/test_tracing.py; the split-points path of the API is GPT-2's).
+LLAMA_SYNC = [("1f1b", 1, False), ("zb_h1", 1, False)]
 
 #: Steps of every synchronous run (the issue's check: every parameter after 5 steps).
 STEPS = 5
