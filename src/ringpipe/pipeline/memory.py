@@ -47,6 +47,7 @@ import torch
 from torch import nn
 
 from ringpipe.pipeline.actions import Action
+from ringpipe.pipeline.model_io import logits_of, tensors_of
 from ringpipe.pipeline.schedule_checks import staleness_at_forward
 
 __all__ = [
@@ -145,17 +146,6 @@ def _call(module: nn.Module, inputs: Any) -> Any:
     return module(inputs[0]) if len(inputs) == 1 else module(inputs)
 
 
-def _tensors(value: Any) -> list[torch.Tensor]:
-    """The tensors of a stage's value: a tensor, or tuples, lists and mappings (a ``ModelOutput``) of them."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, Mapping):
-        return [t for v in value.values() for t in _tensors(v)]
-    if isinstance(value, tuple | list):
-        return [t for v in value for t in _tensors(v)]
-    return []
-
-
 def _copied(value: Any, grad: Callable[[torch.Tensor], bool]) -> Any:
     """``value`` with each tensor detached and copied, requiring grad where ``grad(tensor)``, as a stage receives it."""
     if isinstance(value, torch.Tensor):
@@ -201,16 +191,14 @@ def microbatch_footprint(
     Hugging Face ``ModelOutput``) gives the loss its logits, as the runs do. The module's
     buffers and the random state are left as they were.
     """
-    from ringpipe.pipeline.model_io import logits_of
-
     given = inputs if isinstance(inputs, Mapping) else (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
-    marked = any(t.requires_grad for t in _tensors(given))
+    marked = any(t.requires_grad for t in tensors_of(given))
     x = _copied(given, lambda t: not first and (t.requires_grad or not marked))
-    leaves = _tensors(x)
+    leaves = tensors_of(x)
     params = _param_storages(module.parameters())
     saved: list[torch.Tensor] = []
     layer_outs: list[torch.Tensor] = []
-    hooks = [layer.register_forward_hook(lambda _m, _i, out: layer_outs.extend(_tensors(out)))
+    hooks = [layer.register_forward_hook(lambda _m, _i, out: layer_outs.extend(tensors_of(out)))
              for layer in (_weight_layers(module) or [])]
     buffers = {k: v.clone() for k, v in module.state_dict().items() if not isinstance(v, nn.Parameter)}
     rng = torch.random.get_rng_state()
@@ -222,7 +210,7 @@ def microbatch_footprint(
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             raw = _call(module, x)
-            out = _tensors(raw)
+            out = tensors_of(raw)
             loss = None
             in_module = len(saved)
             if loss_fn is not None:
@@ -383,7 +371,7 @@ def _saved_tensors(fn: Any) -> Iterable[torch.Tensor]:
             value = getattr(fn, name)
         except RuntimeError:  # freed after a backward
             continue
-        yield from _tensors(value)
+        yield from tensors_of(value)
     var = getattr(fn, "variable", None)  # AccumulateGrad: a leaf (a parameter or a kept input)
     if isinstance(var, torch.Tensor):
         yield var

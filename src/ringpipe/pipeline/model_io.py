@@ -25,6 +25,7 @@ __all__ = [
     "call_args",
     "call_model",
     "logits_of",
+    "tensors_of",
     "batch_size",
     "batch_chunk",
     "batch_slice",
@@ -77,19 +78,20 @@ def logits_of(out: Any) -> Any:
     )
 
 
-def _tensors(x: Any) -> list[torch.Tensor]:
+def tensors_of(x: Any) -> list[torch.Tensor]:
+    """The tensors of a value: a tensor, or tuples, lists and mappings (a ``ModelOutput``) of them, in order."""
     if isinstance(x, torch.Tensor):
         return [x]
     if isinstance(x, Mapping):
-        return [t for v in x.values() for t in _tensors(v)]
+        return [t for v in x.values() for t in tensors_of(v)]
     if isinstance(x, tuple | list):
-        return [t for v in x for t in _tensors(v)]
+        return [t for v in x for t in tensors_of(v)]
     return []
 
 
 def batch_size(x: Any) -> int:
     """Samples in batch input ``x`` (the first dimension of its tensors, which must agree)."""
-    sizes = {int(t.shape[0]) for t in _tensors(x) if t.dim() > 0}
+    sizes = {int(t.shape[0]) for t in tensors_of(x) if t.dim() > 0}
     if len(sizes) != 1:
         raise ModelIOError(
             f"a batch's tensors must all hold the samples along their first dimension; found first "

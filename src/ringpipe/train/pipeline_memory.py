@@ -30,21 +30,23 @@ def plan_for(build_model: Callable[[], Any], data: Any, batch_size: int, microba
              mitigations: Any = None, split_points: Sequence[str] | None = None) -> list[ScheduleMemory]:
     """The predicted peak per stage of each of ``modes`` for this model and data (see the module docstring).
 
-    An ``nn.Sequential`` without ``split_points`` is cut by ``balance``, as a run cuts it; any other model
+    An ``nn.Sequential`` (or a list of layers) without ``split_points`` is cut by ``balance``, as a run cuts
+    it; any other model
     is traced and cut at ``split_points`` where they give the mode's number of parts, else balanced by
     parameters over that many parts (:func:`ringpipe.pipeline.tracing.split_model`, as a run without
     split points does)."""
-    from ringpipe.pipeline.partition import as_layers
     from ringpipe.pipeline.tracing import split_model
 
     with torch.random.fork_rng(devices=[]):
         model = build_model()
         n = max(1, min(batch_size // microbatches, len(data)))
         x, y = data.batch(torch.arange(n))
-        if isinstance(model, torch.nn.Sequential) and split_points is None:
-            return plan_memory(torch.nn.Sequential(*as_layers(model)), stages, microbatches, x, y, loss_fn,
-                               optimizer_factory, balance=balance, chunks=chunks, recompute=recompute,
-                               step_every=step_every, mitigations=mitigations or (), modes=modes)
+        traced = split_points is not None or (isinstance(model, torch.nn.Module)
+                                              and not isinstance(model, torch.nn.Sequential))
+        if not traced:  # an nn.Sequential or a list of layers, cut by layer counts as the run cuts it
+            return plan_memory(model, stages, microbatches, x, y, loss_fn, optimizer_factory, balance=balance,
+                               chunks=chunks, recompute=recompute, step_every=step_every,
+                               mitigations=mitigations or (), modes=modes)
         sample = data.batch(torch.arange(max(2, min(batch_size, len(data)))))[0]  # tracing needs 2 samples or more
 
         def split(parts: int) -> list[torch.nn.Module]:
